@@ -1,0 +1,128 @@
+"""`paradecode-export MODEL -o DIR`: the command line over `export_model`.
+
+Exit codes: 0 done; 1 the export failed validation (nothing written); 2 bad input (nothing
+written); 3 a missing dependency or device, e.g. TensorRT (nothing written); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from paradecode.graphs.errors import ParadecodeError
+from paradecode.graphs.tensors import DTYPES
+
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 2,4,6; got {text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("expected at least one layer number")
+    return layers
+
+
+def dtype_name(text: str) -> str:
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; expected one of {', '.join(DTYPES)}")
+    return name
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paradecode-export",
+        description="Slice a Hugging Face decoder-only LM into an embedding graph, one graph per decoder layer "
+                    "(fixed-size KV cache written in place), early-exit heads and the final head; validate each "
+                    "against PyTorch with onnxruntime; write ONNX (and TensorRT engines) and a manifest.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="a Hugging Face Hub id or a local folder written by save_pretrained")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="the export folder to create")
+    parser.add_argument("--exit-layers", type=layer_list, metavar="E1,E2,...",
+                        help="layers (1-based) after which an exit head predicts early; default: an even spread "
+                             "L/4, L/2, 3L/4, or the layers of --heads")
+    parser.add_argument("--heads", type=Path, metavar="FILE",
+                        help="trained exit-head transforms (from paradecode-train-heads); default: identity heads "
+                             "(the model's own final norm and LM head)")
+    parser.add_argument("--dtype", type=dtype_name, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
+    parser.add_argument("--max-seq-len", type=positive_int, metavar="N",
+                        help="KV-cache length (default: the model's max_position_embeddings, at most 2048)")
+    parser.add_argument("--max-batch", type=positive_int, default=1, metavar="B", help="largest batch (default 1)")
+    parser.add_argument("--max-unverified", type=positive_int, default=5, metavar="K",
+                        help="most unverified tokens in flight; sizes batched TensorRT profiles (default 5)")
+    parser.add_argument("--opset", type=int, default=24, help="ONNX opset (default 24, which TensorScatter needs)")
+    parser.add_argument("--engine", choices=("onnx", "tensorrt"), default="onnx",
+                        help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)")
+    parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
+    parser.add_argument("--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)")
+    parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print errors and the result only")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print debugging detail")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stderr,
+    )
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model  # imports torch, which sets up its own loggers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for noisy in ("torch", "onnxscript", "onnx_ir", "transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+    try:
+        config = ExportConfig(
+            model=args.model,
+            output=args.output,
+            exit_layers=args.exit_layers,
+            heads=args.heads,
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            max_batch=args.max_batch,
+            max_unverified=args.max_unverified,
+            opset=args.opset,
+            engine=args.engine,
+            force=args.force,
+            with_logits=args.with_logits,
+            cache_dir=args.cache_dir,
+        )
+        result = export_model(config)
+    except ParadecodeError as err:
+        print(f"paradecode-export: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("paradecode-export: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        print("validation:", file=sys.stderr)
+        for line in result.checklist.lines():
+            print("  " + line, file=sys.stderr)
+    subgraphs = len(result.manifest.subgraphs)
+    print(f"wrote {result.path} ({subgraphs} subgraphs, exit layers "
+          f"{','.join(map(str, result.manifest.exit_layers))}) in {result.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`ExportConfig`: every setting of an export, validated on construction; the defaults live here only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.tensors import DTYPES
+
+ENGINES = ("onnx", "tensorrt")
+MIN_OPSET = 24  # TensorScatter, the in-place KV-cache write, is an opset-24 operator
+MAX_OPSET = 24  # the highest opset the exporter and onnxruntime are tested with here
+DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_THRESHOLD = 0.75  # the paper's main setting (DESIGN.md §2); calibration replaces it per layer
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model: str
+    output: Path
+    exit_layers: tuple[int, ...] | None = None  # None: an even spread (L/4, L/2, 3L/4), or the heads file's
+    heads: Path | None = None
+    dtype: str = "float32"
+    max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
+    max_batch: int = 1
+    max_unverified: int = 5
+    opset: int = MIN_OPSET
+    engine: str = "onnx"
+    force: bool = False
+    with_logits: bool = False
+    cache_dir: Path | None = None  # TensorRT engine and timing caches; None: ~/.cache/paradecode
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output", Path(self.output))
+        if self.heads is not None:
+            object.__setattr__(self, "heads", Path(self.heads))
+        if self.dtype not in DTYPES:
+            raise UserInputError(f"dtype {self.dtype!r} is not supported; expected one of {', '.join(DTYPES)}.")
+        if self.engine not in ENGINES:
+            raise UserInputError(f"engine {self.engine!r} is not supported; expected one of {', '.join(ENGINES)}.")
+        if not MIN_OPSET <= self.opset <= MAX_OPSET:
+            raise UserInputError(
+                f"opset {self.opset} is not supported: the in-place KV-cache write is ONNX TensorScatter, "
+                f"an opset-{MIN_OPSET} operator, and opsets above {MAX_OPSET} are untested. Use --opset {MIN_OPSET}."
+            )
+        for name in ("max_batch", "max_unverified"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise UserInputError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise UserInputError(f"max_seq_len must be an integer of at least 2, got {self.max_seq_len!r}.")
+        if self.exit_layers is not None:
+            layers = tuple(self.exit_layers)
+            if not layers:
+                raise UserInputError("exit_layers is empty: ParaDecode needs at least one exit layer.")
+            if any(not isinstance(e, int) for e in layers):
+                raise UserInputError(f"exit layers are layer numbers counted from 1, got {list(layers)}.")
+            if len(set(layers)) != len(layers):
+                raise UserInputError(f"exit layers repeat: {list(layers)}.")
+            object.__setattr__(self, "exit_layers", tuple(sorted(layers)))
+
+
+def default_exit_layers(num_layers: int) -> tuple[int, ...]:
+    """An even spread, L/4, L/2, 3L/4 (rounded, distinct, below the last layer), at least one."""
+    layers = sorted({min(max(1, int(num_layers * k / 4 + 0.5)), num_layers - 1) for k in (1, 2, 3)})
+    return tuple(layers)

@@ -1,0 +1,81 @@
+"""The trained exit-heads file: one d x d transform per exit layer, plus where it came from.
+
+A heads file is a safetensors file with tensors ``exits.{e}.transform`` ([D, D], applied before the
+final norm and the frozen unembedding) and a JSON metadata entry naming the base model (its weights
+hash), the exit layers and how the heads were trained. `paradecode-export --heads` refuses heads
+made for another model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.spec import ModelSpec
+
+FORMAT = "paradecode-heads/1"
+KEY = re.compile(r"^exits\.(\d+)\.transform$")
+
+
+def save_heads(path: str | Path, transforms: dict[int, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """Write heads atomically (a temporary name renamed at the end)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = {f"exits.{e}.transform": t.detach().to(torch.float32).contiguous() for e, t in sorted(transforms.items())}
+    meta = dict(metadata, exit_layers=sorted(transforms))
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "metadata": json.dumps(meta)})
+    tmp.replace(path)
+    return path
+
+
+def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(f"--heads {path}: no such file. Train heads with `paradecode-train-heads MODEL -o FILE`.")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise UserInputError(f"--heads {path} is not a safetensors file ({err}).") from err
+    if header.get("format") != FORMAT:
+        raise UserInputError(f"--heads {path} is not a paradecode heads file (format {header.get('format')!r}, expected {FORMAT!r}).")
+    transforms = {}
+    for key, tensor in tensors.items():
+        match = KEY.match(key)
+        if not match:
+            raise UserInputError(f"--heads {path} has an unexpected tensor {key!r}.")
+        transforms[int(match.group(1))] = tensor
+    return transforms, json.loads(header.get("metadata", "{}"))
+
+
+def check_heads(path: Path, transforms: dict[int, torch.Tensor], metadata: dict[str, Any], *, spec: ModelSpec,
+                model: dict[str, Any], exit_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Check heads against the model being exported; return the exit layers to export."""
+    base = metadata.get("base_weights_sha256")
+    if base != model["weights_sha256"]:
+        raise UserInputError(
+            f"--heads {path} was trained for another model ({metadata.get('base_model', 'unknown')}, weights "
+            f"sha256 {str(base)[:12]}...), not for {model['source']} (weights sha256 {model['weights_sha256'][:12]}...). "
+            "Train heads for this model with `paradecode-train-heads`."
+        )
+    for layer, t in transforms.items():
+        if tuple(t.shape) != (spec.hidden_size, spec.hidden_size):
+            raise UserInputError(f"--heads {path}: the head after layer {layer} has shape {tuple(t.shape)}, "
+                                 f"expected ({spec.hidden_size}, {spec.hidden_size}).")
+    if exit_layers is None:
+        return tuple(sorted(transforms))
+    missing = [e for e in exit_layers if e not in transforms]
+    if missing:
+        raise UserInputError(f"--exit-layers asks for layers {missing}, but --heads {path} has heads for "
+                             f"layers {sorted(transforms)} only. Drop --exit-layers to use the file's layers.")
+    return exit_layers

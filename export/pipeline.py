@@ -1,0 +1,305 @@
+"""`export_model`: a Hugging Face causal LM -> a validated paradecode export folder.
+
+Order of work: every check that can refuse the request runs before anything is written (output
+folder, TensorRT availability, model folder, family, limits, exit layers, heads). The export is then
+staged in a temporary folder beside the output and renamed into place only when every subgraph has
+been written and validated, so an interrupted or failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
+from paradecode.export.families import family_for
+from paradecode.export.heads import check_heads, load_heads
+from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
+from paradecode.export.source import ModelSource, resolve_model
+from paradecode.export.tokenizer import save_tokenizer
+from paradecode.export import validate
+from paradecode.graphs.errors import UserInputError, ValidationError
+from paradecode.graphs.manifest import (
+    MANIFEST_NAME, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph, sha256_of,
+)
+from paradecode.graphs.modules import build_subgraph
+from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import SubgraphIO, export_plan
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    manifest: Manifest
+    checklist: validate.Checklist
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def export_model(config: ExportConfig) -> ExportResult:
+    started = time.perf_counter()
+    check_output(config)
+    target = None
+    if config.engine == "tensorrt":
+        from paradecode.export.tensorrt import require_tensorrt
+        target = require_tensorrt()
+    source = resolve_model(config.model)
+    check_output_is_not_source(config.output, source)
+    family = family_for(source.config_dict().get("model_type"))
+    hf_model = load_hf_model(source)
+    spec = family.spec(hf_model.config, hf_model)
+    max_seq_len = resolve_max_seq_len(config, spec)
+    identity = source.identity()
+    exit_layers, transforms = resolve_exit_layers(config, spec, identity)
+    weights = family.weights(hf_model, spec)
+    weights.update({f"exits.{e}.transform": t for e, t in transforms.items()})
+    plan = export_plan(spec, exit_layers, dtype=config.dtype, max_seq_len=max_seq_len,
+                       max_batch=config.max_batch, with_logits=config.with_logits)
+    logger.info("exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
+                config.model, spec.family, spec.num_layers, spec.hidden_size, config.output, config.dtype,
+                max_seq_len, ",".join(map(str, exit_layers)), "trained" if transforms else "identity")
+
+    with staged_folder(config.output, config.force) as folder:
+        tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
+        checklist, onnx_files = write_subgraphs(folder, hf_model, spec, weights, plan, config, max_seq_len,
+                                                prompt_ids(folder, tokenizer_files, spec, identity, max_seq_len))
+        if checklist.failed:
+            raise ValidationError(
+                "the export does not reproduce the PyTorch model; nothing was written:\n"
+                + "\n".join(c.line() for c in checklist.failed)
+            )
+        engines, tensorrt = {}, None
+        if target is not None:
+            from paradecode.export.tensorrt import ProfileSettings, build_engines
+            settings = ProfileSettings(config.max_batch, max_seq_len, config.max_unverified)
+            cache_dir = config.cache_dir or Path.home() / ".cache" / "paradecode"
+            engines = build_engines(folder, plan, onnx_files, settings, target, cache_dir)
+            tensorrt = {"version": target.version, "gpu": target.gpu, "token_ranges": settings.token_ranges()}
+        save_weights(folder / WEIGHTS_NAME, weights, config.dtype)
+        manifest = Manifest(
+            model=identity,
+            spec=spec,
+            dtype=config.dtype,
+            max_seq_len=max_seq_len,
+            max_batch=config.max_batch,
+            max_unverified=config.max_unverified,
+            opset=config.opset,
+            exit_layers=exit_layers,
+            head_kind="trained" if transforms else "identity",
+            thresholds={e: DEFAULT_THRESHOLD for e in exit_layers},
+            subgraphs=tuple(Subgraph(io, onnx_files[io.name], engines.get(io.name)) for io in plan),
+            files=file_hashes(folder),
+            tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
+            tensorrt=tensorrt,
+            paradecode_version=package_version(),
+        )
+        manifest.write(folder)
+    seconds = time.perf_counter() - started
+    return ExportResult(config.output, manifest, checklist, seconds)
+
+
+# --- checks before anything is written ---------------------------------------------------------
+
+def check_output(config: ExportConfig) -> None:
+    output = config.output
+    if output.exists() and not output.is_dir():
+        raise UserInputError(f"output {output} exists and is a file, not a folder. Choose another -o path.")
+    if output.exists() and not config.force:
+        raise UserInputError(f"output folder {output} already exists. Pass --force to replace it, or choose another -o path.")
+
+
+def check_output_is_not_source(output: Path, source: ModelSource) -> None:
+    out, src = output.resolve(), source.path.resolve()
+    if out == src or out in src.parents:
+        raise UserInputError(f"output {output} would replace the model folder {source.path}. Choose another -o path.")
+
+
+def load_hf_model(source: ModelSource) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserInputError(f"transformers could not load {source.reference}: {str(err).splitlines()[0]}") from err
+    return model.eval()
+
+
+def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:
+    limit = spec.max_position_embeddings
+    if config.max_seq_len is None:
+        return min(limit, DEFAULT_MAX_SEQ_LEN)
+    if config.max_seq_len > limit:
+        raise UserInputError(
+            f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings ({limit}, from its "
+            f"config.json). Use --max-seq-len {limit} or less."
+        )
+    return config.max_seq_len
+
+
+def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -> tuple[tuple[int, ...], dict]:
+    last = spec.num_layers
+    if last < 2:
+        raise UserInputError(f"the model has {last} layer: there is no intermediate layer to exit at.")
+    transforms: dict[int, torch.Tensor] = {}
+    exit_layers = config.exit_layers
+    if config.heads is not None:
+        transforms, metadata = load_heads(config.heads)
+        exit_layers = check_heads(config.heads, transforms, metadata, spec=spec, model=identity,
+                                  exit_layers=exit_layers)
+        transforms = {e: transforms[e] for e in exit_layers}
+    exit_layers = exit_layers or default_exit_layers(last)
+    bad = [e for e in exit_layers if not 1 <= e < last]
+    if bad:
+        raise UserInputError(
+            f"exit layers {bad} are out of range: an exit head sits after a layer 1..{last - 1}, below the last "
+            f"layer ({last}), whose output the final head reads. Choose --exit-layers within 1..{last - 1}."
+        )
+    return tuple(exit_layers), transforms
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+@contextmanager
+def staged_folder(output: Path, force: bool):
+    """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds."""
+    created = [p for p in reversed(output.parents) if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        yield tmp
+        publishable(tmp)
+        if output.exists():
+            if not force:
+                raise UserInputError(f"output folder {output} appeared during the export; pass --force to replace it.")
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            output.rename(old / output.name)
+            tmp.rename(output)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in reversed(created):
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        raise
+
+
+def publishable(folder: Path) -> None:
+    """Give the staged folder the modes a normal mkdir/open would have (mkdtemp makes it private)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
+    """Subgraphs with equal keys have the same graph up to their weights."""
+    if io.kind == "layer":
+        return ("layer", spec.window(io.layer))
+    if io.kind in ("exit", "final"):
+        return ("head", io.kind, io.kind == "exit" and f"exits.{io.layer}.transform" in weights)
+    return (io.kind,)
+
+
+def write_subgraphs(folder: Path, hf_model, spec: ModelSpec, weights: dict, plan: list[SubgraphIO],
+                    config: ExportConfig, max_seq_len: int, ids: list[int]) -> tuple[validate.Checklist, dict[str, str]]:
+    """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
+    dtype = TORCH_DTYPES[config.dtype]
+    checklist = validate.Checklist()
+    fp32 = {io.name: build_subgraph(spec, io, weights, with_logits=config.with_logits) for io in plan}
+    checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
+    modules = fp32 if dtype == torch.float32 else {
+        io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits) for io in plan}
+    real = validate.real_inputs(modules, plan, spec, ids, max_seq_len=max_seq_len, dtype=dtype)
+    export_args = dict(vocab_size=spec.vocab_size, dtype=dtype, opset=config.opset,
+                       max_batch=config.max_batch, max_seq_len=max_seq_len)
+    templates: dict[tuple, GraphTemplate | None] = {}
+    files: dict[str, str] = {}
+    generator = torch.Generator().manual_seed(0)
+    (folder / "onnx").mkdir()
+    for i, io in enumerate(plan, 1):
+        started = time.perf_counter()
+        key = structure_key(io, spec, weights)
+        if key not in templates:
+            random_module = build_subgraph(spec, io, random_weights(weights, generator), dtype=dtype,
+                                           with_logits=config.with_logits)
+            templates[key] = GraphTemplate.trace(random_module, io, **export_args)
+            how = "traced"
+        else:
+            how = "from template"
+        template = templates[key]
+        if template is not None:
+            model = template.instantiate(modules[io.name], io)
+        else:
+            model = onnx_from_module(modules[io.name], io, **export_args)
+            how = "traced"
+        relative = f"onnx/{io.name}.onnx"
+        save_onnx(model, folder / relative)
+        files[io.name] = relative
+        cases = [(f"random T={t}", validate.random_inputs(io, spec, max_seq_len=max_seq_len, max_batch=config.max_batch,
+                                                          tokens=t, dtype=dtype, generator=generator)) for t in (1, 4)]
+        cases += [(f"real {n}", inputs) for n, inputs in enumerate(real[io.name])]
+        check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, config.dtype))
+        diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
+        logger.info("[%2d/%d] %-9s %-13s %5.1f s  onnxruntime %s %s", i, len(plan), io.name, how,
+                    time.perf_counter() - started, check.status, diff)
+    return checklist, files
+
+
+def random_weights(weights: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Weights of the same shapes with distinct random values, for tracing templates."""
+    return {k: torch.randn(v.shape, generator=generator) * 0.1 if v.is_floating_point() else v
+            for k, v in weights.items()}
+
+
+def prompt_ids(folder: Path, tokenizer_files: list[str], spec: ModelSpec, identity: dict, max_seq_len: int) -> list[int]:
+    """A real prompt for validation: the model's tokenizer on a line of code, else fixed ids."""
+    limit = max(1, min(16, max_seq_len - 4))
+    if "tokenizer.json" in tokenizer_files:
+        from tokenizers import Tokenizer
+
+        ids = Tokenizer.from_file(str(folder / TOKENIZER_DIR / "tokenizer.json")).encode(PROMPT).ids
+        ids = [i for i in ids if 0 <= i < spec.vocab_size]
+        if ids:
+            return ids[:limit]
+    bos = identity.get("bos_token_id")
+    start = [bos] if isinstance(bos, int) and 0 <= bos < spec.vocab_size else []
+    return (start + [(7 * k + 3) % spec.vocab_size for k in range(limit)])[:limit]
+
+
+def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> None:
+    """Canonical weights for the torch backend, in the export dtype (rotary frequencies stay float32)."""
+    from safetensors.torch import save_file
+
+    cast = {k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
+            for k, v in weights.items()}
+    save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): sha256_of(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME}
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("paradecode")
+    except PackageNotFoundError:
+        return "unknown"

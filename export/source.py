@@ -1,0 +1,108 @@
+"""Where a model comes from: a local folder or a Hugging Face Hub id, checked before anything is written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.manifest import sha256_of
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    reference: str  # what the user gave: a folder or a hub id
+    path: Path  # the local folder holding config.json and the weights
+    hub_id: str | None = None
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted({f for pattern in WEIGHT_PATTERNS for f in self.path.glob(pattern)})
+
+    def config_dict(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+    def identity(self) -> dict[str, Any]:
+        """Model identity for the manifest: where it came from and hashes of its config and weights."""
+        config = self.config_dict()
+        digest = hashlib.sha256()
+        for f in self.weight_files:
+            digest.update(f.name.encode() + b"\0" + sha256_of(f).encode())
+        return {
+            "source": self.hub_id or str(self.path.resolve()),
+            "hub_id": self.hub_id,
+            "model_type": config.get("model_type"),
+            "architectures": config.get("architectures"),
+            "config_sha256": sha256_of(self.path / "config.json"),
+            "weights_sha256": digest.hexdigest(),
+            "bos_token_id": config.get("bos_token_id"),
+            "eos_token_id": config.get("eos_token_id"),
+        }
+
+
+def resolve_model(reference: str) -> ModelSource:
+    """Check that `reference` names a model: a folder with config.json and weights, or a hub id."""
+    path = Path(reference).expanduser()
+    if path.exists():
+        source = ModelSource(reference, path)
+    elif HUB_ID.match(reference) and not reference.startswith("."):
+        source = ModelSource(reference, download(reference), hub_id=reference)
+    else:
+        raise UserInputError(
+            f"{reference!r} is neither an existing folder nor a Hugging Face Hub id. Expected a folder "
+            "written by `save_pretrained` (config.json and weights) or an id such as `HuggingFaceTB/SmolLM2-135M`."
+        )
+    check_model_folder(source)
+    return source
+
+
+def check_model_folder(source: ModelSource) -> None:
+    path = source.path
+    if not path.is_dir():
+        raise UserInputError(f"{source.reference} is a file, not a model folder. Pass the folder that holds config.json.")
+    if not (path / "config.json").is_file():
+        raise UserInputError(
+            f"{source.reference} is not a Hugging Face model folder: it has no config.json. Expected a folder "
+            "written by `save_pretrained` (config.json plus *.safetensors or pytorch_model*.bin)."
+        )
+    try:
+        config = source.config_dict()
+    except json.JSONDecodeError as err:
+        raise UserInputError(f"{path / 'config.json'} is not valid JSON ({err}).") from err
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserInputError(f"{path / 'config.json'} has no model_type: it does not describe a Hugging Face model.")
+    if not source.weight_files:
+        raise UserInputError(
+            f"{source.reference} has a config.json but no weights: expected *.safetensors or pytorch_model*.bin "
+            "next to it. Save the model with `model.save_pretrained(folder)`."
+        )
+
+
+def download(hub_id: str) -> Path:
+    """Fetch config, weights and tokenizer files of `hub_id` from the Hugging Face Hub (or its local cache)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", *WEIGHT_PATTERNS, "*.safetensors.index.json", "pytorch_model.bin.index.json",
+                *TOKENIZER_FILES]
+    logger.info("fetching %s from the Hugging Face Hub (or its local cache)", hub_id)
+    try:
+        return Path(snapshot_download(repo_id=hub_id, allow_patterns=patterns))
+    except Exception as err:  # huggingface_hub raises many types (network, auth, not found)
+        raise UserInputError(
+            f"could not fetch {hub_id!r} from the Hugging Face Hub ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            "Check the id and your network, or pass a local folder written by `save_pretrained`."
+        ) from err

@@ -1,0 +1,264 @@
+"""Validation: every exported subgraph against its PyTorch module, and the modules against transformers.
+
+Two kinds of check, collected into a checklist that `paradecode-export` prints:
+
+- *slicing*: the chain of fp32 subgraph modules (prefill, then token-by-token decode with the
+  fixed-size caches) reproduces the Hugging Face model's logits for a real prompt;
+- *onnxruntime*: each ONNX graph, run by onnxruntime, reproduces its module's outputs on random
+  inputs (random caches, positions and batch) and on the real inputs that the prompt produced.
+
+Tolerances depend on the dtype. A top-1 token may differ only at a near tie (its margin below the
+tolerance); such cases are counted and reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from paradecode.graphs.errors import MissingDependencyError
+from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import (
+    BATCH, HIDDEN, INPUT_IDS, MARGIN, PAST_KEY, PAST_VALUE, POSITIONS, TOKEN, TOKENS, SubgraphIO,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+    def __str__(self) -> str:
+        return f"atol {self.atol:g} rtol {self.rtol:g}"
+
+
+TOLERANCES = {
+    "float32": Tolerance(1e-4, 1e-3),
+    "float16": Tolerance(2e-2, 2e-2),
+    "bfloat16": Tolerance(8e-2, 5e-2),
+}
+SLICING_TOLERANCE = Tolerance(1e-3, 1e-3)  # fp32 modules vs transformers (different kernels, same math)
+
+
+@dataclass
+class Check:
+    subject: str
+    what: str
+    status: str  # "ok", "FAIL" or "skip"
+    max_diff: float | None = None
+    tolerance: Tolerance | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        diff = f"max|Δ| {self.max_diff:.1e}" if self.max_diff is not None else ""
+        tol = f"({self.tolerance})" if self.tolerance else ""
+        parts = [f"[{self.status:>4}]", f"{self.subject:<10}", f"{self.what:<34}", diff, tol, self.note]
+        return "  ".join(p for p in parts if p)
+
+
+@dataclass
+class Checklist:
+    checks: list[Check] = field(default_factory=list)
+
+    def add(self, check: Check) -> Check:
+        self.checks.append(check)
+        logger.debug(check.line())
+        return check
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "FAIL"]
+
+    def lines(self) -> list[str]:
+        return [c.line() for c in self.checks]
+
+
+def compare(subject: str, what: str, expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor],
+            tol: Tolerance) -> Check:
+    """Compare every output of `actual` with `expected`.
+
+    A top-1 token may differ only where the expected top-1/top-2 margin (`expected[MARGIN]`) is a
+    near tie, within what the tolerance allows the logits to move.
+    """
+    worst, worst_excess, near_ties, problems = 0.0, 0.0, 0, []
+    for name, got in actual.items():
+        want = expected[name]
+        if tuple(got.shape) != tuple(want.shape):
+            problems.append(f"{name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            continue
+        if name == TOKEN:
+            differ = got != want
+            if differ.any():
+                ties = expected[MARGIN][differ] <= 2 * tol.atol + tol.rtol * 10
+                near_ties += int(ties.sum())
+                if not ties.all():
+                    problems.append(f"top-1 token differs at {int((~ties).sum())} position(s) without a near tie")
+            continue
+        want, got = want.to(torch.float64), got.to(torch.float64)
+        diff = (got - want).abs()
+        finite = torch.isfinite(want)
+        if not torch.equal(torch.isfinite(got), finite):
+            problems.append(f"{name} has non-finite values where the reference has none (or the reverse)")
+            continue
+        diff = diff[finite]
+        if diff.numel():
+            worst = max(worst, float(diff.max()))
+            worst_excess = max(worst_excess, float((diff - tol.rtol * want[finite].abs()).max()))
+    if worst_excess > tol.atol:
+        problems.append("outside tolerance")
+    note = "; ".join(problems)
+    if near_ties:
+        note = (note + "; " if note else "") + f"{near_ties} near-tie token difference(s)"
+    return Check(subject, what, "FAIL" if problems else "ok", worst, tol, note)
+
+
+# --- onnxruntime ----------------------------------------------------------------------------------
+
+def ort_session(path, threads: int = 0):
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        raise MissingDependencyError(
+            "onnxruntime is needed to validate the exported graphs: `pip install paradecode[cpu]` "
+            "(or `paradecode[gpu]` for onnxruntime-gpu)."
+        ) from err
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def ort_feed(tensor: torch.Tensor):
+    import onnxruntime as ort
+
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        from onnx import TensorProto
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tensor.view(torch.int16).numpy(), TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
+
+
+def run_ort(session, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    outputs = session.run_with_ort_values(io.output_names, {k: ort_feed(v) for k, v in inputs.items()})
+    result = {}
+    for name, value in zip(io.output_names, outputs):
+        if value.data_type() == "tensor(bfloat16)":
+            raise NotImplementedError("reading bfloat16 outputs needs a device build of onnxruntime")
+        result[name] = torch.from_numpy(value.numpy())
+    return result
+
+
+def run_torch(module: torch.nn.Module, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run a subgraph module on copies of `inputs` (the module writes its caches in place)."""
+    args = [inputs[name].clone() for name in io.input_names]
+    with torch.no_grad():
+        out = module(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    return dict(zip(io.output_names, out))
+
+
+def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]], dtype: str) -> Check:
+    """Run the graph at `path` with onnxruntime on every case and compare with `module`."""
+    tol = TOLERANCES[dtype]
+    results = []
+    try:
+        session = ort_session(path, threads=1)
+        for label, inputs in cases:
+            results.append(compare(io.name, label, run_torch(module, io, inputs), run_ort(session, io, inputs), tol))
+    except MissingDependencyError:
+        raise
+    except Exception as err:  # onnxruntime raises its own exception types; report what it said
+        if "NOT_IMPLEMENTED" not in str(err) and not isinstance(err, NotImplementedError):
+            raise
+        return Check(io.name, "onnxruntime vs PyTorch", "skip", note=(
+            f"onnxruntime's CPU provider cannot run {dtype} graphs ({str(err).splitlines()[0][-60:]}); "
+            "validate on a GPU (onnxruntime-gpu or --engine tensorrt)"))
+    failed = [r for r in results if r.status == "FAIL"]
+    worst = max(r.max_diff or 0.0 for r in results)
+    notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
+    kinds = [label.split()[0] for label, _ in cases]
+    what = f"onnxruntime vs PyTorch, {kinds.count('random')} random + {kinds.count('real')} real"
+    return Check(io.name, what, "FAIL" if failed else "ok", worst, tol, notes)
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+def random_inputs(io: SubgraphIO, spec: ModelSpec, *, max_seq_len: int, max_batch: int, tokens: int,
+                  dtype: torch.dtype, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random inputs: hidden states, full random caches (masked slots must not matter), random positions."""
+    batch = min(2, max_batch)
+    tokens = min(tokens, max_seq_len)
+    starts = torch.randint(0, max_seq_len - tokens + 1, (batch,), generator=generator)
+    inputs = {}
+    for t in io.inputs:
+        shape = [batch if d == BATCH else tokens if d == TOKENS else d for d in t.shape]
+        if t.name == POSITIONS:
+            inputs[t.name] = starts[:, None] + torch.arange(tokens)
+        elif t.name == INPUT_IDS:
+            inputs[t.name] = torch.randint(0, spec.vocab_size, shape, generator=generator)
+        else:
+            inputs[t.name] = torch.randn(shape, generator=generator).to(dtype)
+    return inputs
+
+
+def real_inputs(modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spec: ModelSpec, ids: list[int], *,
+                max_seq_len: int, dtype: torch.dtype, decode_steps: int = 2) -> dict[str, list[dict]]:
+    """Run the module chain on a real prompt (prefill, then greedy decode) and record each call's inputs."""
+    cache_shape = (1, spec.num_kv_heads, max_seq_len, spec.head_dim)
+    caches = {io.layer: (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+              for io in plan if io.kind == "layer"}
+    recorded: dict[str, list[dict]] = {io.name: [] for io in plan}
+    chunk, start = torch.tensor([ids]), 0
+    with torch.no_grad():
+        for _ in range(decode_steps + 1):
+            positions = torch.arange(start, start + chunk.shape[1])[None]
+            hidden = None
+            for io in plan:
+                if io.kind == "embed":
+                    inputs = {INPUT_IDS: chunk, POSITIONS: positions}
+                elif io.kind == "layer":
+                    inputs = {HIDDEN: hidden, POSITIONS: positions, PAST_KEY: caches[io.layer][0],
+                              PAST_VALUE: caches[io.layer][1]}
+                else:
+                    inputs = {HIDDEN: hidden}
+                inputs = {k: v for k, v in inputs.items() if k in io.input_names}
+                recorded[io.name].append({k: v.clone() for k, v in inputs.items()})
+                out = modules[io.name](*[inputs[k] for k in io.input_names])
+                if io.kind in ("embed", "layer"):
+                    hidden = out if io.kind == "embed" else out[0]
+                elif io.kind == "final":
+                    token = out[0][:, -1:]
+            start += chunk.shape[1]
+            chunk = token
+    return recorded
+
+
+def check_slicing(hf_model, modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spec: ModelSpec,
+                  ids: list[int], *, max_seq_len: int) -> Check:
+    """fp32 modules chained over fixed-size caches (prefill, then one token at a time) vs transformers."""
+    split = max(1, len(ids) // 2)
+    cache_shape = (1, spec.num_kv_heads, max_seq_len, spec.head_dim)
+    caches = {io.layer: (torch.zeros(cache_shape), torch.zeros(cache_shape)) for io in plan if io.kind == "layer"}
+    pieces = []
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([ids])).logits[0].float()
+        chunks = [(0, ids[:split])] + [(p, [ids[p]]) for p in range(split, len(ids))]
+        for start, chunk in chunks:
+            positions = torch.arange(start, start + len(chunk))[None]
+            x = torch.tensor([chunk])
+            hidden = modules["embed"](x, positions) if spec.positions == "learned" else modules["embed"](x)
+            for io in plan:
+                if io.kind == "layer":
+                    hidden = modules[io.name](hidden, positions, *caches[io.layer])[0]
+            pieces.append(modules["final"].logits(hidden)[0].float())
+    ours = torch.cat(pieces)
+    top = reference.topk(2, dim=-1).values
+    check = compare("model", f"slicing vs transformers ({len(ids)} tokens)",
+                    {"logits": reference, TOKEN: reference.argmax(-1), MARGIN: top[:, 0] - top[:, 1]},
+                    {"logits": ours, TOKEN: ours.argmax(-1)}, SLICING_TOLERANCE)
+    return check
+

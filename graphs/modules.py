@@ -1,0 +1,218 @@
+"""The subgraph torch modules: what gets exported to ONNX and what the torch backend runs.
+
+Weights use one canonical naming, independent of the source framework:
+
+    embed.tokens.weight, embed.positions.weight          (learned positions only)
+    layers.{i}.attn_norm.{weight,bias}                   (i = 1..L; bias for LayerNorm only)
+    layers.{i}.attn.{q,k,v,o}.{weight,bias}              (Linear layout [out, in])
+    layers.{i}.attn.{q_norm,k_norm}.weight               (q/k norm only)
+    layers.{i}.mlp_norm.{weight,bias}
+    layers.{i}.mlp.{gate,up,down}.{weight,bias}          (gate for gated MLPs only)
+    rope.inv_freq                                        (rotary positions only; float32)
+    norm.{weight,bias}                                   (final norm)
+    unembed.weight                                       (absent when tied to embed.tokens)
+    exits.{e}.transform                                  (trained exit-head matrix [D, D])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paradecode.graphs import ops
+from paradecode.graphs.errors import ManifestError
+from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import SubgraphIO
+
+
+class Norm(nn.Module):
+    def __init__(self, kind: str, dim: int, eps: float):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layer" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms":
+            return ops.rms_norm(x, self.weight, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.spec, self.window = spec, spec.window(layer)
+        heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q = nn.Linear(spec.hidden_size, heads * dim, bias=spec.qkv_bias)
+        self.k = nn.Linear(spec.hidden_size, kv_heads * dim, bias=spec.qkv_bias)
+        self.v = nn.Linear(spec.hidden_size, kv_heads * dim, bias=spec.qkv_bias)
+        self.o = nn.Linear(heads * dim, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = Norm("rms", dim, spec.norm_eps)
+            self.k_norm = Norm("rms", dim, spec.norm_eps)
+
+    def forward(self, x, positions, past_key, past_value, inv_freq):
+        spec = self.spec
+        batch, tokens, _ = x.shape
+        q = self.q(x).view(batch, tokens, spec.num_heads, spec.head_dim)
+        k = self.k(x).view(batch, tokens, spec.num_kv_heads, spec.head_dim)
+        v = self.v(x).view(batch, tokens, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if inv_freq is not None:
+            cos, sin = ops.rope_cos_sin(positions, inv_freq, spec.rope_scaling, x.dtype)
+            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        write_index = positions[:, 0]
+        present_key = ops.write_cache(past_key, k, write_index)
+        present_value = ops.write_cache(past_value, v, write_index)
+        out = ops.attention(q, present_key, present_value, positions, scale=spec.scale, window=self.window)
+        out = out.transpose(1, 2).reshape(batch, tokens, spec.num_heads * spec.head_dim)
+        return self.o(out), present_key, present_value
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.kind, self.act = spec.mlp, spec.activation
+        if spec.mlp == "gated":
+            self.gate = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gated":
+            return self.down(ops.activation(self.act, self.gate(x)) * self.up(x))
+        return self.down(ops.activation(self.act, self.up(x)))
+
+
+class EmbedGraph(nn.Module):
+    """input_ids [B, T] (+ positions [B, T] for learned positions) -> hidden [B, T, D]."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if spec.positions == "learned":
+            self.positions = nn.Embedding(spec.max_position_embeddings, spec.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.tokens(input_ids)
+        if hasattr(self, "positions"):
+            hidden = hidden + self.positions(positions)
+        return hidden
+
+
+class LayerGraph(nn.Module):
+    """One pre-norm decoder layer with its fixed-size KV cache written in place."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.attn_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
+        self.attn = Attention(spec, layer)
+        self.mlp_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
+        self.mlp = MLP(spec)
+        if spec.positions == "rope":
+            self.register_buffer("inv_freq", torch.zeros(spec.head_dim // 2))
+        else:
+            self.inv_freq = None
+
+    def forward(self, hidden, positions, past_key, past_value):
+        attn, present_key, present_value = self.attn(
+            self.attn_norm(hidden), positions, past_key, past_value, self.inv_freq
+        )
+        hidden = hidden + attn
+        hidden = hidden + self.mlp(self.mlp_norm(hidden))
+        return hidden, present_key, present_value
+
+
+class HeadGraph(nn.Module):
+    """hidden [B, T, D] -> top-1 token, its probability, the top-1/top-2 logit margin (+ logits).
+
+    An exit head may carry a trained transform T (logits = E · norm(T · h)); without one it is the
+    model's own final norm and unembedding applied to an intermediate hidden state.
+    """
+
+    def __init__(self, spec: ModelSpec, *, transform: bool = False, with_logits: bool = False):
+        super().__init__()
+        self.with_logits = with_logits
+        self.transform = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False) if transform else None
+        self.norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
+        self.unembed = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.transform is not None:
+            hidden = self.transform(hidden)
+        return self.unembed(self.norm(hidden))
+
+    def forward(self, hidden: torch.Tensor):
+        logits = self.logits(hidden)
+        scores = logits.to(torch.float32)
+        token = torch.argmax(scores, dim=-1)
+        top2 = torch.topk(scores, 2, dim=-1).values
+        prob = torch.exp(top2[..., 0] - torch.logsumexp(scores, dim=-1))
+        margin = top2[..., 0] - top2[..., 1]
+        if self.with_logits:
+            return token, prob, margin, logits
+        return token, prob, margin
+
+
+def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The module-local state dict of one subgraph, taken from the canonical weights."""
+    if io.kind == "embed":
+        prefix = "embed."
+        return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if io.kind == "layer":
+        prefix = f"layers.{io.layer}."
+        state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        if spec.positions == "rope":
+            state["inv_freq"] = weights["rope.inv_freq"]
+        return state
+    state = {k: v for k, v in weights.items() if k.startswith(("norm.", "unembed."))}
+    if "unembed.weight" not in state and spec.tie_word_embeddings:
+        state["unembed.weight"] = weights["embed.tokens.weight"]
+    if io.kind == "exit" and f"exits.{io.layer}.transform" in weights:
+        state["transform.weight"] = weights[f"exits.{io.layer}.transform"]
+    return state
+
+
+def load_exact(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """Load `state` into `module`, asserting every key and shape; name what is missing or extra."""
+    expected = module.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [f"{k}: got {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+             for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ManifestError(
+            f"weights for {what} do not fit its module: missing {missing}, unexpected {unexpected}, "
+            f"wrong shapes {wrong}."
+        )
+    with torch.no_grad():
+        for key, tensor in expected.items():
+            tensor.copy_(state[key])
+
+
+def build_subgraph(
+    spec: ModelSpec,
+    io: SubgraphIO,
+    weights: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    with_logits: bool = False,
+) -> nn.Module:
+    """Build the torch module of one subgraph, loaded from canonical weights, in `dtype`.
+
+    Parameters take `dtype`; buffers (the rotary inverse frequencies) stay float32.
+    """
+    if io.kind == "embed":
+        module = EmbedGraph(spec)
+    elif io.kind == "layer":
+        module = LayerGraph(spec, io.layer)
+    else:
+        transform = io.kind == "exit" and f"exits.{io.layer}.transform" in weights
+        module = HeadGraph(spec, transform=transform, with_logits=with_logits)
+    load_exact(module, subgraph_state(spec, io, weights), io.name)
+    for param in module.parameters():
+        param.requires_grad_(False)
+        param.data = param.data.to(dtype)
+    return module.eval()

@@ -1,0 +1,100 @@
+"""Functional pieces of the subgraphs: norms, rotary embeddings, the in-place cache write, attention.
+
+Each follows the Hugging Face implementation's numerics (RMSNorm in float32, softmax in float32,
+cos/sin computed in float32 and cast to the activation dtype) so the exported graphs reproduce the
+original model's logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos and sin [B, 1, T, D_h] for integer positions [B, T]."""
+    freqs = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scaling).to(dtype)
+    sin = (emb.sin() * scaling).to(dtype)
+    return cos[:, None], sin[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def write_cache(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+    """Write `update` [B, H, T, D] into `cache` [B, H, S, D] at slots write_index[b] .. + T - 1.
+
+    In eager PyTorch the cache is updated in place and returned. Under `torch.onnx.export` this
+    becomes the ONNX ``TensorScatter`` operator (opset 24), whose output the runtime binds to the
+    input buffer so the update happens in place there too.
+    """
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            "TensorScatter",
+            (cache, update, write_index),
+            {"axis": 2, "mode": "linear"},
+            dtype=cache.dtype,
+            shape=cache.shape,
+            version=24,
+        )
+    batch, heads, tokens, dim = update.shape
+    slots = write_index[:, None] + torch.arange(tokens, device=update.device)
+    if batch == 1:  # one index vector: no host sync, so CUDA graphs can capture it
+        return cache.index_copy_(2, slots[0], update)
+    cache.scatter_(2, slots[:, None, :, None].expand(batch, heads, tokens, dim), update)
+    return cache
+
+
+def attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Grouped-query attention of q [B, H, T, D] over the whole fixed-size cache [B, H_kv, S, D].
+
+    Query heads are grouped by the key/value head they share, so the cache is never expanded or
+    copied. Slot s is visible to the query at position p iff s <= p (and p - s < window for a
+    sliding window); slots past the current length are masked whatever they hold.
+    """
+    batch, heads, tokens, dim = q.shape
+    kv_heads, slots = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    q = q.reshape(batch, kv_heads, group * tokens, dim)
+    scores = torch.matmul(q, key_cache.transpose(2, 3)) * scale
+    scores = scores.view(batch, kv_heads, group, tokens, slots)
+    slot = torch.arange(slots, device=positions.device)
+    visible = slot[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        visible = visible & (positions[:, :, None] - slot[None, None, :] < window)
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+    out = torch.matmul(probs.view(batch, kv_heads, group * tokens, slots), value_cache)
+    return out.view(batch, heads, tokens, dim)

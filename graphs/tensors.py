@@ -1,0 +1,152 @@
+"""The one place that names every subgraph and every tensor crossing a subgraph boundary.
+
+Subgraphs (DESIGN.md §4), with layers numbered 1..L:
+
+- ``embed``: ``input_ids`` [B, T] int64 (+ ``positions`` [B, T] for learned positions)
+  -> ``hidden`` [B, T, D]
+- ``layer_i``: ``hidden`` [B, T, D], ``positions`` [B, T], ``past_key`` / ``past_value``
+  [B, H_kv, S_max, D_h] -> ``hidden_out``, ``present_key``, ``present_value``. The caches are
+  written in place at slots ``positions[b, 0] .. positions[b, 0] + T - 1`` (the write index is
+  derived from the positions inside the graph); the attention mask is built from the positions.
+- ``exit_e`` (after layer e) and ``final``: ``hidden`` [B, T, D] -> ``token`` [B, T] int64 (top-1),
+  ``prob`` [B, T] float32 (its probability), ``margin`` [B, T] float32 (top-1 minus top-2 logit),
+  and optionally ``logits`` [B, T, V].
+
+Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from paradecode.graphs.spec import ModelSpec
+
+BATCH = "batch"
+TOKENS = "tokens"
+
+INPUT_IDS = "input_ids"
+POSITIONS = "positions"
+HIDDEN = "hidden"
+HIDDEN_OUT = "hidden_out"
+PAST_KEY = "past_key"
+PAST_VALUE = "past_value"
+PRESENT_KEY = "present_key"
+PRESENT_VALUE = "present_value"
+TOKEN = "token"
+PROB = "prob"
+MARGIN = "margin"
+LOGITS = "logits"
+
+DTYPES = ("float32", "float16", "bfloat16")
+KINDS = ("embed", "layer", "exit", "final")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TensorSpec:
+        return cls(data["name"], tuple(data["shape"]), data["dtype"])
+
+
+@dataclass(frozen=True)
+class SubgraphIO:
+    """Name, kind and tensor contract of one subgraph."""
+
+    name: str
+    kind: str
+    layer: int | None
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+
+def subgraph_name(kind: str, layer: int | None = None) -> str:
+    if kind in ("embed", "final"):
+        return kind
+    if kind == "layer":
+        return f"layer_{layer}"
+    if kind == "exit":
+        return f"exit_{layer}"
+    raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
+
+
+def subgraph_io(
+    spec: ModelSpec,
+    kind: str,
+    layer: int | None = None,
+    *,
+    dtype: str,
+    max_seq_len: int,
+    max_batch: int = 1,
+    with_logits: bool = False,
+) -> SubgraphIO:
+    """The tensor contract of one subgraph. `dtype` is the dtype of hidden states and caches."""
+    batch: int | str = 1 if max_batch == 1 else BATCH
+    tokens = TOKENS
+    hidden = TensorSpec(HIDDEN, (batch, tokens, spec.hidden_size), dtype)
+    positions = TensorSpec(POSITIONS, (batch, tokens), "int64")
+    if kind == "embed":
+        inputs = [TensorSpec(INPUT_IDS, (batch, tokens), "int64")]
+        if spec.positions == "learned":
+            inputs.append(positions)
+        outputs = [hidden]
+    elif kind == "layer":
+        if layer is None or not 1 <= layer <= spec.num_layers:
+            raise ValueError(f"layer must be in 1..{spec.num_layers}, got {layer}")
+        cache = (batch, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        inputs = [hidden, positions, TensorSpec(PAST_KEY, cache, dtype), TensorSpec(PAST_VALUE, cache, dtype)]
+        outputs = [
+            TensorSpec(HIDDEN_OUT, hidden.shape, dtype),
+            TensorSpec(PRESENT_KEY, cache, dtype),
+            TensorSpec(PRESENT_VALUE, cache, dtype),
+        ]
+    elif kind in ("exit", "final"):
+        if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
+            raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
+        inputs = [hidden]
+        outputs = [
+            TensorSpec(TOKEN, (batch, tokens), "int64"),
+            TensorSpec(PROB, (batch, tokens), "float32"),
+            TensorSpec(MARGIN, (batch, tokens), "float32"),
+        ]
+        if with_logits:
+            outputs.append(TensorSpec(LOGITS, (batch, tokens, spec.vocab_size), dtype))
+    else:
+        raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
+    return SubgraphIO(subgraph_name(kind, layer), kind, layer if kind != "final" else None,
+                      tuple(inputs), tuple(outputs))
+
+
+def export_plan(
+    spec: ModelSpec,
+    exit_layers: tuple[int, ...],
+    *,
+    dtype: str,
+    max_seq_len: int,
+    max_batch: int = 1,
+    with_logits: bool = False,
+) -> list[SubgraphIO]:
+    """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final."""
+    common = dict(dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, with_logits=with_logits)
+    plan = [subgraph_io(spec, "embed", **common)]
+    for layer in range(1, spec.num_layers + 1):
+        plan.append(subgraph_io(spec, "layer", layer, **common))
+        if layer in exit_layers:
+            plan.append(subgraph_io(spec, "exit", layer, **common))
+    plan.append(subgraph_io(spec, "final", **common))
+    return plan

@@ -1,0 +1,1 @@
+"""The ParaDecode runtime (issue 3)."""

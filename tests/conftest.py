@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random models of every family, their exports, and the real stories260K.
+
+Tiny models are built in-process from configs (tests/tiny_models.py) once per session. Tests that
+need TensorRT or a GPU carry the `tensorrt` / `gpu` markers and skip here with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import TINY_CONFIGS, save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = Path(os.environ.get("PARADECODE_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
+EXPORT_SEQ_LEN = 64
+
+
+def tensorrt_missing() -> str | None:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError as err:
+        return f"TensorRT is not installed ({err})"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("tensorrt") and (reason := tensorrt_missing()):
+        pytest.skip(f"needs TensorRT and a GPU: {reason}")
+    if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: torch.cuda.is_available() is False")
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES / "hf" / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {STORIES} (set PARADECODE_STORIES260K to its folder)")
+    return STORIES
+
+
+class Cache(dict):
+    """A session-wide cache whose values are built on first use."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, key):
+        self[key] = value = self.build(key)
+        return value
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> Cache:
+    """family -> a folder holding that family's tiny random model (save_pretrained)."""
+    def build(family: str) -> Path:
+        folder = tmp_path_factory.mktemp(f"model-{family}")
+        save_tiny_model(family, folder)
+        return folder
+    return Cache(build)
+
+
+@pytest.fixture(scope="session")
+def exports(tmp_path_factory, model_dirs) -> Cache:
+    """family -> (export folder, ExportResult) of that family's tiny model, with logits."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    def build(family: str):
+        out = tmp_path_factory.mktemp(f"export-{family}") / "export"
+        result = export_model(ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN,
+                                           with_logits=True))
+        return out, result
+    return Cache(build)
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def family(request) -> str:
+    return request.param

@@ -1,0 +1,32 @@
+"""The wheel holds every module of every subpackage under `paradecode.*`, and the console scripts."""
+
+import subprocess
+import sys
+import zipfile
+
+from tests.conftest import REPO
+
+SUBPACKAGES = {"graphs": "paradecode/graphs", "export": "paradecode/export", "runtime": "paradecode/runtime",
+               "tools": "paradecode/tools"}
+SCRIPTS = ("paradecode-export", "paradecode-demo")
+
+
+def test_wheel_contains_every_module(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True)
+    (wheel,) = tmp_path.glob("paradecode-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = []
+    for folder, package in SUBPACKAGES.items():
+        for source in (REPO / folder).rglob("*.py"):
+            if "__pycache__" not in source.parts:
+                expected = f"{package}/{source.relative_to(REPO / folder).as_posix()}"
+                if expected not in names:
+                    missing.append(expected)
+    assert not missing, f"modules missing from the wheel (list their package in pyproject.toml): {missing}"
+    assert not [n for n in names if n.split("/")[0] in ("export", "runtime", "graphs", "tools", "tests")], \
+        "the wheel installs a top-level module named after a repository folder"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    for script in SCRIPTS:
+        assert f"{script} = paradecode." in text

@@ -1,0 +1,62 @@
+"""Tiny random Hugging Face models of every supported family, built in-process from configs.
+
+Each entry exercises the family's odd corners: grouped-query attention with an uneven ratio,
+head_dim != hidden/heads, untied embeddings, rope scaling, q/k/v bias, q/k norm, sliding windows
+shorter than the test sequences, GPT-2's learned positions and Conv1D weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama", vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    ),
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=89, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        use_sliding_window=True, sliding_window=6, max_window_layers=2,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=83, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        model_type="mistral", vocab_size=79, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=128,
+        sliding_window=5, tie_word_embeddings=False,
+    ),
+    "gpt2": dict(
+        model_type="gpt2", vocab_size=101, n_embd=32, n_layer=3, n_head=4, n_positions=64,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny random causal LM of `family`, with weights scaled so its logits are not all near ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(TINY_CONFIGS[family])
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # the default init (std 0.02) gives near-uniform logits: spread them out
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3 if "emb" in name or "wte" in name or "wpe" in name else 0.15)
+            elif "norm" in name or "ln_" in name:
+                param.uniform_(0.8, 1.2)
+            else:
+                param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def save_tiny_model(family: str, folder, seed: int = 0) -> None:
+    tiny_model(family, seed).save_pretrained(folder)
