@@ -16,10 +16,14 @@ from paradecode.export.source import TOKENIZER_FILES
 logger = logging.getLogger(__name__)
 
 
+# Files a tokenizer can be rebuilt from (generation_config.json travels along but is not one).
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+
 def save_tokenizer(model_path: Path, folder: Path) -> list[str]:
     """Write the tokenizer into `folder`; return the file names written (empty: the model has none)."""
     present = [name for name in TOKENIZER_FILES if (model_path / name).is_file()]
-    if not present:
+    if not any(name in TOKENIZER_SOURCES for name in present):
         logger.warning("%s has no tokenizer files: the export will take token ids only", model_path)
         return []
     folder.mkdir(parents=True, exist_ok=True)
@@ -42,8 +46,19 @@ def convert_to_tokenizer_json(model_path: Path, target: Path) -> bool:
     with tempfile.TemporaryDirectory(prefix="paradecode-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
         converted = Path(tmp) / "tokenizer.json"
-        if not converted.is_file():
-            logger.warning("transformers wrote no tokenizer.json for %s: the runtime will take token ids only", model_path)
+        if not converted.is_file() or not usable(converted):
+            logger.warning("transformers wrote no usable tokenizer.json for %s: the runtime will take token ids only",
+                           model_path)
             return False
         shutil.copyfile(converted, target)
     return True
+
+
+def usable(path: Path) -> bool:
+    """A tokenizer.json that the `tokenizers` library loads, with a non-empty vocabulary."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size() > 0
+    except Exception:  # tokenizers raises a bare Exception for malformed files
+        return False

@@ -1,0 +1,73 @@
+"""What every decoder shares: the call context, the prefill, and plain greedy decoding (`ar`).
+
+A decoder is a generator of verified tokens `(token, margin)`: the caller applies stop conditions
+(max tokens, EOS, stop strings) and closes the generator when done, which stops the decoder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from paradecode.runtime.backends.base import Backend, HeadOutput
+from paradecode.runtime.kvcache import KVCache
+from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.stats import GenerationStats
+
+MAIN = "main"
+
+
+@dataclass
+class DecodeContext:
+    backend: Backend
+    cache: KVCache
+    timeline: Timeline
+    stats: GenerationStats
+
+    @property
+    def num_layers(self) -> int:
+        return self.backend.spec.num_layers
+
+    def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+        with self.timeline.call(lane, "embed", (start, start + len(ids))):
+            return self.backend.embed(torch.tensor([ids], dtype=torch.int64), positions)
+
+    def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        end = start + hidden.shape[1]
+        positions = torch.arange(start, end).unsqueeze(0)
+        with self.timeline.call(lane, f"layer_{layer}", (start, end)):
+            out = self.backend.layer(layer, hidden, positions, self.cache)
+        return out
+
+    def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
+        with self.timeline.call(lane, name, (start, start + hidden.shape[1])):
+            return self.backend.head(name, hidden)
+
+
+def prefill(ctx: DecodeContext, prompt: list[int]) -> tuple[int, float]:
+    """The whole prompt in one call per layer; the final head on its last position gives the first token."""
+    hidden = ctx.embed(MAIN, prompt, 0)
+    for layer in range(1, ctx.num_layers + 1):
+        hidden = ctx.layer(MAIN, layer, hidden, 0)
+        ctx.cache.written(layer, len(prompt))
+    out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1)
+    return int(out.token[0]), float(out.margin[0])
+
+
+def decode_ar(ctx: DecodeContext, prompt: list[int]) -> Iterator[tuple[int, float]]:
+    """Plain greedy decoding over the same subgraphs: one token through every layer, then the next."""
+    token, margin = prefill(ctx, prompt)
+    yield token, margin
+    position = len(prompt)
+    while position < ctx.cache.capacity:
+        hidden = ctx.embed(MAIN, [token], position)
+        for layer in range(1, ctx.num_layers + 1):
+            hidden = ctx.layer(MAIN, layer, hidden, position)
+        ctx.cache.lengths = [position + 1] * ctx.num_layers
+        out = ctx.head(MAIN, "final", hidden, position)
+        token, margin = int(out.token[0]), float(out.margin[0])
+        position += 1
+        yield token, margin

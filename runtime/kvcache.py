@@ -1,0 +1,51 @@
+"""The KV cache: one fixed-size key and value buffer per layer, written in place by the layer graphs.
+
+Buffers are allocated once at the export's max length. Each layer has its own length, the number of
+positions computed at that layer: while tokens are pending, shallow layers hold more positions than
+deep ones. Rolling back only shortens lengths: the graphs mask every slot at or after a query's
+position, so stale values past a length never matter and are overwritten when reached again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paradecode.graphs.errors import UserInputError
+
+
+class KVCache:
+    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device):
+        self.shape = tuple(shape)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.lengths)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value buffers of `layer` (1-based)."""
+        return self.keys[layer - 1], self.values[layer - 1]
+
+    def length(self, layer: int) -> int:
+        return self.lengths[layer - 1]
+
+    def written(self, layer: int, end: int) -> None:
+        """Record that `layer` now holds positions 0 .. end-1."""
+        if end > self.capacity:
+            raise UserInputError(f"position {end - 1} is past the cache's {self.capacity} slots.")
+        self.lengths[layer - 1] = max(self.lengths[layer - 1], end)
+
+    def rollback(self, length: int) -> None:
+        """Keep positions 0 .. length-1 at every layer; everything later is discarded."""
+        if length < 0:
+            raise ValueError(f"cannot roll back to a negative length ({length})")
+        self.lengths = [min(n, length) for n in self.lengths]
+
+    def reset(self) -> None:
+        self.rollback(0)

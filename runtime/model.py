@@ -1,0 +1,178 @@
+"""`ParaDecodeModel`: load an export once, then generate with `ar` or `paradecode`, whole or streamed.
+
+Thread safety: a model may be shared by many threads; its generate calls are *serialised* (one at
+a time, in arrival order) because they share the KV cache and the lanes. For parallel requests,
+load one model per worker. A failed request (bad input, a stopped stream) leaves the model usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime.backends import backend_class
+from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.decoding import DecodeContext, decode_ar
+from paradecode.runtime.lanes import Lane, Timeline
+from paradecode.runtime.loader import open_export
+from paradecode.runtime.scheduler import ParaDecoder
+from paradecode.runtime.stats import GenerationResult, GenerationStats
+from paradecode.runtime.tokenizer import TextStream, TextTokenizer
+
+logger = logging.getLogger(__name__)
+
+# Which overlap is fastest where, from `paradecode-bench` runs (see README, "Choosing the overlap").
+AUTO_OVERLAP = {"cpu": "batched", "cuda": "both"}
+
+
+@dataclass
+class StreamedToken:
+    token: int
+    text: str  # the text this token completes ("" while a multi-byte character is incomplete)
+
+
+class GenerationStream:
+    """Iterate to receive tokens as they are verified; `result` holds everything once iteration ends."""
+
+    def __init__(self, tokens: Iterator[StreamedToken]):
+        self._tokens = tokens
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[StreamedToken]:
+        return self._tokens
+
+    def close(self) -> None:
+        self._tokens.close()
+
+
+class ParaDecodeModel:
+    def __init__(self, path: str | Path, *, backend: str = "onnxruntime", device: str = "cpu", lanes: int = 2,
+                 threads: int | None = None, verify: bool = True):
+        if lanes < 1:
+            raise UserInputError(f"lanes must be at least 1 (the calling thread), got {lanes}.")
+        self.export = open_export(path, verify=verify)
+        options = {}
+        if backend == "onnxruntime":
+            options["threads"] = threads if threads is not None else max(1, (os.cpu_count() or 1) // lanes)
+        self.backend = backend_class(backend)(self.export, device=device, **options)
+        self.cache = self.backend.allocate_cache()
+        self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
+        self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
+        self._lock = threading.Lock()
+
+    @property
+    def manifest(self):
+        return self.export.manifest
+
+    def close(self) -> None:
+        for lane in self.side_lanes:
+            lane.close()
+        self.side_lanes = []
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- public API ---------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+                 config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationResult:
+        """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields."""
+        stream = self.stream(prompt, prompt_ids=prompt_ids, config=config, trace=trace, **settings)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
+               config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationStream:
+        """Like `generate`, but yields each token as soon as it is verified."""
+        config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
+        ids = self.prompt_ids(prompt, prompt_ids)
+        stream = GenerationStream(iter(()))
+        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream)
+        return stream
+
+    # --- internals --------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_ids is None):
+            raise UserInputError("give either a text prompt or prompt ids, not both or neither.")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise UserInputError(f"the export {self.export.path} has no tokenizer: pass prompt ids instead.")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt_ids]
+        if not ids:
+            raise UserInputError("the prompt is empty: give at least one token (a BOS token for an empty text).")
+        vocab = self.manifest.spec.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise UserInputError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1}).")
+        capacity = self.manifest.max_seq_len
+        if len(ids) > capacity:
+            raise UserInputError(
+                f"the prompt has {len(ids)} tokens, more than the export's max_seq_len ({capacity}, the KV-cache "
+                "length set at export). Shorten the prompt or re-export with a larger --max-seq-len."
+            )
+        return ids
+
+    def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline,
+             stream: GenerationStream) -> Iterator[StreamedToken]:
+        with self._lock:
+            overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
+            stats = GenerationStats(mode=config.mode, overlap=overlap if config.mode == "paradecode" else None,
+                                    prompt_tokens=len(ids))
+            self.cache.reset()
+            ctx = DecodeContext(self.backend, self.cache, timeline, stats)
+            eos = () if config.ignore_eos else self.export.eos_token_ids
+            if config.mode == "ar":
+                decoder = decode_ar(ctx, ids)
+            else:
+                thresholds = config.resolve_thresholds(self.manifest.thresholds)
+                decoder = ParaDecoder(ctx, thresholds=thresholds, max_unverified=config.max_unverified,
+                                      overlap=overlap, side_lanes=self.side_lanes,
+                                      eos_token_ids=eos).run(ids, config.max_new_tokens)
+            text = TextStream(self.tokenizer) if self.tokenizer else None
+            tokens, margins = [], []
+            started = time.perf_counter()
+            try:
+                for token, margin in decoder:
+                    if not tokens:
+                        stats.prefill_seconds = time.perf_counter() - started
+                    tokens.append(token)
+                    margins.append(margin)
+                    piece = text.push(token) if text else ""
+                    yield StreamedToken(token, piece)
+                    if token in eos:
+                        stats.stop_reason = "eos"
+                    elif len(tokens) >= config.max_new_tokens:
+                        stats.stop_reason = "max_new_tokens"
+                    elif config.stop and text and any(s in text.tokenizer.decode(tokens) for s in config.stop):
+                        stats.stop_reason = "stop_string"
+                    if stats.stop_reason:
+                        break
+                else:
+                    stats.stop_reason = "max_seq_len"
+                    logger.warning("stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
+                                   "with a larger --max-seq-len for longer outputs.", len(tokens), self.cache.capacity)
+            finally:
+                decoder.close()
+                stats.seconds = time.perf_counter() - started
+                stats.new_tokens = len(tokens)
+                stats.lane_busy_seconds = dict(timeline.busy)
+                stats.calls = timeline.calls
+                stream.result = GenerationResult(tokens, self.tokenizer.decode(tokens) if self.tokenizer else None,
+                                                 stats, margins, timeline if timeline.record_spans else None)
+
+
+def load(path: str | Path, **options) -> ParaDecodeModel:
+    """Load an export folder for decoding: `load("out/model", backend="onnxruntime", device="cpu")`."""
+    return ParaDecodeModel(path, **options)

@@ -1,0 +1,268 @@
+"""The ParaDecode scheduler (DESIGN.md §3), over lanes.
+
+State. The unverified positions form *groups*: contiguous runs of positions at the same depth
+(layers computed), holding their hidden state. Depth strictly decreases along positions, so a
+group may compute its next layer once the group before it is deeper (§3.3); when a group catches
+up with the one before it, the two are merged into one batched call (`batched`, `both`) or the
+later one waits (`streams`). The last group is the *frontier*: the newest token, run by lane 0
+(the calling thread).
+
+Flow. After each exit layer the frontier's exit head may emit its newest token early (top-1
+probability >= the layer's threshold, fewer than K unverified tokens): the frontier becomes a
+pending group and the next token starts at once. Pending groups are completed by side lanes right
+away (`streams`, `both`), or batched into the frontier's calls when it reaches their depth
+(`batched`, `both`). A group that completes the last layer gets the final head; lane 0 verifies
+its positions in order and on the first mismatch rolls back: the correct token replaces the early
+one and everything computed for later positions is discarded (in-flight calls finish first, so no
+stale cache write can land after the new one).
+
+Only lane 0 makes decisions (exits, verification, rollback); side lanes only compute.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from paradecode.runtime.backends.base import HeadOutput
+from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
+from paradecode.runtime.lanes import Future, Lane
+from paradecode.runtime.stats import Mismatch
+
+WAIT_SECONDS = 5.0  # bound on one condition wait, so a bug shows as an error, not a hang
+
+
+@dataclass
+class Group:
+    start: int  # first position
+    end: int  # one past the last position
+    depth: int  # layers computed; -1: not embedded yet
+    hidden: torch.Tensor | None = None  # output of layer `depth` for positions start..end-1
+    busy: bool = False  # a lane other than the frontier's is computing its next layer
+    final: HeadOutput | None = None  # the final head's outputs, once depth == L
+
+
+class ParaDecoder:
+    def __init__(self, ctx: DecodeContext, *, thresholds: dict[int, float], max_unverified: int, overlap: str,
+                 side_lanes: list[Lane], eos_token_ids: tuple[int, ...] = ()):
+        self.ctx = ctx
+        self.L = ctx.num_layers
+        self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
+        self.K = max_unverified
+        self.merge = overlap in ("batched", "both")
+        self.side_lanes = side_lanes if overlap in ("streams", "both") else []
+        self.eos = set(eos_token_ids)
+        # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
+        # signalled when pending groups exist, so idle side lanes cost nothing when nothing exits.
+        lock = threading.Lock()
+        self.cond = threading.Condition(lock)
+        self.work = threading.Condition(lock)
+
+    # --- the generator lane 0 runs ------------------------------------------------------------
+    def run(self, prompt: list[int], max_new_tokens: int) -> Iterator[tuple[int, float]]:
+        n = len(prompt)
+        self.tokens = list(prompt)
+        self.verified = n  # tokens[:verified] are verified
+        self.last_position = min(n + max_new_tokens - 2, self.ctx.cache.capacity - 1)
+        self.groups: list[Group] = []
+        self.frontier: Group | None = None
+        self.exit_layer_of: dict[int, int] = {}  # position q -> the exit layer that proposed tokens[q + 1]
+        self.epoch, self.in_flight, self.stopping, self.error = 0, 0, False, None
+        token, margin = prefill(self.ctx, prompt)
+        self.tokens.append(token)
+        self.verified = n + 1
+        yield token, margin
+        self.start_frontier(n, token)
+        workers: list[Future] = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]
+        try:
+            while True:
+                for verified in self.verify_finished():
+                    yield verified
+                if self.frontier is None and not self.groups:
+                    return  # every position whose output is needed has been verified
+                self.main_step()
+        finally:
+            with self.cond:
+                self.stopping = True
+                self.epoch += 1
+                self.progress()
+            for worker in workers:
+                worker.wait()
+
+    def start_frontier(self, position: int, token: int) -> None:
+        """Start a new frontier at `position` unless no more output is needed (or it follows an EOS)."""
+        if position <= self.last_position and token not in self.eos:
+            self.frontier = Group(position, position + 1, -1)
+            self.groups.append(self.frontier)
+
+    # --- lane 0: one step of work -----------------------------------------------------------
+    def main_step(self) -> None:
+        with self.cond:
+            self.raise_side_error()
+            group = self.frontier
+            if group is not None and group.depth >= 0 and not self.ready(group):
+                group = None  # the group before has reached the frontier's depth and is not ours to merge
+            if group is None:
+                group = self.claim(order="latest")  # help complete pending groups rather than idle
+                if group is None:
+                    self.cond.wait(WAIT_SECONDS)
+                    return
+            alone = len(self.groups) == 1
+        if group.depth == -1:
+            hidden = self.ctx.embed(MAIN, self.tokens[group.start:group.end], group.start)
+            with self.cond:
+                group.hidden, group.depth = hidden, 0
+            return
+        # A lone frontier runs straight to its next exit layer: nobody else can touch it meanwhile.
+        stop = group.depth + 1
+        if alone and group is self.frontier:
+            stop = min([e for e in self.thresholds if e > group.depth] + [self.L])
+        final = None
+        while final is None:
+            layer = group.depth + 1
+            hidden = self.ctx.layer(MAIN, layer, group.hidden, group.start)
+            if layer == self.L:
+                final = self.ctx.head(MAIN, "final", hidden, group.start)
+            with self.cond:
+                group.hidden, group.depth, group.final = hidden, layer, final
+                self.ctx.cache.written(layer, group.end)
+                if layer >= stop:
+                    group.busy = False
+                    self.progress()
+                    break
+        if final is None and group is self.frontier and layer in self.thresholds:
+            self.try_exit(group, layer)
+
+    def progress(self) -> None:
+        """Wake whoever may now proceed (lock held): lane 0 always, side lanes when there is pending work."""
+        self.cond.notify_all()
+        if self.side_lanes and (self.stopping or len(self.groups) > (self.frontier is not None)):
+            self.work.notify_all()
+
+    def ready(self, group: Group) -> bool:
+        """Can `group` compute its next layer now? Merges it with the group before when allowed (lock held)."""
+        while True:
+            index = self.groups.index(group)
+            if index == 0:
+                return True
+            before = self.groups[index - 1]
+            if before.depth > group.depth:
+                return True
+            if not self.merge or before.busy or before.depth != group.depth:
+                return False
+            group.start, group.hidden = before.start, torch.cat([before.hidden, group.hidden], dim=1)
+            self.groups.pop(index - 1)
+
+    def claim(self, order: str) -> Group | None:
+        """Take a pending group that can advance now (lock held); `order` says which to prefer."""
+        pending = [g for g in self.groups if g is not self.frontier and not g.busy and g.final is None and g.depth >= 0]
+        if order == "latest":
+            pending.reverse()
+        for group in pending:
+            if group in self.groups and self.ready(group):
+                group.busy = True
+                return group
+        return None
+
+    def try_exit(self, group: Group, layer: int) -> None:
+        """After an exit layer: emit the frontier's newest token early if its exit head is confident enough."""
+        if self.frontier_needs_no_successor(group) or len(self.tokens) - self.verified >= self.K:
+            return
+        out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
+        if float(out.prob[0]) < self.thresholds[layer]:
+            return
+        token = int(out.token[0])
+        stats = self.ctx.stats
+        with self.cond:
+            self.tokens.append(token)
+            self.exit_layer_of[group.end - 1] = layer
+            stats.exits_per_layer[layer] = stats.exits_per_layer.get(layer, 0) + 1
+            self.frontier = None
+            self.start_frontier(group.end, token)
+            self.progress()
+
+    def frontier_needs_no_successor(self, group: Group) -> bool:
+        """Past the last needed position an early token gains nothing: the group must finish anyway."""
+        return group.end > self.last_position
+
+    # --- side lanes ---------------------------------------------------------------------------
+    def side_worker(self, lane: str) -> None:
+        while True:
+            with self.cond:
+                group = None
+                while group is None:
+                    if self.stopping:
+                        return
+                    group = self.claim(order="earliest")
+                    if group is None:
+                        self.work.wait(WAIT_SECONDS)
+                epoch, layer, hidden, start = self.epoch, group.depth + 1, group.hidden, group.start
+                self.in_flight += 1
+            final, error = None, None
+            try:
+                out = self.ctx.layer(lane, layer, hidden, start)
+                if layer == self.L:
+                    final = self.ctx.head(lane, "final", out, start)
+            except BaseException as err:  # handed to lane 0, which raises it
+                error = err
+            with self.cond:
+                self.in_flight -= 1
+                if error is not None:
+                    self.error, self.stopping = error, True
+                elif epoch == self.epoch:
+                    group.hidden, group.depth, group.busy, group.final = out, layer, False, final
+                    self.ctx.cache.written(layer, group.end)
+                self.progress()
+            if error is not None:
+                return
+
+    def raise_side_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # --- verification -------------------------------------------------------------------------
+    def verify_finished(self) -> list[tuple[int, float]]:
+        """Verify, in position order, every group that has its final head; roll back on a mismatch."""
+        verified: list[tuple[int, float]] = []
+        stats = self.ctx.stats
+        with self.cond:
+            while self.groups and self.groups[0].final is not None:
+                group = self.groups.pop(0)
+                for i, position in enumerate(range(group.start, group.end)):
+                    token, margin = int(group.final.token[i]), float(group.final.margin[i])
+                    if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
+                        layer = self.exit_layer_of.pop(position)
+                        if token == self.tokens[position + 1]:
+                            stats.accepted_per_layer[layer] = stats.accepted_per_layer.get(layer, 0) + 1
+                            self.verified = position + 2
+                            verified.append((token, margin))
+                            continue
+                        stats.mismatches.append(Mismatch(position + 1, layer, self.tokens[position + 1], token, margin))
+                        self.rollback(position, token)
+                        verified.append((token, margin))
+                        return verified
+                    self.tokens.append(token)  # the newest position: its final output is the next token
+                    self.verified = position + 2
+                    verified.append((token, margin))
+                    if group is self.frontier:
+                        self.frontier = None
+                    self.start_frontier(position + 1, token)
+        return verified
+
+    def rollback(self, position: int, token: int) -> None:
+        """tokens[position + 1] was wrong: discard every later position's work, continue from `token` (lock held)."""
+        self.ctx.stats.rollbacks += 1
+        self.epoch += 1
+        self.groups, self.frontier = [], None
+        while self.in_flight:  # their writes must land before new ones to the same slots
+            self.cond.wait(WAIT_SECONDS)
+        self.raise_side_error()
+        del self.tokens[position + 1:]
+        self.tokens.append(token)
+        self.verified = position + 2
+        self.exit_layer_of = {q: e for q, e in self.exit_layer_of.items() if q < position}
+        self.ctx.cache.rollback(position + 1)
+        self.start_frontier(position + 1, token)

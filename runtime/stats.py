@@ -1,0 +1,64 @@
+"""What a generate call returns and measures."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Mismatch:
+    """An early token the final layer rejected: where, from which exit, and how close the final call was."""
+
+    position: int  # the position of the rejected token in the sequence
+    exit_layer: int
+    early_token: int
+    final_token: int
+    final_margin: float  # top-1 minus top-2 logit of the final head at that position
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    overlap: str | None = None
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    exits_per_layer: dict[int, int] = field(default_factory=dict)  # early tokens proposed at each exit layer
+    accepted_per_layer: dict[int, int] = field(default_factory=dict)  # ... and verified by the final layer
+    rollbacks: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    lane_busy_seconds: dict[str, float] = field(default_factory=dict)
+    calls: int = 0
+    stop_reason: str = ""  # "max_new_tokens", "eos", "stop_string", "max_seq_len"
+
+    @property
+    def decode_seconds(self) -> float:
+        return max(self.seconds - self.prefill_seconds, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of decoding (after the prefill produced the first token)."""
+        decoded = self.new_tokens - 1
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tokens_per_second"] = self.tokens_per_second
+        data["decode_seconds"] = self.decode_seconds
+        data["exits_per_layer"] = {str(k): v for k, v in sorted(self.exits_per_layer.items())}
+        data["accepted_per_layer"] = {str(k): v for k, v in sorted(self.accepted_per_layer.items())}
+        return data
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the new tokens only
+    text: str | None
+    stats: GenerationStats
+    margins: list[float]  # final-head top-1/top-2 logit margin of each new token
+    timeline: Any = None  # the calls' Timeline when generate(trace=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict()}

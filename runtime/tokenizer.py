@@ -1,0 +1,40 @@
+"""Text in and out, with the `tokenizers` library alone (the export carries a tokenizer.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from paradecode.graphs.errors import MissingDependencyError
+
+
+class TextTokenizer:
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:
+            raise MissingDependencyError(f"reading text needs the tokenizers library: `pip install tokenizers` ({err}).") from err
+        self._tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer adds (a BOS for Llama models)."""
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """Turns verified token ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece

@@ -1,0 +1,84 @@
+"""The KV cache: per-layer lengths, rollback to any position, and decoding after a rollback."""
+
+import pytest
+import torch
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime import NEVER, load
+from paradecode.runtime.kvcache import KVCache
+
+
+def test_lengths_per_layer_and_rollback():
+    cache = KVCache(3, (1, 2, 16, 4), torch.float32, "cpu")
+    cache.written(1, 9)
+    cache.written(2, 7)
+    cache.written(3, 5)
+    assert cache.lengths == [9, 7, 5]
+    cache.rollback(6)
+    assert cache.lengths == [6, 6, 5]
+    cache.rollback(0)
+    assert cache.lengths == [0, 0, 0]
+    with pytest.raises(UserInputError, match="16 slots"):
+        cache.written(1, 17)
+    with pytest.raises(ValueError):
+        cache.rollback(-1)
+
+
+def test_buffers_are_allocated_once(exports):
+    folder, _ = exports["qwen3"]
+    with load(folder) as model:
+        pointers = [t.data_ptr() for t in model.cache.keys + model.cache.values]
+        model.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, thresholds=0.0, ignore_eos=True)
+        assert [t.data_ptr() for t in model.cache.keys + model.cache.values] == pointers
+        assert model.cache.shape == (1, 1, 64, 16)
+
+
+def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports):
+    folder, _ = exports["llama"]
+    with load(folder) as model:
+        snapshots = []
+        layer_call = model.backend.layer
+
+        def recording(*args):  # the lengths as the scheduler leaves them before each layer call
+            snapshots.append(list(model.cache.lengths))
+            return layer_call(*args)
+
+        model.backend.layer = recording
+        model.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, thresholds=0.0, overlap="batched",
+                       max_unverified=6, ignore_eos=True)
+    assert all(a >= b for s in snapshots for a, b in zip(s, s[1:])), "deeper layers never hold more positions"
+    assert any(s[0] > s[-1] for s in snapshots), f"no pending positions seen: {snapshots}"
+
+
+def test_stale_slots_after_a_rollback_do_not_matter(exports):
+    """Decode one continuation, roll back, decode another: equal to decoding the second from scratch."""
+    folder, _ = exports["mistral"]
+    with load(folder, backend="torch") as model:
+        backend, cache = model.backend, model.cache
+
+        def run(tokens, start):
+            hidden = backend.embed(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None])
+            for layer in range(1, model.manifest.spec.num_layers + 1):
+                hidden = backend.layer(layer, hidden, torch.arange(start, start + len(tokens))[None], cache)
+            return backend.head("final", hidden).token
+
+        cache.reset()
+        run([1, 2, 3, 4], 0)
+        run([9, 9, 9, 9, 9, 9], 4)  # fills slots 4..9 with values that must become irrelevant
+        cache.rollback(4)
+        after_rollback = run([7, 8], 4)
+        cache.reset()
+        torch.manual_seed(0)
+        for k, v in zip(cache.keys, cache.values):
+            k.normal_(), v.normal_()  # garbage everywhere: only positions <= p may matter
+        run([1, 2, 3, 4], 0)
+        fresh = run([7, 8], 4)
+    assert torch.equal(after_rollback, fresh)
+
+
+def test_never_exit_runs_no_exit_head(exports):
+    folder, _ = exports["gpt2"]
+    with load(folder) as model:
+        result = model.generate(prompt_ids=[1, 2], max_new_tokens=12, thresholds=NEVER, trace=True, ignore_eos=True)
+    names = {span.name for span in result.timeline.spans}
+    assert not any(name.startswith("exit_") for name in names)

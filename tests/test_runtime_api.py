@@ -1,0 +1,107 @@
+"""The service API and paradecode-generate: streaming, statistics, JSON, threads, and the import boundary."""
+
+import json
+import subprocess
+import sys
+import threading
+
+from paradecode.runtime import GenerationConfig, load
+from paradecode.runtime import cli
+
+
+def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports, stories_dir):
+    folder, _ = exports["qwen2"]
+    with load(folder) as model:
+        stream = model.stream(prompt_ids=[4, 5, 6], max_new_tokens=15, thresholds=0.0, overlap="both", ignore_eos=True)
+        seen = [piece.token for piece in stream]
+        assert stream.result.token_ids == seen and len(seen) == 15
+        whole = model.generate(prompt_ids=[4, 5, 6], max_new_tokens=15, mode="ar", ignore_eos=True)
+        assert whole.token_ids == seen
+
+
+def test_statistics(exports):
+    folder, _ = exports["llama"]
+    with load(folder) as model:
+        result = model.generate(prompt_ids=[1, 2, 3], config=GenerationConfig(max_new_tokens=20, thresholds=0.0,
+                                                                               overlap="streams", ignore_eos=True))
+    stats = result.stats
+    assert stats.mode == "paradecode" and stats.overlap == "streams"
+    assert stats.new_tokens == 20 and stats.prompt_tokens == 3 and stats.tokens_per_second > 0
+    assert set(stats.exits_per_layer) <= set(load(folder).manifest.exit_layers)
+    assert sum(stats.accepted_per_layer.values()) + stats.rollbacks <= sum(stats.exits_per_layer.values())
+    assert stats.lane_busy_seconds["main"] > 0 and stats.calls > 20
+    assert stats.stop_reason == "max_new_tokens"
+    assert len(result.margins) == 20
+
+
+def test_text_in_and_out_and_eos(stories_dir, tmp_path_factory):
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("stories-api") / "export"
+    export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=256))
+    with load(out) as model:
+        result = model.generate("Once upon a time", max_new_tokens=250, thresholds=0.5)
+        assert result.text and result.text.startswith(",")
+        assert result.stats.stop_reason in ("eos", "max_new_tokens", "max_seq_len")
+        if result.stats.stop_reason == "eos":
+            assert result.token_ids[-1] == 2
+        stopped = model.generate("Once upon a time", max_new_tokens=100, stop=("Lily",))
+        assert stopped.stats.stop_reason == "stop_string" and "Lily" in stopped.text
+
+
+def test_calls_from_several_threads_are_serialised_and_correct(exports):
+    folder, _ = exports["mistral"]
+    with load(folder) as model:
+        expected = {seed: model.generate(prompt_ids=[seed, 2, 3], max_new_tokens=12, mode="ar", ignore_eos=True).token_ids
+                    for seed in range(4)}
+        results, errors = {}, []
+
+        def work(seed):
+            try:
+                results[seed] = model.generate(prompt_ids=[seed, 2, 3], max_new_tokens=12, thresholds=0.0,
+                                               overlap="both", ignore_eos=True).token_ids
+            except Exception as err:  # collected and reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors and results == expected
+
+
+def test_generate_json_prints_new_tokens_text_and_stats(exports, capsys):
+    folder, _ = exports["gpt2"]
+    assert cli.main([str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "7", "--json", "--ignore-eos",
+                     "--threshold", "0"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["token_ids"]) == 7 and data["text"] is None
+    for key in ("tokens_per_second", "exits_per_layer", "rollbacks", "accepted_per_layer", "lane_busy_seconds"):
+        assert key in data["stats"]
+
+
+def test_generate_cli_errors(exports, capsys, tmp_path):
+    folder, _ = exports["gpt2"]
+    assert cli.main([str(folder), "--prompt-ids", "1", "--threshold", "2"]) == 2
+    assert "outside [0, 1]" in capsys.readouterr().err
+    assert cli.main([str(folder), "--prompt", "hello"]) == 2
+    assert "no tokenizer" in capsys.readouterr().err
+    assert cli.main([str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "manifest.json" in capsys.readouterr().err
+
+
+def test_runtime_never_imports_transformers_or_the_exporter(exports):
+    folder, _ = exports["llama"]
+    code = (
+        "import sys\n"
+        "for blocked in ('transformers', 'paradecode.export'):\n"
+        "    sys.modules[blocked] = None  # importing it would now fail\n"
+        "from paradecode.runtime import load\n"
+        f"model = load({str(folder)!r})\n"
+        "print(len(model.generate(prompt_ids=[1, 2], max_new_tokens=5, thresholds=0.0, ignore_eos=True).token_ids))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('tensorrt', 'transformers')) and sys.modules[m]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "5" and out[1] == "[]"

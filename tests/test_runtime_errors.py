@@ -1,0 +1,159 @@
+"""Runtime error paths: clear messages, no hang, and a loaded model survives every bad request."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
+from paradecode.runtime import NEVER, GenerationConfig, load
+from paradecode.runtime.backends import backend_class
+
+
+@pytest.fixture
+def model(exports):
+    folder, _ = exports["llama"]
+    with load(folder) as loaded:
+        yield loaded
+
+
+def still_works(model) -> None:
+    result = model.generate(prompt_ids=[1, 2, 3], max_new_tokens=8, thresholds=0.0, ignore_eos=True)
+    assert len(result.token_ids) == 8
+
+
+def test_prompt_longer_than_the_cache(model):
+    with pytest.raises(UserInputError, match=r"65 tokens, more than the export's max_seq_len \(64.*--max-seq-len"):
+        model.generate(prompt_ids=[1] * 65, max_new_tokens=4)
+    still_works(model)
+
+
+def test_max_new_tokens_beyond_the_cache_stops_cleanly(model, caplog):
+    for mode in ("ar", "paradecode"):
+        result = model.generate(prompt_ids=[1] * 60, max_new_tokens=50, mode=mode, thresholds=0.0, ignore_eos=True)
+        assert len(result.token_ids) == 5  # positions 59..63 each give one token: 64 - 60 + 1
+        assert result.stats.stop_reason == "max_seq_len"
+    assert "KV cache is full" in caplog.text
+    still_works(model)
+
+
+def test_empty_prompt_and_bad_ids(model):
+    with pytest.raises(UserInputError, match="empty"):
+        model.generate(prompt_ids=[], max_new_tokens=4)
+    with pytest.raises(UserInputError, match="outside the vocabulary"):
+        model.generate(prompt_ids=[1, 10_000], max_new_tokens=4)
+    with pytest.raises(UserInputError, match="not both or neither"):
+        model.generate(max_new_tokens=4)
+    with pytest.raises(UserInputError, match="no tokenizer"):
+        model.generate("hello", max_new_tokens=4)
+    still_works(model)
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
+def test_threshold_outside_the_unit_interval(model, threshold):
+    with pytest.raises(UserInputError, match=r"outside \[0, 1\].*never"):
+        model.generate(prompt_ids=[1], max_new_tokens=4, thresholds=threshold)
+    still_works(model)
+
+
+def test_never_and_per_layer_thresholds_are_accepted(model):
+    assert GenerationConfig(thresholds=NEVER).thresholds == NEVER
+    layers = model.manifest.exit_layers
+    result = model.generate(prompt_ids=[1], max_new_tokens=6, thresholds={layers[0]: 0.0}, ignore_eos=True)
+    assert set(result.stats.exits_per_layer) <= {layers[0]}
+    with pytest.raises(UserInputError, match="exit layers are"):
+        model.generate(prompt_ids=[1], max_new_tokens=6, thresholds={99: 0.5})
+
+
+def test_other_bad_settings():
+    for settings, message in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="beam"), "mode"),
+                              (dict(overlap="sideways"), "overlap"), (dict(max_unverified=0), "max_unverified")]:
+        with pytest.raises(UserInputError, match=message):
+            GenerationConfig(**settings)
+
+
+def test_a_failing_side_lane_raises_instead_of_hanging(model, monkeypatch):
+    real = model.backend.layer
+
+    def flaky(layer, hidden, positions, cache):
+        import threading
+        if threading.current_thread().name.startswith("paradecode-lane"):
+            raise RuntimeError("device lost")
+        return real(layer, hidden, positions, cache)
+
+    monkeypatch.setattr(model.backend, "layer", flaky)
+    with pytest.raises(RuntimeError, match="device lost"):
+        model.generate(prompt_ids=[1, 2], max_new_tokens=30, thresholds=0.0, overlap="streams", ignore_eos=True)
+    monkeypatch.setattr(model.backend, "layer", real)
+    still_works(model)
+
+
+def copy_export(exports, tmp_path):
+    folder, _ = exports["llama"]
+    copy = tmp_path / "export"
+    shutil.copytree(folder, copy)
+    return copy
+
+
+def test_incompatible_manifest_version(exports, tmp_path):
+    copy = copy_export(exports, tmp_path)
+    data = json.loads((copy / "manifest.json").read_text())
+    data["format_version"] = 99
+    (copy / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="format version 99.*paradecode-export"):
+        load(copy)
+
+
+def test_missing_and_corrupt_files_are_named(exports, tmp_path):
+    copy = copy_export(exports, tmp_path)
+    (copy / "onnx" / "exit_2.onnx").unlink()
+    with pytest.raises(ManifestError, match="exit_2.onnx"):
+        load(copy)
+    copy = copy_export(exports, tmp_path / "second")
+    with open(copy / "weights.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    with pytest.raises(ManifestError, match="weights.safetensors is corrupt: sha256"):
+        load(copy, backend="torch")
+
+
+def test_not_an_export(tmp_path):
+    with pytest.raises(ManifestError, match="no manifest.json.*paradecode-export"):
+        load(tmp_path)
+    with pytest.raises(UserInputError, match="not a folder"):
+        load(tmp_path / "missing")
+
+
+def test_backend_that_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if onnxruntime were not installed
+    monkeypatch.delitem(sys.modules, "paradecode.runtime.backends.onnxruntime_backend", raising=False)
+    with pytest.raises(MissingDependencyError, match=r"onnxruntime backend is not installed.*paradecode\[cpu\]"):
+        backend_class("onnxruntime")
+
+
+def test_tensorrt_backend_without_tensorrt_or_engines(exports):
+    folder, _ = exports["llama"]
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(MissingDependencyError, match="tensorrt backend is not installed.*pypi.nvidia.com"):
+            load(folder, backend="tensorrt", device="cuda")
+        return
+    with pytest.raises((ManifestError, UserInputError)):
+        load(folder, backend="tensorrt", device="cuda")  # this export has no engines
+
+
+def test_unknown_backend(exports):
+    folder, _ = exports["llama"]
+    with pytest.raises(UserInputError, match="backend 'tvm'"):
+        load(folder, backend="tvm")
+
+
+def test_cuda_without_a_gpu(exports):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU error cannot be reached")
+    folder, _ = exports["llama"]
+    with pytest.raises((UserInputError, MissingDependencyError), match="cuda"):
+        load(folder, backend="torch", device="cuda")
