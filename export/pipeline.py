@@ -27,7 +27,7 @@ from paradecode.export.tokenizer import save_tokenizer
 from paradecode.export import validate
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
-    MANIFEST_NAME, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph, sha256_of,
+    MANIFEST_NAME, NEVER_EXIT, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph, sha256_of,
 )
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.spec import ModelSpec
@@ -62,7 +62,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     spec = family.spec(hf_model.config, hf_model)
     max_seq_len = resolve_max_seq_len(config, spec)
     identity = source.identity()
-    exit_layers, transforms = resolve_exit_layers(config, spec, identity)
+    exit_layers, transforms, heads_metadata = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
     weights.update({f"exits.{e}.transform": t for e, t in transforms.items()})
     plan = export_plan(spec, exit_layers, dtype=config.dtype, max_seq_len=max_seq_len,
@@ -98,7 +98,8 @@ def export_model(config: ExportConfig) -> ExportResult:
             opset=config.opset,
             exit_layers=exit_layers,
             head_kind="trained" if transforms else "identity",
-            thresholds={e: DEFAULT_THRESHOLD for e in exit_layers},
+            thresholds=default_thresholds(exit_layers, heads_metadata),
+            calibration=calibration_of(heads_metadata),
             subgraphs=tuple(Subgraph(io, onnx_files[io.name], engines.get(io.name)) for io in plan),
             files=file_hashes(folder),
             tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
@@ -148,11 +149,13 @@ def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:
     return config.max_seq_len
 
 
-def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -> tuple[tuple[int, ...], dict]:
+def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -> tuple[tuple[int, ...], dict, dict]:
+    """The exit layers, the trained transforms (if --heads) and the heads file's metadata."""
     last = spec.num_layers
     if last < 2:
         raise UserInputError(f"the model has {last} layer: there is no intermediate layer to exit at.")
     transforms: dict[int, torch.Tensor] = {}
+    metadata: dict = {}
     exit_layers = config.exit_layers
     if config.heads is not None:
         transforms, metadata = load_heads(config.heads)
@@ -166,7 +169,30 @@ def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -
             f"exit layers {bad} are out of range: an exit head sits after a layer 1..{last - 1}, below the last "
             f"layer ({last}), whose output the final head reads. Choose --exit-layers within 1..{last - 1}."
         )
-    return tuple(exit_layers), transforms
+    return tuple(exit_layers), transforms, metadata
+
+
+def default_thresholds(exit_layers: tuple[int, ...], heads_metadata: dict) -> dict[int, float]:
+    """The runtime's default threshold per exit layer: calibrated with the heads, else DEFAULT_THRESHOLD.
+
+    A layer whose heads never reached the calibration target gets NEVER_EXIT.
+    """
+    calibrated = (heads_metadata.get("calibration") or {}).get("thresholds", {})
+    thresholds = {}
+    for e in exit_layers:
+        if str(e) in calibrated:
+            value = calibrated[str(e)]
+            thresholds[e] = NEVER_EXIT if value is None else float(value)
+        else:
+            thresholds[e] = DEFAULT_THRESHOLD
+    return thresholds
+
+
+def calibration_of(heads_metadata: dict) -> dict | None:
+    if "calibration" not in heads_metadata:
+        return None
+    return {**heads_metadata["calibration"], "agreement": heads_metadata.get("agreement"),
+            "heads_data": heads_metadata.get("data")}
 
 
 # --- writing ----------------------------------------------------------------------------------

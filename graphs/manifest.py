@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ FORMAT_VERSION = 1
 WEIGHTS_NAME = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
-NEVER_EXIT = 2.0  # a threshold above 1: no token ever exits (the overhead test of DESIGN.md §3)
+NEVER_EXIT = math.inf  # no token ever exits (the overhead test of DESIGN.md §3); stored as null in JSON
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
@@ -104,7 +105,7 @@ class Manifest:
             "opset": self.opset,
             "exit_layers": list(self.exit_layers),
             "head_kind": self.head_kind,
-            "thresholds": {str(k): v for k, v in sorted(self.thresholds.items())},
+            "thresholds": {str(k): (None if v == NEVER_EXIT else v) for k, v in sorted(self.thresholds.items())},
             "calibration": self.calibration,
             "subgraphs": [s.to_dict() for s in self.subgraphs],
             "weights": self.weights,
@@ -126,7 +127,7 @@ class Manifest:
             opset=data["opset"],
             exit_layers=tuple(data["exit_layers"]),
             head_kind=data["head_kind"],
-            thresholds={int(k): float(v) for k, v in data["thresholds"].items()},
+            thresholds={int(k): (NEVER_EXIT if v is None else float(v)) for k, v in data["thresholds"].items()},
             subgraphs=tuple(Subgraph.from_dict(s) for s in data["subgraphs"]),
             files=dict(data.get("files", {})),
             tokenizer=tuple(data.get("tokenizer", ())),

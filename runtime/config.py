@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.manifest import NEVER_EXIT as NEVER  # the documented "never exit" threshold (math.inf)
 
 MODES = ("ar", "paradecode")
 OVERLAPS = ("auto", "streams", "batched", "both")
-NEVER = math.inf  # the documented "never exit" threshold: no token is ever emitted early
 
 
 def parse_threshold(text: str) -> float:

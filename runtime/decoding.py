@@ -6,8 +6,9 @@ A decoder is a generator of verified tokens `(token, margin)`: the caller applie
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,30 +22,41 @@ MAIN = "main"
 
 @dataclass
 class DecodeContext:
+    """The subgraph calls a decoder makes, each timed into the timeline (this is the hot path)."""
+
     backend: Backend
     cache: KVCache
     timeline: Timeline
     stats: GenerationStats
+    positions: torch.Tensor = field(init=False)  # [1, capacity]: every call's positions are a slice of it
+
+    def __post_init__(self) -> None:
+        self.positions = torch.arange(self.cache.capacity, dtype=torch.int64).unsqueeze(0)
+        self.layer_names = [f"layer_{i}" for i in range(self.num_layers + 1)]
 
     @property
     def num_layers(self) -> int:
         return self.backend.spec.num_layers
 
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + len(ids)).unsqueeze(0)
-        with self.timeline.call(lane, "embed", (start, start + len(ids))):
-            return self.backend.embed(torch.tensor([ids], dtype=torch.int64), positions)
+        end = start + len(ids)
+        began = time.perf_counter()
+        hidden = self.backend.embed(torch.tensor([ids], dtype=torch.int64), self.positions[:, start:end])
+        self.timeline.add(lane, "embed", began, time.perf_counter(), (start, end))
+        return hidden
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         end = start + hidden.shape[1]
-        positions = torch.arange(start, end).unsqueeze(0)
-        with self.timeline.call(lane, f"layer_{layer}", (start, end)):
-            out = self.backend.layer(layer, hidden, positions, self.cache)
+        began = time.perf_counter()
+        out = self.backend.layer(layer, hidden, self.positions[:, start:end], self.cache)
+        self.timeline.add(lane, self.layer_names[layer], began, time.perf_counter(), (start, end))
         return out
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
-        with self.timeline.call(lane, name, (start, start + hidden.shape[1])):
-            return self.backend.head(name, hidden)
+        began = time.perf_counter()
+        out = self.backend.head(name, hidden)
+        self.timeline.add(lane, name, began, time.perf_counter(), (start, start + hidden.shape[1]))
+        return out
 
 
 def prefill(ctx: DecodeContext, prompt: list[int]) -> tuple[int, float]:
@@ -54,7 +66,7 @@ def prefill(ctx: DecodeContext, prompt: list[int]) -> tuple[int, float]:
         hidden = ctx.layer(MAIN, layer, hidden, 0)
         ctx.cache.written(layer, len(prompt))
     out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1)
-    return int(out.token[0]), float(out.margin[0])
+    return out.token[0], out.margin[0]
 
 
 def decode_ar(ctx: DecodeContext, prompt: list[int]) -> Iterator[tuple[int, float]]:
@@ -68,6 +80,6 @@ def decode_ar(ctx: DecodeContext, prompt: list[int]) -> Iterator[tuple[int, floa
             hidden = ctx.layer(MAIN, layer, hidden, position)
         ctx.cache.lengths = [position + 1] * ctx.num_layers
         out = ctx.head(MAIN, "final", hidden, position)
-        token, margin = int(out.token[0]), float(out.margin[0])
+        token, margin = out.token[0], out.margin[0]
         position += 1
         yield token, margin

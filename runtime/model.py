@@ -86,7 +86,7 @@ class ParaDecodeModel:
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                  config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationResult:
         """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields."""
-        stream = self.stream(prompt, prompt_ids=prompt_ids, config=config, trace=trace, **settings)
+        stream = self._stream(prompt, prompt_ids, config, trace, settings, text=False)
         for _ in stream:
             pass
         return stream.result
@@ -94,10 +94,13 @@ class ParaDecodeModel:
     def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
                config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationStream:
         """Like `generate`, but yields each token as soon as it is verified."""
+        return self._stream(prompt, prompt_ids, config, trace, settings, text=True)
+
+    def _stream(self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool) -> GenerationStream:
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids)
         stream = GenerationStream(iter(()))
-        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream)
+        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text)
         return stream
 
     # --- internals --------------------------------------------------------------------------
@@ -124,8 +127,8 @@ class ParaDecodeModel:
             )
         return ids
 
-    def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline,
-             stream: GenerationStream) -> Iterator[StreamedToken]:
+    def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline, stream: GenerationStream,
+             with_text: bool) -> Iterator[StreamedToken]:
         with self._lock:
             overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
             stats = GenerationStats(mode=config.mode, overlap=overlap if config.mode == "paradecode" else None,
@@ -140,7 +143,7 @@ class ParaDecodeModel:
                 decoder = ParaDecoder(ctx, thresholds=thresholds, max_unverified=config.max_unverified,
                                       overlap=overlap, side_lanes=self.side_lanes,
                                       eos_token_ids=eos).run(ids, config.max_new_tokens)
-            text = TextStream(self.tokenizer) if self.tokenizer else None
+            text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
             tokens, margins = [], []
             started = time.perf_counter()
             try:
@@ -155,7 +158,7 @@ class ParaDecodeModel:
                         stats.stop_reason = "eos"
                     elif len(tokens) >= config.max_new_tokens:
                         stats.stop_reason = "max_new_tokens"
-                    elif config.stop and text and any(s in text.tokenizer.decode(tokens) for s in config.stop):
+                    elif config.stop and text and any(s in text.text for s in config.stop):
                         stats.stop_reason = "stop_string"
                     if stats.stop_reason:
                         break

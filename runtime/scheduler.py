@@ -172,9 +172,9 @@ class ParaDecoder:
         if self.frontier_needs_no_successor(group) or len(self.tokens) - self.verified >= self.K:
             return
         out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
-        if float(out.prob[0]) < self.thresholds[layer]:
+        if out.prob[0] < self.thresholds[layer]:
             return
-        token = int(out.token[0])
+        token = out.token[0]
         stats = self.ctx.stats
         with self.cond:
             self.tokens.append(token)
@@ -232,7 +232,7 @@ class ParaDecoder:
             while self.groups and self.groups[0].final is not None:
                 group = self.groups.pop(0)
                 for i, position in enumerate(range(group.start, group.end)):
-                    token, margin = int(group.final.token[i]), float(group.final.margin[i])
+                    token, margin = group.final.token[i], group.final.margin[i]
                     if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
                         layer = self.exit_layer_of.pop(position)
                         if token == self.tokens[position + 1]:

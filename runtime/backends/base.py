@@ -21,11 +21,17 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 @dataclass
 class HeadOutput:
-    """Top-1 token, its probability and the top-1/top-2 logit margin per position (host tensors)."""
+    """Top-1 token, its probability and the top-1/top-2 logit margin per position, as Python lists
+    (the scheduler reads them one by one; lists are the cheapest form for that)."""
 
-    token: torch.Tensor  # [T] int64
-    prob: torch.Tensor  # [T] float32
-    margin: torch.Tensor  # [T] float32
+    token: list[int]
+    prob: list[float]
+    margin: list[float]
+
+    @classmethod
+    def of(cls, token: torch.Tensor, prob: torch.Tensor, margin: torch.Tensor) -> "HeadOutput":
+        """From [1, T] (or [T]) tensors on any device."""
+        return cls(token.reshape(-1).tolist(), prob.reshape(-1).tolist(), margin.reshape(-1).tolist())
 
 
 class Backend:

@@ -11,6 +11,7 @@ address and each lane's stream gets its own session (`user_compute_stream`).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ except ImportError as err:  # backend_class turns this into an install hint
     raise ImportError(f"onnxruntime is not installed: {err}") from err
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
+BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
 
 
 def ort_value(tensor: torch.Tensor) -> "ort.OrtValue":
@@ -37,6 +40,34 @@ def ort_value(tensor: torch.Tensor) -> "ort.OrtValue":
         from onnx import TensorProto
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tensor.view(torch.int16).numpy(), TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
+
+
+class Bound:
+    """An IOBinding with every tensor bound once, for one subgraph, token count and thread (CPU).
+
+    Rebinding inputs costs more than a small layer's compute, so each call copies its inputs into
+    persistent bound buffers and copies the outputs out; a layer's caches stay bound in place.
+    """
+
+    def __init__(self, session, io, tokens: int, caches: dict[str, "ort.OrtValue"]):
+        self.binding = session.io_binding()
+        self.session = session
+        self.buffers: dict[str, np.ndarray] = {}
+        for spec, output in [(t, False) for t in io.inputs] + [(t, True) for t in io.outputs]:
+            if spec.name in caches:
+                value = caches[spec.name]
+            else:
+                shape = tuple(1 if d == "batch" else tokens if d == "tokens" else d for d in spec.shape)
+                self.buffers[spec.name] = buffer = np.zeros(shape, dtype=NUMPY_DTYPES[TORCH_DTYPES[spec.dtype]])
+                value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            (self.binding.bind_ortvalue_output if output else self.binding.bind_ortvalue_input)(spec.name, value)
+        self.outputs = [t.name for t in io.outputs if t.name not in caches]
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        for name, tensor in inputs.items():
+            self.buffers[name][...] = tensor.numpy()
+        self.session.run_with_iobinding(self.binding)
+        return [torch.from_numpy(self.buffers[name].copy()) for name in self.outputs]
 
 
 class OnnxRuntimeBackend(Backend):
@@ -61,6 +92,7 @@ class OnnxRuntimeBackend(Backend):
         self.sessions: dict[str, ort.InferenceSession] = {}
         self._stream_sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self._cache_values: dict[int, ort.OrtValue] = {}
+        self._bound: dict[tuple[str, int, int], Bound] = {}
         for sub in self.manifest.subgraphs:
             session = self._create_session(sub.onnx)
             self.check_names(sub, [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()],
@@ -81,13 +113,33 @@ class OnnxRuntimeBackend(Backend):
             raise ManifestError(f"onnxruntime cannot load {path} ({str(err).splitlines()[0]}); re-export the model.") from err
 
     def close(self) -> None:
+        self._bound.clear()
         self.sessions.clear()
         self._stream_sessions.clear()
         self._cache_values.clear()
 
     def allocate_cache(self) -> KVCache:
         self._cache_values.clear()
+        self._bound.clear()
         return super().allocate_cache()
+
+    def _bound_call(self, name: str, tokens: int, inputs: dict[str, torch.Tensor],
+                    caches: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Run through a persistent binding (CPU, small calls); None where the generic path applies."""
+        if self.device.type != "cpu" or tokens > BOUND_TOKENS:
+            return None
+        key = (name, tokens, threading.get_ident())
+        bound = self._bound.get(key)
+        if bound is None:
+            values = {k: self._cache_value(v) for k, v in (caches or {}).items()}
+            bound = self._bound[key] = Bound(self.sessions[name], self.manifest.subgraph(name).io, tokens, values)
+        return bound(inputs)
+
+    def _cache_value(self, tensor: torch.Tensor):
+        value = self._cache_values.get(tensor.data_ptr())
+        if value is None:
+            value = self._cache_values[tensor.data_ptr()] = ort_value(tensor)
+        return value
 
     def _session(self, name: str):
         if self.device.type != "cuda":
@@ -125,12 +177,19 @@ class OnnxRuntimeBackend(Backend):
         inputs = {INPUT_IDS: ids.to(self.device).contiguous()}
         if self.spec.positions == "learned":
             inputs[POSITIONS] = positions.to(self.device).contiguous()
+        fast = self._bound_call("embed", ids.shape[1], inputs)
+        if fast is not None:
+            return fast[0]
         hidden = torch.empty((*ids.shape, self.spec.hidden_size), dtype=self.dtype, device=self.device)
         self._run("embed", inputs, {HIDDEN: hidden})
         return hidden
 
     def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         key, value = cache.layer(layer)
+        fast = self._bound_call(f"layer_{layer}", hidden.shape[1], {HIDDEN: hidden, POSITIONS: positions},
+                                {PAST_KEY: key, PAST_VALUE: value, PRESENT_KEY: key, PRESENT_VALUE: value})
+        if fast is not None:
+            return fast[0]
         out = torch.empty_like(hidden)
         self._run(
             f"layer_{layer}",
@@ -142,9 +201,12 @@ class OnnxRuntimeBackend(Backend):
         return out
 
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
+        fast = self._bound_call(name, hidden.shape[1], {HIDDEN: hidden})
+        if fast is not None:
+            return HeadOutput.of(*fast[:3])
         shape = hidden.shape[:2]
         token = torch.empty(shape, dtype=torch.int64, device=self.device)
         prob = torch.empty(shape, dtype=torch.float32, device=self.device)
         margin = torch.empty(shape, dtype=torch.float32, device=self.device)
         self._run(name, {HIDDEN: hidden.contiguous()}, {TOKEN: token, PROB: prob, MARGIN: margin})
-        return HeadOutput(token[0].cpu(), prob[0].cpu(), margin[0].cpu())
+        return HeadOutput.of(token, prob, margin)

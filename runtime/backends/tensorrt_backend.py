@@ -109,4 +109,4 @@ class TensorRTBackend(Backend):
                    PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
                    MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device)}
         self._execute(name, {HIDDEN: hidden.contiguous(), **outputs}, shape[1])
-        return HeadOutput(outputs[TOKEN][0].cpu(), outputs[PROB][0].cpu(), outputs[MARGIN][0].cpu())
+        return HeadOutput.of(outputs[TOKEN], outputs[PROB], outputs[MARGIN])

@@ -61,4 +61,4 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         token, prob, margin = self.modules[name](hidden)[:3]
-        return HeadOutput(token[0].cpu(), prob[0].cpu(), margin[0].cpu())
+        return HeadOutput.of(token, prob, margin)
