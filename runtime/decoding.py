@@ -6,8 +6,10 @@ A decoder is a generator of verified tokens `(token, margin)`: the caller applie
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,7 @@ class DecodeContext:
     cache: KVCache
     timeline: Timeline
     stats: GenerationStats
+    annotate: Callable[[str], AbstractContextManager] | None = None  # NVTX ranges while profiling
     positions: torch.Tensor = field(init=False)  # [1, capacity]: every call's positions are a slice of it
 
     def __post_init__(self) -> None:
@@ -40,6 +43,12 @@ class DecodeContext:
 
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
+        if self.annotate is not None:
+            with self.annotate(f"embed pos {start}-{end - 1} lane {lane}"):
+                return self._embed(lane, ids, start, end)
+        return self._embed(lane, ids, start, end)
+
+    def _embed(self, lane: str, ids: list[int], start: int, end: int) -> torch.Tensor:
         began = time.perf_counter()
         hidden = self.backend.embed(torch.tensor([ids], dtype=torch.int64), self.positions[:, start:end])
         self.timeline.add(lane, "embed", began, time.perf_counter(), (start, end))
@@ -47,25 +56,51 @@ class DecodeContext:
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         end = start + hidden.shape[1]
+        if self.annotate is not None:
+            with self.annotate(f"layer {layer} pos {start}-{end - 1} lane {lane}"):
+                return self._layer(lane, layer, hidden, start, end)
+        return self._layer(lane, layer, hidden, start, end)
+
+    def _layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
         began = time.perf_counter()
         out = self.backend.layer(layer, hidden, self.positions[:, start:end], self.cache)
         self.timeline.add(lane, self.layer_names[layer], began, time.perf_counter(), (start, end))
         return out
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
+        if self.annotate is not None:
+            with self.annotate(f"{name} pos {start}-{start + hidden.shape[1] - 1} lane {lane}"):
+                return self._head(lane, name, hidden, start)
+        return self._head(lane, name, hidden, start)
+
+    def _head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
         began = time.perf_counter()
         out = self.backend.head(name, hidden)
         self.timeline.add(lane, name, began, time.perf_counter(), (start, start + hidden.shape[1]))
         return out
 
+    def phase(self, name: str, positions: tuple[int, int]):
+        """A scheduler phase (prefill, verify, rollback): an NVTX range and a span, only while profiling."""
+        if self.annotate is None:
+            return contextlib.nullcontext()
+        return self._phase(name, positions)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, positions: tuple[int, int]):
+        began = time.perf_counter()
+        with self.annotate(name):
+            yield
+        self.timeline.add("phases", name, began, time.perf_counter(), positions)
+
 
 def prefill(ctx: DecodeContext, prompt: list[int]) -> tuple[int, float]:
     """The whole prompt in one call per layer; the final head on its last position gives the first token."""
-    hidden = ctx.embed(MAIN, prompt, 0)
-    for layer in range(1, ctx.num_layers + 1):
-        hidden = ctx.layer(MAIN, layer, hidden, 0)
-        ctx.cache.written(layer, len(prompt))
-    out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1)
+    with ctx.phase("prefill", (0, len(prompt))):
+        hidden = ctx.embed(MAIN, prompt, 0)
+        for layer in range(1, ctx.num_layers + 1):
+            hidden = ctx.layer(MAIN, layer, hidden, 0)
+            ctx.cache.written(layer, len(prompt))
+        out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1)
     return out.token[0], out.margin[0]
 
 

@@ -84,9 +84,16 @@ class ParaDecodeModel:
 
     # --- public API ---------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                 config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationResult:
-        """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields."""
-        stream = self._stream(prompt, prompt_ids, config, trace, settings, text=False)
+                 config: GenerationConfig | None = None, trace: bool = False, annotate=None, exit_policy=None,
+                 **settings) -> GenerationResult:
+        """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields.
+
+        `trace=True` keeps every subgraph call's span in `result.timeline`; `annotate(name)` (a context
+        manager factory, such as an NVTX range) wraps every call and scheduler phase while profiling.
+        `exit_policy` replaces the threshold test, for controlled measurements only (see ParaDecoder).
+        """
+        stream = self._stream(prompt, prompt_ids, config, trace, settings, text=False, annotate=annotate,
+                              exit_policy=exit_policy)
         for _ in stream:
             pass
         return stream.result
@@ -96,11 +103,12 @@ class ParaDecodeModel:
         """Like `generate`, but yields each token as soon as it is verified."""
         return self._stream(prompt, prompt_ids, config, trace, settings, text=True)
 
-    def _stream(self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool) -> GenerationStream:
+    def _stream(self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool,
+                annotate=None, exit_policy=None) -> GenerationStream:
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids)
         stream = GenerationStream(iter(()))
-        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text)
+        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
         return stream
 
     # --- internals --------------------------------------------------------------------------
@@ -128,21 +136,21 @@ class ParaDecodeModel:
         return ids
 
     def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline, stream: GenerationStream,
-             with_text: bool) -> Iterator[StreamedToken]:
+             with_text: bool, annotate=None, exit_policy=None) -> Iterator[StreamedToken]:
         with self._lock:
             overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
             stats = GenerationStats(mode=config.mode, overlap=overlap if config.mode == "paradecode" else None,
                                     prompt_tokens=len(ids))
             self.cache.reset()
-            ctx = DecodeContext(self.backend, self.cache, timeline, stats)
+            ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
             eos = () if config.ignore_eos else self.export.eos_token_ids
             if config.mode == "ar":
                 decoder = decode_ar(ctx, ids)
             else:
                 thresholds = config.resolve_thresholds(self.manifest.thresholds)
                 decoder = ParaDecoder(ctx, thresholds=thresholds, max_unverified=config.max_unverified,
-                                      overlap=overlap, side_lanes=self.side_lanes,
-                                      eos_token_ids=eos).run(ids, config.max_new_tokens)
+                                      overlap=overlap, side_lanes=self.side_lanes, eos_token_ids=eos,
+                                      exit_policy=exit_policy).run(ids, config.max_new_tokens)
             text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
             tokens, margins = [], []
             started = time.perf_counter()
@@ -170,7 +178,7 @@ class ParaDecodeModel:
                 decoder.close()
                 stats.seconds = time.perf_counter() - started
                 stats.new_tokens = len(tokens)
-                stats.lane_busy_seconds = dict(timeline.busy)
+                stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
                 stats.calls = timeline.calls
                 stream.result = GenerationResult(tokens, self.tokenizer.decode(tokens) if self.tokenizer else None,
                                                  stats, margins, timeline if timeline.record_spans else None)

@@ -22,6 +22,7 @@ Only lane 0 makes decisions (exits, verification, rollback); side lanes only com
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ class Group:
 
 class ParaDecoder:
     def __init__(self, ctx: DecodeContext, *, thresholds: dict[int, float], max_unverified: int, overlap: str,
-                 side_lanes: list[Lane], eos_token_ids: tuple[int, ...] = ()):
+                 side_lanes: list[Lane], eos_token_ids: tuple[int, ...] = (), exit_policy=None):
         self.ctx = ctx
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
@@ -55,6 +56,9 @@ class ParaDecoder:
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
         self.eos = set(eos_token_ids)
+        # For measurements only (tools/characterise.py): `exit_policy(position, layer, head_output)` returns
+        # the early token, or None for no exit, in place of the threshold test. The head still runs.
+        self.exit_policy = exit_policy
         # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
         # signalled when pending groups exist, so idle side lanes cost nothing when nothing exits.
         lock = threading.Lock()
@@ -172,9 +176,14 @@ class ParaDecoder:
         if self.frontier_needs_no_successor(group) or len(self.tokens) - self.verified >= self.K:
             return
         out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
-        if out.prob[0] < self.thresholds[layer]:
+        if self.exit_policy is not None:
+            token = self.exit_policy(group.end - 1, layer, out)
+            if token is None:
+                return
+        elif out.prob[0] < self.thresholds[layer]:
             return
-        token = out.token[0]
+        else:
+            token = out.token[0]
         stats = self.ctx.stats
         with self.cond:
             self.tokens.append(token)
@@ -231,6 +240,9 @@ class ParaDecoder:
         with self.cond:
             while self.groups and self.groups[0].final is not None:
                 group = self.groups.pop(0)
+                if self.ctx.annotate is not None:
+                    self.ctx.timeline.add("phases", "verify", time.perf_counter(), time.perf_counter(),
+                                          (group.start, group.end))
                 for i, position in enumerate(range(group.start, group.end)):
                     token, margin = group.final.token[i], group.final.margin[i]
                     if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
@@ -241,7 +253,8 @@ class ParaDecoder:
                             verified.append((token, margin))
                             continue
                         stats.mismatches.append(Mismatch(position + 1, layer, self.tokens[position + 1], token, margin))
-                        self.rollback(position, token)
+                        with self.ctx.phase("rollback", (position + 1, len(self.tokens))):
+                            self.rollback(position, token)
                         verified.append((token, margin))
                         return verified
                     self.tokens.append(token)  # the newest position: its final output is the next token

@@ -8,7 +8,7 @@ from tests.conftest import REPO
 
 SUBPACKAGES = {"graphs": "paradecode/graphs", "export": "paradecode/export", "runtime": "paradecode/runtime",
                "tools": "paradecode/tools"}
-SCRIPTS = ("paradecode-export", "paradecode-generate", "paradecode-train-heads", "paradecode-demo")
+SCRIPTS = ("paradecode-export", "paradecode-generate", "paradecode-train-heads", "paradecode-bench", "paradecode-profile", "paradecode-characterise", "paradecode-demo")
 
 
 def test_wheel_contains_every_module(tmp_path):

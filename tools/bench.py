@@ -1,0 +1,154 @@
+"""`paradecode-bench DIR`: ar vs ParaDecode vs Hugging Face generate, side by side, on one machine.
+
+Prints a Markdown table and writes the JSON (--json) and a PNG (--plot): speedup against the
+threshold per overlap mode, and early exits per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+from paradecode.graphs.errors import ParadecodeError, UserInputError
+
+logger = logging.getLogger("paradecode.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradecode-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
+    parser.add_argument("--prompts", type=Path, metavar="FILE",
+                        help="one prompt per line (\\n for a newline); default: built-in code and prose prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
+    parser.add_argument("--hf", metavar="MODEL", help="the original model for the Hugging Face reference "
+                                                      "(default: the manifest's source, where it is a local folder)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face modes")
+    parser.add_argument("--thresholds", default="default,0.5,0.75,0.9",
+                        help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones")
+    parser.add_argument("--overlaps", default="batched,streams,both", help="overlap modes to try")
+    parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
+    parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure and sample as JSON")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png", help="write the speedup and exits plot")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        table = run(args)
+    except ParadecodeError as err:
+        print(f"paradecode-bench: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("paradecode-bench: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(table)
+    return 0
+
+
+def parse_thresholds(text: str) -> list[float | None]:
+    from paradecode.runtime.config import check_threshold, parse_threshold
+
+    values: list[float | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        values.append(None if part == "default" else check_threshold(parse_threshold(part)))
+    return values
+
+
+def run(args) -> str:
+    from paradecode.runtime import load
+    from paradecode.tools import benchmarking as bm
+    from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
+
+    if args.repeat < 1 or args.max_new_tokens < 2:
+        raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
+    thresholds = parse_thresholds(args.thresholds)
+    overlaps = [o.strip() for o in args.overlaps.split(",") if o.strip()]
+    cores = os.cpu_count() or 1
+    main_model = load(args.export, backend=args.backend, device=args.device, lanes=2)
+    ar_model = load(args.export, backend=args.backend, device=args.device, lanes=1, verify=False) \
+        if args.backend == "onnxruntime" and cores > 1 else None
+    manifest = main_model.manifest
+    texts = read_prompts(args.prompts) if args.prompts else list(bm.DEFAULT_PROMPTS)
+    if main_model.tokenizer is None:
+        raise UserInputError(f"{args.export} has no tokenizer: the benchmark needs text prompts.")
+    prompts = [main_model.tokenizer.encode(t) for t in texts]
+    ignore = args.ignore_eos
+    modes = [bm.paradecode_mode("ar (1 thread/call)", main_model, {"mode": "ar"}, ignore_eos=ignore)]
+    if ar_model is not None:
+        modes.insert(0, bm.paradecode_mode(f"ar ({cores} threads/call)", ar_model, {"mode": "ar"}, ignore_eos=ignore))
+    for overlap in overlaps:
+        for threshold in thresholds:
+            label = "calibrated" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
+            settings = {"mode": "paradecode", "overlap": overlap, "thresholds": threshold,
+                        "max_unverified": args.max_unverified}
+            modes.append(bm.paradecode_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
+    hf_path = None if args.no_hf else (args.hf or local_source(manifest))
+    if hf_path is not None:
+        modes += hf_modes(hf_path, manifest, ignore)
+    logger.info("benchmarking %d modes x %d prompts x %d repeats, %d new tokens each", len(modes), len(prompts),
+                args.repeat, args.max_new_tokens)
+    samples = bm.run_benchmark(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat)
+    summary = bm.summarize(modes, samples)
+    table = markdown_table(summary)
+    if args.json:
+        save_json(args.json, {"export": str(Path(args.export).resolve()), "model": manifest.model,
+                              "machine": bm.machine(), "settings": {k: str(v) for k, v in vars(args).items()},
+                              "prompts": texts, "summary": summary, "samples": bm.samples_as_dicts(samples)})
+        logger.info("wrote %s", args.json)
+    if args.plot:
+        save_figure(args.plot, benchmark_figure(summary, f"{Path(args.export).name}: {args.backend} on {args.device}"))
+        logger.info("wrote %s", args.plot)
+    main_model.close()
+    if ar_model is not None:
+        ar_model.close()
+    return table
+
+
+def read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise UserInputError(f"--prompts {path}: no such file.")
+    prompts = [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise UserInputError(f"--prompts {path} has no prompts (one per line).")
+    return prompts
+
+
+def local_source(manifest) -> str | None:
+    source = manifest.model.get("source")
+    if source and Path(source).is_dir():
+        return source
+    logger.info("no local copy of the original model (%s): skipping the Hugging Face modes (pass --hf)", source)
+    return None
+
+
+def hf_modes(path: str, manifest, ignore_eos: bool) -> list:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from paradecode.tools import benchmarking as bm
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    early = manifest.exit_layers[0] if manifest.exit_layers else 1
+    return [
+        bm.hf_mode("hf", model, {}, ignore_eos=ignore_eos),
+        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10}, ignore_eos=ignore_eos),
+        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early}, ignore_eos=ignore_eos),
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""`paradecode-characterise`: ParaDecode's speedup against acceptance rate and exit depth, next to its bound.
+
+A random-weight Llama of realistic layer widths is exported with one exit layer at each requested
+depth. Acceptance is controlled: at the exit layer the head runs as usual (its cost is real), and
+the token exits, with the reference (ar) token, for a fixed pseudo-random share `a` of positions,
+the same positions in every mode; other tokens go on. Every exit is correct, so this measures the
+scheduler, not the heads. ar and each ParaDecode overlap run interleaved, R times.
+
+The bound (DESIGN.md §6), in layer-times per token, with a the share of tokens that exit at depth e
+of L layers and k = K + 1 positions sharing a batched call:
+    streams (two lanes, perfect overlap):  a * max(e, L - e)        + (1 - a) * L
+    batched (one lane):                    a * (e + (L - e) / k)    + (1 - a) * L
+    both:                                  a * max(e, (L - e) / k)  + (1 - a) * L
+Speedup bound = L / that. It leaves out the exit head's own cost, the embedding and the final head,
+per-call overhead and lane contention: the gap to it is what the scheduler loses to those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from paradecode.graphs.errors import ParadecodeError, UserInputError
+
+logger = logging.getLogger("paradecode.characterise")
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradecode-characterise", description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--acceptance", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--depths", type=floats, default=[0.25, 0.5], help="exit depths as shares of the layers")
+    parser.add_argument("--overlaps", default="batched,streams,both")
+    parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--backend", choices=("torch", "onnxruntime"), default="onnxruntime")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", type=Path, metavar="OUT")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png")
+    parser.add_argument("--work-dir", type=Path, help="keep the model and export here (default: a temporary folder)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        print(run(args))
+    except ParadecodeError as err:
+        print(f"paradecode-characterise: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+def bounds(a: float, e: int, layers: int, k: int) -> dict[str, float]:
+    upper = layers - e
+    per_token = {"streams": a * max(e, upper) + (1 - a) * layers,
+                 "batched": a * (e + upper / k) + (1 - a) * layers,
+                 "both": a * max(e, upper / k) + (1 - a) * layers}
+    return {mode: layers / t for mode, t in per_token.items()}
+
+
+def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
+    """Exit at `layer` with the reference token for a fixed pseudo-random share of positions."""
+    def policy(position: int, exit_layer: int, out) -> int | None:
+        if exit_layer != layer or position + 1 >= len(reference):
+            return None
+        if random.Random(position * 7919 + seed).random() < share:
+            return reference[position + 1]
+        return None
+    return policy
+
+
+def build_model(args, folder: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def run(args) -> str:
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from paradecode.runtime import load
+    from paradecode.tools.reporting import save_figure, save_json
+
+    depths = sorted({max(1, min(args.layers - 1, round(d * args.layers))) for d in args.depths})
+    overlaps = [o.strip() for o in args.overlaps.split(",") if o.strip()]
+    if any(not 0 <= a <= 1 for a in args.acceptance):
+        raise UserInputError(f"acceptance rates must be in [0, 1], got {args.acceptance}.")
+    with tempfile.TemporaryDirectory(prefix="paradecode-char-") as tmp:
+        work = args.work_dir or Path(tmp)
+        model_dir, export_dir = work / "model", work / "export"
+        if not (export_dir / "manifest.json").is_file():
+            logger.info("building a random Llama (hidden %d, ffn %d, %d layers) and exporting it", args.hidden,
+                        args.ffn, args.layers)
+            build_model(args, model_dir)
+            export_model(ExportConfig(model=str(model_dir), output=export_dir, exit_layers=tuple(depths),
+                                      max_seq_len=128, max_unverified=args.max_unverified, force=True))
+        cores = os.cpu_count() or 1
+        pd_model = load(export_dir, backend=args.backend, device=args.device, lanes=2)
+        ar_models = {"ar (1 thread/call)": pd_model}
+        if args.backend == "onnxruntime" and cores > 1:
+            ar_models[f"ar ({cores} threads/call)"] = load(export_dir, lanes=1, verify=False)
+        prompt = [(17 * i + 5) % args.vocab for i in range(16)]
+        common = dict(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        reference = prompt + pd_model.generate(mode="ar", **common).token_ids
+        cases = [(e, a, o) for e in depths for a in args.acceptance for o in overlaps]
+        rows = {("ar", name): [] for name in ar_models} | {case: [] for case in cases}
+        exits: dict[tuple, list[float]] = {case: [] for case in cases}
+        started = time.perf_counter()
+        for rep in range(args.repeat + 1):  # the first pass is a warm-up
+            for key in rows:
+                if key[0] == "ar":
+                    result = ar_models[key[1]].generate(mode="ar", **common)
+                else:
+                    e, a, o = key
+                    result = pd_model.generate(overlap=o, thresholds={d: (0.0 if d == e else float("inf"))
+                                                                       for d in depths},
+                                               max_unverified=args.max_unverified,
+                                               exit_policy=oracle(reference, e, a), **common)
+                    if result.token_ids != reference[len(prompt):]:
+                        raise ParadecodeError(f"parity lost at {key}: the scheduler changed the output")
+                    if rep:
+                        exits[key].append(sum(result.stats.accepted_per_layer.values()) / len(result.token_ids))
+                if rep:
+                    rows[key].append(result.stats.tokens_per_second)
+            logger.info("pass %d/%d done (%.0f s)", rep, args.repeat, time.perf_counter() - started)
+        ar_name = max(ar_models, key=lambda n: statistics.median(rows[("ar", n)]))
+        ar_runs = rows[("ar", ar_name)]
+        results = []
+        for e, a, o in cases:
+            ratios = [x / y for x, y in zip(rows[(e, a, o)], ar_runs)]
+            share = statistics.median(exits[(e, a, o)])
+            results.append({"exit_layer": e, "acceptance": a, "exit_share": share, "overlap": o,
+                             "tokens_per_second": statistics.median(rows[(e, a, o)]),
+                             "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+                             "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o]})
+        for model in {id(m): m for m in ar_models.values()}.values():
+            model.close()
+    shape = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")}
+    payload = {"shape": shape, "baseline": ar_name, "ar_tokens_per_second": statistics.median(ar_runs),
+               "ar_variants": {n: statistics.median(rows[("ar", n)]) for n in ar_models},
+               "max_unverified": args.max_unverified, "max_new_tokens": args.max_new_tokens,
+               "repeat": args.repeat, "results": results}
+    if args.json:
+        from paradecode.tools.benchmarking import machine
+        save_json(args.json, {**payload, "machine": machine()})
+    if args.plot:
+        save_figure(args.plot, figure(payload))
+    return table(payload)
+
+
+def table(payload: dict) -> str:
+    lines = [f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}",
+             "", "| exit layer | acceptance | exits done | overlap | tok/s | speedup (min-max) | bound |",
+             "| ---: | ---: | ---: | --- | ---: | --- | ---: |"]
+    for r in payload["results"]:
+        s = r["speedup"]
+        lines.append(f"| {r['exit_layer']} | {r['acceptance']:.2f} | {r['exit_share']:.2f} | {r['overlap']} | "
+                     f"{r['tokens_per_second']:.1f} | {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) | "
+                     f"{r['bound']:.2f}x |")
+    return "\n".join(lines)
+
+
+def figure(payload: dict):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted({r["exit_layer"] for r in payload["results"]})
+    fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.5), squeeze=False)
+    for axis, e in zip(axes[0], layers):
+        for i, overlap in enumerate(sorted({r["overlap"] for r in payload["results"]})):
+            rows = sorted((r for r in payload["results"] if r["exit_layer"] == e and r["overlap"] == overlap),
+                          key=lambda r: r["acceptance"])
+            color = f"C{i}"
+            med = [r["speedup"]["median"] for r in rows]
+            err = [[m - r["speedup"]["min"] for m, r in zip(med, rows)], [r["speedup"]["max"] - m for m, r in zip(med, rows)]]
+            axis.errorbar([r["exit_share"] for r in rows], med, yerr=err, marker="o", color=color, capsize=3,
+                          label=f"{overlap} measured")
+            axis.plot([r["exit_share"] for r in rows], [r["bound"] for r in rows], ls="--", color=color,
+                      label=f"{overlap} bound")
+        axis.axhline(1.0, color="grey", lw=0.8)
+        axis.set_title(f"exit after layer {e} of {payload['shape']['layers']}")
+        axis.set_xlabel("share of tokens exiting early (all correct)")
+        axis.set_ylabel("speedup over ar")
+        axis.legend(fontsize=8)
+    fig.suptitle(f"ParaDecode vs the bound of DESIGN.md §6; random Llama {payload['shape']}")
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(main())

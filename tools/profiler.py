@@ -1,0 +1,180 @@
+"""`paradecode-profile DIR`: where decoding time goes, lane by lane.
+
+Runs one generation with every subgraph call recorded, and writes
+- a Chrome / Perfetto trace (`--trace OUT.json`; open in chrome://tracing or ui.perfetto.dev):
+  one track per lane with every call (subgraph, positions), and a track of scheduler phases
+  (prefill, verify, rollback);
+- a PNG timeline of the same (`--png`, default: the trace's name with .png);
+- NVTX ranges for every call and phase (the `nvtx` package; a no-op without a GPU or profiler),
+  and on CUDA a cudaProfilerApi range around decoding, so that
+      nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx \\
+          -o paradecode paradecode-profile DIR --device cuda --backend torch
+  captures the decode region only.
+It prints per-lane busy time and how long the two busiest lanes ran at the same time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+from paradecode.graphs.errors import ParadecodeError
+
+logger = logging.getLogger("paradecode.profile")
+NSYS = ("nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o paradecode "
+        "paradecode-profile DIR --device cuda")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paradecode-profile", description=__doc__.splitlines()[0],
+                                     epilog=f"Nsight Systems: {NSYS}")
+    parser.add_argument("export", metavar="DIR")
+    parser.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a line of code)")
+    parser.add_argument("--prompt-ids", help="prompt as comma-separated ids (for exports without a tokenizer)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    parser.add_argument("--overlap", choices=("auto", "streams", "batched", "both"), default="both")
+    parser.add_argument("--threshold", help="threshold for every exit layer (default: the export's)")
+    parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
+    parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--trace", type=Path, default=Path("paradecode-trace.json"), metavar="OUT.json")
+    parser.add_argument("--png", type=Path, metavar="OUT.png", help="timeline picture (default: next to --trace)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        report = run(args)
+    except ParadecodeError as err:
+        print(f"paradecode-profile: error: {err}", file=sys.stderr)
+        return err.exit_code
+    print(report)
+    return 0
+
+
+def nvtx_annotator():
+    """`name -> context manager` emitting NVTX ranges; None (with a note) where the nvtx package is missing."""
+    try:
+        import nvtx
+    except ImportError:
+        logger.info("the nvtx package is not installed (pip install nvtx): no NVTX ranges")
+        return None
+    return lambda name: nvtx.annotate(name, domain="paradecode")
+
+
+def run(args) -> str:
+    import torch
+
+    from paradecode.runtime import GenerationConfig, load
+    from paradecode.runtime.config import parse_threshold
+    from paradecode.tools.reporting import save_figure, save_json
+
+    model = load(args.export, backend=args.backend, device=args.device, lanes=args.lanes)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, overlap=args.overlap,
+                              thresholds=parse_threshold(args.threshold) if args.threshold else None,
+                              max_unverified=args.max_unverified)
+    ids = [int(i) for i in args.prompt_ids.split(",")] if args.prompt_ids else None
+    prompt = None if ids else args.prompt
+    model.generate(prompt, prompt_ids=ids, config=GenerationConfig(max_new_tokens=8))  # warm-up
+    annotate = nvtx_annotator()
+    cuda = args.device == "cuda" and torch.cuda.is_available()
+    capture = torch.cuda.profiler.profile() if cuda else contextlib.nullcontext()
+    with capture:
+        result = model.generate(prompt, prompt_ids=ids, config=config, trace=True,
+                                annotate=annotate or (lambda name: contextlib.nullcontext()))
+    model.close()
+    spans = result.timeline.spans
+    save_json(args.trace, chrome_trace(spans, {"export": str(args.export), "stats": result.stats.to_dict()}))
+    png = args.png or args.trace.with_suffix(".png")
+    title = f"{Path(args.export).name}: {result.stats.mode} {result.stats.overlap}, {args.backend} on {args.device}"
+    save_figure(png, timeline_figure(spans, title))
+    busy = lane_busy(spans)
+    lines = [f"wrote {args.trace} and {png}",
+             f"{result.stats.new_tokens} tokens, {result.stats.tokens_per_second:.1f} tokens/s, "
+             f"exits {result.stats.exits_per_layer}, rollbacks {result.stats.rollbacks}"]
+    lines += [f"  lane {lane}: busy {seconds * 1e3:.1f} ms" for lane, seconds in busy]
+    if len(busy) >= 2:
+        a, b = busy[0][0], busy[1][0]
+        lines.append(f"  lanes {a} and {b} ran at the same time for {overlap_seconds(spans, a, b) * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+def lane_busy(spans) -> list[tuple[str, float]]:
+    busy: dict[str, float] = {}
+    for s in spans:
+        if s.lane != "phases":
+            busy[s.lane] = busy.get(s.lane, 0.0) + s.end - s.start
+    return sorted(busy.items(), key=lambda kv: -kv[1])
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def overlap_seconds(spans, lane_a: str, lane_b: str) -> float:
+    """Total time during which both lanes were inside a call."""
+    a = _merged([(s.start, s.end) for s in spans if s.lane == lane_a])
+    b = _merged([(s.start, s.end) for s in spans if s.lane == lane_b])
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def chrome_trace(spans, metadata: dict) -> dict:
+    """Trace Event Format: one thread per lane, complete ("X") events in microseconds."""
+    origin = min((s.start for s in spans), default=0.0)
+    lanes = sorted({s.lane for s in spans}, key=lambda lane: (lane == "phases", lane != "main", lane))
+    tid = {lane: i for i, lane in enumerate(lanes)}
+    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[lane], "args": {"name": f"lane {lane}"}}
+              for lane in lanes]
+    for s in spans:
+        events.append({"name": s.name, "cat": "phase" if s.lane == "phases" else "subgraph", "ph": "X", "pid": 0,
+                       "tid": tid[s.lane], "ts": (s.start - origin) * 1e6, "dur": (s.end - s.start) * 1e6,
+                       "args": {"positions": f"{s.positions[0]}-{s.positions[1] - 1}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
+
+
+def timeline_figure(spans, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min((s.start for s in spans), default=0.0)
+    lanes = sorted({s.lane for s in spans}, key=lambda lane: (lane == "phases", lane != "main", lane))
+    colors = {"embed": "tab:grey", "layer": "tab:blue", "exit": "tab:orange", "final": "tab:green",
+              "prefill": "tab:purple", "verify": "tab:olive", "rollback": "tab:red"}
+    figure, axis = plt.subplots(figsize=(14, 1.2 + 0.8 * len(lanes)))
+    for row, lane in enumerate(lanes):
+        for kind, color in colors.items():
+            bars = [((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 0.02))
+                    for s in spans if s.lane == lane and s.name.startswith(kind)]
+            if bars:
+                axis.broken_barh(bars, (row - 0.4, 0.8), color=color, label=kind)
+    handles, labels = axis.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    axis.legend(unique.values(), unique.keys(), loc="upper right", ncol=len(unique), fontsize=8)
+    axis.set_yticks(range(len(lanes)), [f"lane {lane}" for lane in lanes])
+    axis.set_xlabel("milliseconds")
+    axis.set_title(title)
+    return figure
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Benchmark and trace reports: a Markdown table, JSON and PNG files, each written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_atomically(path: Path, data: bytes | str) -> Path:
+    """Write to a temporary name beside `path`, then rename: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def save_json(path: Path, payload: dict[str, Any]) -> Path:
+    return write_atomically(path, json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def save_figure(path: Path, figure) -> Path:
+    import io
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    return write_atomically(path, buffer.getvalue())
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+    baseline = summary.get("_baseline", {})
+    lines = [
+        f"speedups are medians over repeats (min-max) against `{baseline.get('ar')}` (plain decoding, same export "
+        f"and backend) and `{baseline.get('hf')}` (Hugging Face generate)",
+        "",
+        "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | rollback rate | "
+        "match ar | peak MB |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for name, row in summary.items():
+        if name.startswith("_"):
+            continue
+        if "skipped" in row:
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | |")
+            continue
+
+        def speedup(key: str) -> str:
+            s = row.get(key)
+            return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s else "-"
+
+        exits = row.get("exits_per_layer")
+        exit_text = ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
+        lines.append(
+            f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
+            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | {exit_text} | "
+            f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
+        )
+    return "\n".join(lines)
+
+
+def benchmark_figure(summary: dict[str, dict[str, Any]], title: str):
+    """Left: speedup over ar against the threshold, per overlap; right: early exits per layer."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves: dict[str, list[tuple[float, dict]]] = {}
+    for name, row in summary.items():
+        if name.startswith("_") or row.get("kind") != "paradecode" or "speedup_vs_ar" not in row:
+            continue
+        settings = row["settings"]
+        threshold = settings.get("thresholds")
+        x = -0.05 if threshold is None else (1.05 if threshold == float("inf") else float(threshold))
+        curves.setdefault(settings.get("overlap", "?"), []).append((x, row["speedup_vs_ar"]))
+    for overlap, points in sorted(curves.items()):
+        points.sort(key=lambda p: p[0])
+        xs = [p[0] for p in points]
+        med = [p[1]["median"] for p in points]
+        err = [[m - p[1]["min"] for m, p in zip(med, points)], [p[1]["max"] - m for m, p in zip(med, points)]]
+        left.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=overlap)
+    left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    left.set_xlim(-0.15, 1.15)
+    left.set_xlabel("threshold (-0.05: the export's calibrated defaults; 1.05: never exit)")
+    left.set_ylabel("speedup over ar (median, min-max over repeats)")
+    left.set_title("ParaDecode speedup vs threshold")
+    left.legend()
+    names = [n for n, r in summary.items() if not n.startswith("_") and r.get("exits_per_layer")]
+    layers = sorted({int(k) for n in names for k in summary[n]["exits_per_layer"]})
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        row = summary[name]
+        xs = [layer + (i - (len(names) - 1) / 2) * width for layer in layers]
+        right.bar(xs, [row["exits_per_layer"].get(str(layer), 0) for layer in layers], width, alpha=0.35)
+        right.bar(xs, [row["accepted_per_layer"].get(str(layer), 0) for layer in layers], width, label=name)
+    right.set_xticks(layers)
+    right.set_xlabel("exit layer")
+    right.set_ylabel("early tokens (light: proposed, solid: accepted)")
+    right.set_title("Early exits per layer")
+    if names:
+        right.legend(fontsize=7)
+    figure.suptitle(title)
+    return figure
