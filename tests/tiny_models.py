@@ -39,11 +39,44 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+# Held out from development: other shapes and options of every family, checked by
+# tests/test_heldout_parity.py only.
+HELDOUT_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama", vocab_size=71, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True,
+        attention_bias=True, mlp_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32},
+    ),
+    "qwen2": dict(
+        model_type="qwen2", vocab_size=67, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", vocab_size=73, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=8, max_position_embeddings=128,
+        attention_bias=True, tie_word_embeddings=True, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1,
+    ),
+    "mistral": dict(
+        model_type="mistral", vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        sliding_window=3, tie_word_embeddings=True,
+    ),
+    "gpt2": dict(
+        model_type="gpt2", vocab_size=53, n_embd=24, n_layer=4, n_head=2, n_inner=100, n_positions=96,
+        activation_function="gelu", scale_attn_weights=False, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1,
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, configs: dict | None = None):
     """A tiny random causal LM of `family`, with weights scaled so its logits are not all near ties."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    values = dict(TINY_CONFIGS[family])
+    values = dict((configs or TINY_CONFIGS)[family])
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
