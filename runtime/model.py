@@ -53,13 +53,15 @@ class GenerationStream:
 
 class ParaDecodeModel:
     def __init__(self, path: str | Path, *, backend: str = "onnxruntime", device: str = "cpu", lanes: int = 2,
-                 threads: int | None = None, verify: bool = True):
+                 threads: int | None = None, cuda_graphs: bool = True, verify: bool = True):
         if lanes < 1:
             raise UserInputError(f"lanes must be at least 1 (the calling thread), got {lanes}.")
         self.export = open_export(path, verify=verify)
         options = {}
         if backend == "onnxruntime":
             options["threads"] = threads if threads is not None else max(1, (os.cpu_count() or 1) // lanes)
+        elif backend == "torch":
+            options["cuda_graphs"] = cuda_graphs
         self.backend = backend_class(backend)(self.export, device=device, **options)
         self.cache = self.backend.allocate_cache()
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]

@@ -88,6 +88,48 @@ def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
     return policy
 
 
+def copy_bandwidth(device: str, megabytes: int = 256) -> float:
+    """Measured device memory copy bandwidth, bytes per second (read + write counted once, as a decode reads)."""
+    import torch
+
+    source = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        target.copy_(source)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return source.numel() * source.element_size() / best
+
+
+def weight_bytes_per_token(export_dir: Path) -> int:
+    """Bytes of weights a plain decode step reads: every layer, the final norm and head, one embedding row."""
+    from safetensors import safe_open
+
+    from paradecode.graphs.manifest import read_manifest
+
+    manifest = read_manifest(export_dir)
+    total = 0
+    with safe_open(str(export_dir / manifest.weights), framework="pt") as f:
+        for key in f.keys():
+            tensor = f.get_slice(key)
+            count = 1
+            for dim in tensor.get_shape():
+                count *= dim
+            size = {"F32": 4, "F16": 2, "BF16": 2}.get(tensor.get_dtype(), 4) * count
+            if key.startswith("embed."):
+                size //= manifest.spec.vocab_size if key == "embed.tokens.weight" else 1
+            if not key.startswith("exits."):
+                total += size
+    if manifest.spec.tie_word_embeddings:
+        total += manifest.spec.vocab_size * manifest.spec.hidden_size * (4 if manifest.dtype == "float32" else 2)
+    return total
+
+
 def build_model(args, folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -160,8 +202,12 @@ def run(args) -> str:
                              "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o]})
         for model in {id(m): m for m in ar_models.values()}.values():
             model.close()
+        bandwidth = copy_bandwidth(args.device)
+        weight_bytes = weight_bytes_per_token(export_dir)
     shape = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")}
     payload = {"shape": shape, "baseline": ar_name, "ar_tokens_per_second": statistics.median(ar_runs),
+               "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_bytes,
+               "ar_bandwidth_bound_tokens_per_second": bandwidth / weight_bytes,
                "ar_variants": {n: statistics.median(rows[("ar", n)]) for n in ar_models},
                "max_unverified": args.max_unverified, "max_new_tokens": args.max_new_tokens,
                "repeat": args.repeat, "results": results}
@@ -175,6 +221,9 @@ def run(args) -> str:
 
 def table(payload: dict) -> str:
     lines = [f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}",
+             f"memory-bandwidth bound of ar: {payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
+             f"{payload['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth = "
+             f"{payload['ar_bandwidth_bound_tokens_per_second']:.1f} tokens/s",
              "", "| exit layer | acceptance | exits done | overlap | tok/s | speedup (min-max) | bound |",
              "| ---: | ---: | ---: | --- | ---: | --- | ---: |"]
     for r in payload["results"]:

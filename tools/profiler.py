@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--trace", type=Path, default=Path("paradecode-trace.json"), metavar="OUT.json")
     parser.add_argument("--png", type=Path, metavar="OUT.png", help="timeline picture (default: next to --trace)")
+    parser.add_argument("--torch-profiler", type=Path, metavar="OUT.json",
+                        help="also record a torch.profiler trace (CUDA kernels per stream through CUPTI on a GPU)")
     return parser
 
 
@@ -85,9 +87,18 @@ def run(args) -> str:
     annotate = nvtx_annotator()
     cuda = args.device == "cuda" and torch.cuda.is_available()
     capture = torch.cuda.profiler.profile() if cuda else contextlib.nullcontext()
-    with capture:
+    kernels = contextlib.nullcontext()
+    if args.torch_profiler:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        kernels = torch.profiler.profile(activities=activities)
+    with capture, kernels as recorded:
         result = model.generate(prompt, prompt_ids=ids, config=config, trace=True,
                                 annotate=annotate or (lambda name: contextlib.nullcontext()))
+    if args.torch_profiler:
+        args.torch_profiler.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.torch_profiler.with_name(f".{args.torch_profiler.name}.tmp")
+        recorded.export_chrome_trace(str(tmp))
+        tmp.replace(args.torch_profiler)
     model.close()
     spans = result.timeline.spans
     save_json(args.trace, chrome_trace(spans, {"export": str(args.export), "stats": result.stats.to_dict()}))
@@ -95,7 +106,7 @@ def run(args) -> str:
     title = f"{Path(args.export).name}: {result.stats.mode} {result.stats.overlap}, {args.backend} on {args.device}"
     save_figure(png, timeline_figure(spans, title))
     busy = lane_busy(spans)
-    lines = [f"wrote {args.trace} and {png}",
+    lines = [f"wrote {args.trace} and {png}" + (f" and {args.torch_profiler}" if args.torch_profiler else ""),
              f"{result.stats.new_tokens} tokens, {result.stats.tokens_per_second:.1f} tokens/s, "
              f"exits {result.stats.exits_per_layer}, rollbacks {result.stats.rollbacks}"]
     lines += [f"  lane {lane}: busy {seconds * 1e3:.1f} ms" for lane, seconds in busy]
