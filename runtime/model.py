@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,7 +39,11 @@ class StreamedToken:
 
 
 class GenerationStream:
-    """Iterate to receive tokens as they are verified; `result` holds everything once iteration ends."""
+    """Iterate to receive tokens as they are verified; `result` holds everything once iteration ends.
+
+    A stream holds its model until it is exhausted or closed: stop early with `close()` (or use it
+    as a context manager) so the model can serve the next call.
+    """
 
     def __init__(self, tokens: Iterator[StreamedToken]):
         self._tokens = tokens
@@ -49,6 +54,12 @@ class GenerationStream:
 
     def close(self) -> None:
         self._tokens.close()
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class ParaDecodeModel:
@@ -67,12 +78,20 @@ class ParaDecodeModel:
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread whose call holds the model
+        self._streams: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
 
     @property
     def manifest(self):
         return self.export.manifest
 
     def close(self) -> None:
+        """Stop open streams, then free the lanes and the backend."""
+        for stream in list(self._streams):
+            try:
+                stream.close()
+            except ValueError:  # the stream is being iterated by another thread right now
+                logger.warning("closing the model while another thread iterates one of its streams")
         for lane in self.side_lanes:
             lane.close()
         self.side_lanes = []
@@ -109,8 +128,12 @@ class ParaDecodeModel:
                 annotate=None, exit_policy=None) -> GenerationStream:
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids)
+        if self._owner == threading.get_ident():
+            raise UserInputError("this thread still has an open stream on this model: exhaust it or call its "
+                                 "close() (or use `with model.stream(...) as stream:`) before the next call.")
         stream = GenerationStream(iter(()))
         stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
+        self._streams.add(stream)
         return stream
 
     # --- internals --------------------------------------------------------------------------
@@ -140,6 +163,7 @@ class ParaDecodeModel:
     def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline, stream: GenerationStream,
              with_text: bool, annotate=None, exit_policy=None) -> Iterator[StreamedToken]:
         with self._lock:
+            self._owner = threading.get_ident()
             overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
             stats = GenerationStats(mode=config.mode, overlap=overlap if config.mode == "paradecode" else None,
                                     prompt_tokens=len(ids))
@@ -177,6 +201,7 @@ class ParaDecodeModel:
                     logger.warning("stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
                                    "with a larger --max-seq-len for longer outputs.", len(tokens), self.cache.capacity)
             finally:
+                self._owner = None
                 decoder.close()
                 stats.seconds = time.perf_counter() - started
                 stats.new_tokens = len(tokens)

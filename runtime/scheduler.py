@@ -33,7 +33,8 @@ from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
 from paradecode.runtime.lanes import Future, Lane
 from paradecode.runtime.stats import Mismatch
 
-WAIT_SECONDS = 5.0  # bound on one condition wait, so a bug shows as an error, not a hang
+WAIT_SECONDS = 5.0  # one condition wait
+STALL_SECONDS = 120.0  # no progress for this long is a bug: raise instead of hanging
 
 
 @dataclass
@@ -75,6 +76,8 @@ class ParaDecoder:
         self.frontier: Group | None = None
         self.exit_layer_of: dict[int, int] = {}  # position q -> the exit layer that proposed tokens[q + 1]
         self.epoch, self.in_flight, self.stopping, self.error = 0, 0, False, None
+        self._waited = 0.0
+        self.sync = self.ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
         token, margin = prefill(self.ctx, prompt)
         self.tokens.append(token)
         self.verified = n + 1
@@ -94,7 +97,23 @@ class ParaDecoder:
                 self.epoch += 1
                 self.progress()
             for worker in workers:
-                worker.wait()
+                worker.wait(STALL_SECONDS)
+
+    def wait(self, condition: threading.Condition) -> None:
+        """Wait for progress (lock held); a stall of STALL_SECONDS is reported as an error, not a hang."""
+        if not condition.wait(WAIT_SECONDS):
+            self._waited += WAIT_SECONDS
+            if self._waited >= STALL_SECONDS:
+                raise RuntimeError(f"the ParaDecode scheduler made no progress for {STALL_SECONDS:.0f} s "
+                                   "(a bug: please report it with the settings used)")
+        else:
+            self._waited = 0.0
+
+    def publish(self) -> None:
+        """On a GPU, wait for this lane's stream so another lane may read what it computed."""
+        if self.sync:
+            import torch
+            torch.cuda.current_stream().synchronize()
 
     def start_frontier(self, position: int, token: int) -> None:
         """Start a new frontier at `position` unless no more output is needed (or it follows an EOS)."""
@@ -112,11 +131,12 @@ class ParaDecoder:
             if group is None:
                 group = self.claim(order="latest")  # help complete pending groups rather than idle
                 if group is None:
-                    self.cond.wait(WAIT_SECONDS)
+                    self.wait(self.cond)
                     return
             alone = len(self.groups) == 1
         if group.depth == -1:
             hidden = self.ctx.embed(MAIN, self.tokens[group.start:group.end], group.start)
+            self.publish()
             with self.cond:
                 group.hidden, group.depth = hidden, 0
             return
@@ -130,6 +150,7 @@ class ParaDecoder:
             hidden = self.ctx.layer(MAIN, layer, group.hidden, group.start)
             if layer == self.L:
                 final = self.ctx.head(MAIN, "final", hidden, group.start)
+            self.publish()
             with self.cond:
                 group.hidden, group.depth, group.final = hidden, layer, final
                 self.ctx.cache.written(layer, group.end)
@@ -207,7 +228,7 @@ class ParaDecoder:
                         return
                     group = self.claim(order="earliest")
                     if group is None:
-                        self.work.wait(WAIT_SECONDS)
+                        self.work.wait(WAIT_SECONDS)  # idle until there is pending work; stopping wakes it
                 epoch, layer, hidden, start = self.epoch, group.depth + 1, group.hidden, group.start
                 self.in_flight += 1
             final, error = None, None
@@ -215,15 +236,19 @@ class ParaDecoder:
                 out = self.ctx.layer(lane, layer, hidden, start)
                 if layer == self.L:
                     final = self.ctx.head(lane, "final", out, start)
+                self.publish()
             except BaseException as err:  # handed to lane 0, which raises it
                 error = err
             with self.cond:
                 self.in_flight -= 1
+                try:
+                    if error is None and epoch == self.epoch:
+                        group.hidden, group.depth, group.busy, group.final = out, layer, False, final
+                        self.ctx.cache.written(layer, group.end)
+                except BaseException as err:  # e.g. a cache past its capacity: lane 0 raises it
+                    error = err
                 if error is not None:
                     self.error, self.stopping = error, True
-                elif epoch == self.epoch:
-                    group.hidden, group.depth, group.busy, group.final = out, layer, False, final
-                    self.ctx.cache.written(layer, group.end)
                 self.progress()
             if error is not None:
                 return
@@ -271,7 +296,7 @@ class ParaDecoder:
         self.epoch += 1
         self.groups, self.frontier = [], None
         while self.in_flight:  # their writes must land before new ones to the same slots
-            self.cond.wait(WAIT_SECONDS)
+            self.wait(self.cond)
         self.raise_side_error()
         del self.tokens[position + 1:]
         self.tokens.append(token)

@@ -157,3 +157,37 @@ def test_cuda_without_a_gpu(exports):
     folder, _ = exports["llama"]
     with pytest.raises((UserInputError, MissingDependencyError), match="cuda"):
         load(folder, backend="torch", device="cuda")
+
+
+def test_closing_the_model_stops_an_open_stream(exports):
+    folder, _ = exports["llama"]
+    model = load(folder)
+    stream = model.stream(prompt_ids=[1, 2, 3], max_new_tokens=40, thresholds=0.0, overlap="streams", ignore_eos=True)
+    iterator = iter(stream)
+    next(iterator), next(iterator)  # the side lanes are working now
+    model.close()  # must not hang
+
+
+def test_a_second_call_while_this_threads_stream_is_open(model):
+    stream = model.stream(prompt_ids=[1, 2, 3], max_new_tokens=20, ignore_eos=True)
+    next(iter(stream))
+    with pytest.raises(UserInputError, match="open stream"):
+        model.generate(prompt_ids=[1], max_new_tokens=4)
+    stream.close()
+    still_works(model)
+    with model.stream(prompt_ids=[1, 2], max_new_tokens=20, ignore_eos=True) as early:
+        next(iter(early))
+    still_works(model)
+
+
+def test_bindings_follow_the_cache_they_are_given(exports):
+    import torch
+    folder, _ = exports["llama"]
+    with load(folder) as model:
+        backend = model.backend
+        first, second = model.cache, backend.allocate_cache()
+        hidden = torch.randn(1, 1, model.manifest.spec.hidden_size)
+        positions = torch.tensor([[0]])
+        backend.layer(1, hidden, positions, first)
+        backend.layer(1, hidden, positions, second)
+        assert torch.count_nonzero(second.keys[0]) > 0, "the second cache was not written"

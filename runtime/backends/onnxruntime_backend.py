@@ -92,7 +92,7 @@ class OnnxRuntimeBackend(Backend):
         self.sessions: dict[str, ort.InferenceSession] = {}
         self._stream_sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self._cache_values: dict[int, ort.OrtValue] = {}
-        self._bound: dict[tuple[str, int, int], Bound] = {}
+        self._bound: dict[tuple[str, int, int, int], Bound] = {}
         for sub in self.manifest.subgraphs:
             session = self._create_session(sub.onnx)
             self.check_names(sub, [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()],
@@ -128,7 +128,8 @@ class OnnxRuntimeBackend(Backend):
         """Run through a persistent binding (CPU, small calls); None where the generic path applies."""
         if self.device.type != "cpu" or tokens > BOUND_TOKENS:
             return None
-        key = (name, tokens, threading.get_ident())
+        cache_ptr = next(iter(caches.values())).data_ptr() if caches else 0  # a binding holds its cache
+        key = (name, tokens, threading.get_ident(), cache_ptr)
         bound = self._bound.get(key)
         if bound is None:
             values = {k: self._cache_value(v) for k, v in (caches or {}).items()}
