@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("onnx", "tensorrt"), default="onnx",
                         help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)")
     parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
+    parser.add_argument("--no-fused-exits", action="store_true",
+                        help="do not write layer_exit_e graphs (layer e and its exit head in one call)")
     parser.add_argument("--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors and the result only")
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             engine=args.engine,
             force=args.force,
             with_logits=args.with_logits,
+            fused_exits=not args.no_fused_exits,
             cache_dir=args.cache_dir,
         )
         result = export_model(config)

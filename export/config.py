@@ -29,6 +29,7 @@ class ExportConfig:
     engine: str = "onnx"
     force: bool = False
     with_logits: bool = False
+    fused_exits: bool = True  # also write layer_exit_e (layer e + exit head e in one graph)
     cache_dir: Path | None = None  # TensorRT engine and timing caches; None: ~/.cache/paradecode
 
     def __post_init__(self) -> None:

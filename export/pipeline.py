@@ -66,7 +66,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     weights = family.weights(hf_model, spec)
     weights.update({f"exits.{e}.transform": t for e, t in transforms.items()})
     plan = export_plan(spec, exit_layers, dtype=config.dtype, max_seq_len=max_seq_len,
-                       max_batch=config.max_batch, with_logits=config.with_logits)
+                       max_batch=config.max_batch, with_logits=config.with_logits, fused_exits=config.fused_exits)
     logger.info("exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
                 config.model, spec.family, spec.num_layers, spec.hidden_size, config.output, config.dtype,
                 max_seq_len, ",".join(map(str, exit_layers)), "trained" if transforms else "identity")
@@ -237,6 +237,8 @@ def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     """Subgraphs with equal keys have the same graph up to their weights."""
     if io.kind == "layer":
         return ("layer", spec.window(io.layer))
+    if io.kind == "layer_exit":
+        return ("layer_exit", spec.window(io.layer), f"exits.{io.layer}.transform" in weights)
     if io.kind in ("exit", "final"):
         return ("head", io.kind, io.kind == "exit" and f"exits.{io.layer}.transform" in weights)
     return (io.kind,)

@@ -218,6 +218,9 @@ def real_inputs(modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spe
             positions = torch.arange(start, start + chunk.shape[1])[None]
             hidden = None
             for io in plan:
+                if io.kind == "layer_exit":  # fed what layer e was fed, before it wrote its cache
+                    recorded[io.name].append({k: v.clone() for k, v in recorded[f"layer_{io.layer}"][-1].items()})
+                    continue
                 if io.kind == "embed":
                     inputs = {INPUT_IDS: chunk, POSITIONS: positions}
                 elif io.kind == "layer":

@@ -157,8 +157,27 @@ class HeadGraph(nn.Module):
         return token, prob, margin
 
 
+class LayerExitGraph(nn.Module):
+    """Layer e and exit head e in one graph: the layer's outputs plus the head's on the last position."""
+
+    def __init__(self, spec: ModelSpec, layer: int, *, transform: bool):
+        super().__init__()
+        self.layer = LayerGraph(spec, layer)
+        self.head = HeadGraph(spec, transform=transform)
+
+    def forward(self, hidden, positions, past_key, past_value):
+        hidden, present_key, present_value = self.layer(hidden, positions, past_key, past_value)
+        token, prob, margin = self.head(hidden[:, -1:])
+        return hidden, present_key, present_value, token, prob, margin
+
+
 def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module-local state dict of one subgraph, taken from the canonical weights."""
+    if io.kind == "layer_exit":
+        layer = SubgraphIO(f"layer_{io.layer}", "layer", io.layer, io.inputs, io.outputs[:3])
+        head = SubgraphIO(f"exit_{io.layer}", "exit", io.layer, io.inputs[:1], io.outputs[3:])
+        return {**{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights).items()},
+                **{f"head.{k}": v for k, v in subgraph_state(spec, head, weights).items()}}
     if io.kind == "embed":
         prefix = "embed."
         return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
@@ -208,6 +227,8 @@ def build_subgraph(
         module = EmbedGraph(spec)
     elif io.kind == "layer":
         module = LayerGraph(spec, io.layer)
+    elif io.kind == "layer_exit":
+        module = LayerExitGraph(spec, io.layer, transform=f"exits.{io.layer}.transform" in weights)
     else:
         transform = io.kind == "exit" and f"exits.{io.layer}.transform" in weights
         module = HeadGraph(spec, transform=transform, with_logits=with_logits)

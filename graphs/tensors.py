@@ -11,6 +11,9 @@ Subgraphs (DESIGN.md §4), with layers numbered 1..L:
 - ``exit_e`` (after layer e) and ``final``: ``hidden`` [B, T, D] -> ``token`` [B, T] int64 (top-1),
   ``prob`` [B, T] float32 (its probability), ``margin`` [B, T] float32 (top-1 minus top-2 logit),
   and optionally ``logits`` [B, T, V].
+- ``layer_exit_e``: layer e and exit head e fused, for the newest token's call at an exit layer: the
+  inputs and outputs of ``layer_e`` plus ``token``, ``prob``, ``margin`` [B, 1] of the exit head on
+  the last position. One call instead of two where per-call cost matters.
 
 Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export.
 """
@@ -39,7 +42,7 @@ MARGIN = "margin"
 LOGITS = "logits"
 
 DTYPES = ("float32", "float16", "bfloat16")
-KINDS = ("embed", "layer", "exit", "final")
+KINDS = ("embed", "layer", "exit", "final", "layer_exit")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ def subgraph_name(kind: str, layer: int | None = None) -> str:
         return f"layer_{layer}"
     if kind == "exit":
         return f"exit_{layer}"
+    if kind == "layer_exit":
+        return f"layer_exit_{layer}"
     raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
 
 
@@ -105,9 +110,11 @@ def subgraph_io(
         if spec.positions == "learned":
             inputs.append(positions)
         outputs = [hidden]
-    elif kind == "layer":
+    elif kind in ("layer", "layer_exit"):
         if layer is None or not 1 <= layer <= spec.num_layers:
             raise ValueError(f"layer must be in 1..{spec.num_layers}, got {layer}")
+        if kind == "layer_exit" and layer == spec.num_layers:
+            raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
         cache = (batch, spec.num_kv_heads, max_seq_len, spec.head_dim)
         inputs = [hidden, positions, TensorSpec(PAST_KEY, cache, dtype), TensorSpec(PAST_VALUE, cache, dtype)]
         outputs = [
@@ -115,6 +122,9 @@ def subgraph_io(
             TensorSpec(PRESENT_KEY, cache, dtype),
             TensorSpec(PRESENT_VALUE, cache, dtype),
         ]
+        if kind == "layer_exit":
+            outputs += [TensorSpec(TOKEN, (batch, 1), "int64"), TensorSpec(PROB, (batch, 1), "float32"),
+                        TensorSpec(MARGIN, (batch, 1), "float32")]
     elif kind in ("exit", "final"):
         if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
@@ -140,6 +150,7 @@ def export_plan(
     max_seq_len: int,
     max_batch: int = 1,
     with_logits: bool = False,
+    fused_exits: bool = False,
 ) -> list[SubgraphIO]:
     """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final."""
     common = dict(dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, with_logits=with_logits)
@@ -148,5 +159,7 @@ def export_plan(
         plan.append(subgraph_io(spec, "layer", layer, **common))
         if layer in exit_layers:
             plan.append(subgraph_io(spec, "exit", layer, **common))
+            if fused_exits:
+                plan.append(subgraph_io(spec, "layer_exit", layer, **common))
     plan.append(subgraph_io(spec, "final", **common))
     return plan

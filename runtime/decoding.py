@@ -67,6 +67,19 @@ class DecodeContext:
         self.timeline.add(lane, self.layer_names[layer], began, time.perf_counter(), (start, end))
         return out
 
+    def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
+        end = start + hidden.shape[1]
+        if self.annotate is not None:
+            with self.annotate(f"layer {layer} + exit head pos {start}-{end - 1} lane {lane}"):
+                return self._layer_exit(lane, layer, hidden, start, end)
+        return self._layer_exit(lane, layer, hidden, start, end)
+
+    def _layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int, end: int):
+        began = time.perf_counter()
+        out = self.backend.layer_exit(layer, hidden, self.positions[:, start:end], self.cache)
+        self.timeline.add(lane, f"layer_exit_{layer}", began, time.perf_counter(), (start, end))
+        return out
+
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
         if self.annotate is not None:
             with self.annotate(f"{name} pos {start}-{start + hidden.shape[1] - 1} lane {lane}"):

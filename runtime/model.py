@@ -79,6 +79,7 @@ class ParaDecodeModel:
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread whose call holds the model
+        self._warned_full = False
         self._streams: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
 
     @property
@@ -198,8 +199,11 @@ class ParaDecodeModel:
                         break
                 else:
                     stats.stop_reason = "max_seq_len"
-                    logger.warning("stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
-                                   "with a larger --max-seq-len for longer outputs.", len(tokens), self.cache.capacity)
+                    if not self._warned_full:  # once per model; every result says so in stats.stop_reason
+                        self._warned_full = True
+                        logger.warning("stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
+                                       "with a larger --max-seq-len for longer outputs.", len(tokens),
+                                       self.cache.capacity)
             finally:
                 self._owner = None
                 decoder.close()

@@ -53,6 +53,8 @@ class ParaDecoder:
         self.ctx = ctx
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
+        # Exit layers whose layer and head the export also fused into one graph (one call, not two).
+        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in ctx.backend.subgraph_names}
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
@@ -123,6 +125,13 @@ class ParaDecoder:
 
     # --- lane 0: one step of work -----------------------------------------------------------
     def main_step(self) -> None:
+        """Advance one group as far as it can go without anyone else: the frontier, else a pending group.
+
+        A group's next layers up to its predecessor's depth (and, for the frontier, up to its next
+        active exit layer) depend on nothing another lane can change: the predecessor only gets
+        deeper, side lanes never touch the frontier, and a claimed group is busy to them. So those
+        layers run in one loop without the lock, and the result is published once.
+        """
         with self.cond:
             self.raise_side_error()
             group = self.frontier
@@ -133,33 +142,29 @@ class ParaDecoder:
                 if group is None:
                     self.wait(self.cond)
                     return
-            alone = len(self.groups) == 1
-        if group.depth == -1:
-            hidden = self.ctx.embed(MAIN, self.tokens[group.start:group.end], group.start)
-            self.publish()
-            with self.cond:
-                group.hidden, group.depth = hidden, 0
-            return
-        # A lone frontier runs straight to its next exit layer: nobody else can touch it meanwhile.
-        stop = group.depth + 1
-        if alone and group is self.frontier:
-            stop = min([e for e in self.thresholds if e > group.depth] + [self.L])
-        final = None
-        while final is None:
-            layer = group.depth + 1
-            hidden = self.ctx.layer(MAIN, layer, group.hidden, group.start)
-            if layer == self.L:
-                final = self.ctx.head(MAIN, "final", hidden, group.start)
-            self.publish()
-            with self.cond:
-                group.hidden, group.depth, group.final = hidden, layer, final
-                self.ctx.cache.written(layer, group.end)
-                if layer >= stop:
-                    group.busy = False
-                    self.progress()
-                    break
-        if final is None and group is self.frontier and layer in self.thresholds:
-            self.try_exit(group, layer)
+            index = self.groups.index(group)
+            stop = self.groups[index - 1].depth if index else self.L
+        frontier = group is self.frontier
+        if frontier:
+            stop = min([stop] + [e for e in self.thresholds if e > group.depth])
+        hidden, depth, final, early = group.hidden, group.depth, None, None
+        if depth == -1:
+            hidden, depth = self.ctx.embed(MAIN, self.tokens[group.start:group.end], group.start), 0
+        while depth < stop:
+            depth += 1
+            if depth in self.fused and frontier and self.may_exit(group):
+                hidden, early = self.ctx.layer_exit(MAIN, depth, hidden, group.start)
+            else:
+                hidden = self.ctx.layer(MAIN, depth, hidden, group.start)
+            self.ctx.cache.written(depth, group.end)
+        if depth == self.L:
+            final = self.ctx.head(MAIN, "final", hidden, group.start)
+        self.publish()
+        with self.cond:
+            group.hidden, group.depth, group.final, group.busy = hidden, depth, final, False
+            self.progress()
+        if final is None and frontier and depth in self.thresholds:
+            self.try_exit(group, depth, early)
 
     def progress(self) -> None:
         """Wake whoever may now proceed (lock held): lane 0 always, side lanes when there is pending work."""
@@ -192,11 +197,19 @@ class ParaDecoder:
                 return group
         return None
 
-    def try_exit(self, group: Group, layer: int) -> None:
-        """After an exit layer: emit the frontier's newest token early if its exit head is confident enough."""
-        if self.frontier_needs_no_successor(group) or len(self.tokens) - self.verified >= self.K:
-            return
-        out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
+    def may_exit(self, group: Group) -> bool:
+        """Whether the frontier's newest token may be emitted early now (fewer than K unverified, and useful)."""
+        return not self.frontier_needs_no_successor(group) and len(self.tokens) - self.verified < self.K
+
+    def try_exit(self, group: Group, layer: int, out=None) -> None:
+        """After an exit layer: emit the frontier's newest token early if its exit head is confident enough.
+
+        `out` is the exit head's output when the fused layer_exit graph computed it already.
+        """
+        if out is None:
+            if not self.may_exit(group):
+                return
+            out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
         if self.exit_policy is not None:
             token = self.exit_policy(group.end - 1, layer, out)
             if token is None:
@@ -261,6 +274,8 @@ class ParaDecoder:
     def verify_finished(self) -> list[tuple[int, float]]:
         """Verify, in position order, every group that has its final head; roll back on a mismatch."""
         verified: list[tuple[int, float]] = []
+        if not self.groups or self.groups[0].final is None:
+            return verified  # nothing finished (a group finishing meanwhile is seen next time)
         stats = self.ctx.stats
         with self.cond:
             while self.groups and self.groups[0].final is not None:

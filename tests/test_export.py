@@ -35,7 +35,7 @@ def test_export_is_complete(family, exports):
     spec = manifest.spec
     names = [s.io.name for s in manifest.subgraphs]
     expected = ["embed"] + [f"layer_{i}" for i in range(1, spec.num_layers + 1)] + \
-               [f"exit_{e}" for e in manifest.exit_layers] + ["final"]
+               [f"exit_{e}" for e in manifest.exit_layers] + [f"layer_exit_{e}" for e in manifest.exit_layers] + ["final"]
     assert sorted(names) == sorted(expected)
     assert manifest.exit_layers and all(1 <= e < spec.num_layers for e in manifest.exit_layers)
     assert manifest.head_kind == "identity"

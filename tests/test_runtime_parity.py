@@ -109,3 +109,27 @@ def test_stories260k_paradecode_reproduces_the_published_greedy_text(stories_dir
                                                     overlap=overlap, max_unverified=k, ignore_eos=True)
                     assert_same_tokens(result.token_ids, expected, result.margins,
                                        f"stories paradecode {text!r} {threshold}/{overlap}/K={k}")
+
+
+def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
+    """With layer_exit_e graphs the frontier's exit check costs no extra call; without them, separate heads run."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    fused, _ = exports["qwen3"]
+    plain = tmp_path / "plain"
+    export_model(ExportConfig(model=str(model_dirs["qwen3"]), output=plain, max_seq_len=64, fused_exits=False))
+    prompt = [9, 8, 7, 6]
+    names = {}
+    for label, folder in (("fused", fused), ("plain", plain)):
+        with load(folder) as model:
+            ar = model.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
+            for overlap in ("batched", "streams", "both"):
+                result = model.generate(prompt_ids=prompt, max_new_tokens=30, thresholds=0.5, overlap=overlap,
+                                        ignore_eos=True, trace=True)
+                assert result.token_ids == ar.token_ids, (label, overlap)
+                names[label] = {s.name for s in result.timeline.spans}
+    assert any(n.startswith("layer_exit_") for n in names["fused"])
+    assert not any(n.startswith("exit_") for n in names["fused"])
+    assert any(n.startswith("exit_") for n in names["plain"])
+    assert not any(n.startswith("layer_exit_") for n in names["plain"])

@@ -43,6 +43,7 @@ class Backend:
         self.spec = export.manifest.spec
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.manifest.dtype]
+        self.subgraph_names = {sub.io.name for sub in self.manifest.subgraphs}
 
     # lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -74,6 +75,11 @@ class Backend:
 
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         """Run head `name` ("exit_{e}" or "final") on hidden [1, T, D]."""
+        raise NotImplementedError
+
+    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
+                   cache: KVCache) -> tuple[torch.Tensor, HeadOutput]:
+        """Layer `layer` and its exit head on the last position, in one call (`layer_exit_{layer}`)."""
         raise NotImplementedError
 
     # checks --------------------------------------------------------------------------------

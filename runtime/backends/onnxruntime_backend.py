@@ -89,6 +89,8 @@ class OnnxRuntimeBackend(Backend):
         self.options.intra_op_num_threads = self.threads
         self.options.inter_op_num_threads = 1
         self.options.log_severity_level = 3
+        # Idle pool threads must not spin: they would take the cores other lanes (or models) compute on.
+        self.options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions: dict[str, ort.InferenceSession] = {}
         self._stream_sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self._cache_values: dict[int, ort.OrtValue] = {}
@@ -200,6 +202,24 @@ class OnnxRuntimeBackend(Backend):
             cached=(PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE),
         )
         return out
+
+    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+        name = f"layer_exit_{layer}"
+        key, value = cache.layer(layer)
+        caches = {PAST_KEY: key, PAST_VALUE: value, PRESENT_KEY: key, PRESENT_VALUE: value}
+        fast = self._bound_call(name, hidden.shape[1], {HIDDEN: hidden, POSITIONS: positions}, caches)
+        if fast is not None:
+            return fast[0], HeadOutput.of(*fast[1:4])
+        out = torch.empty_like(hidden)
+        shape = (hidden.shape[0], 1)
+        token = torch.empty(shape, dtype=torch.int64, device=self.device)
+        prob = torch.empty(shape, dtype=torch.float32, device=self.device)
+        margin = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._run(name, {HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(),
+                         PAST_KEY: key, PAST_VALUE: value},
+                  {HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value, TOKEN: token, PROB: prob, MARGIN: margin},
+                  cached=tuple(caches))
+        return out, HeadOutput.of(token, prob, margin)
 
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         fast = self._bound_call(name, hidden.shape[1], {HIDDEN: hidden})

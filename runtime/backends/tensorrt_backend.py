@@ -103,6 +103,19 @@ class TensorRTBackend(Backend):
         }, hidden.shape[1])
         return out
 
+    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+        key, value = cache.layer(layer)
+        out = torch.empty_like(hidden)
+        shape = (hidden.shape[0], 1)
+        heads = {TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
+                 PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
+                 MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device)}
+        self._execute(f"layer_exit_{layer}", {
+            HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(),
+            PAST_KEY: key, PAST_VALUE: value, HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value, **heads,
+        }, hidden.shape[1])
+        return out, HeadOutput.of(heads[TOKEN], heads[PROB], heads[MARGIN])
+
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         shape = hidden.shape[:2]
         outputs = {TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),

@@ -117,6 +117,19 @@ class TorchBackend(Backend):
                           [hidden, positions.to(self.device, non_blocking=True)])[0]
 
     @torch.inference_mode()
+    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
+        key, value = cache.layer(layer)
+        name = f"layer_exit_{layer}"
+        module = self.modules[name]
+
+        def run(h, p):
+            out = module(h, p, key, value)
+            return out[0], out[3], out[4], out[5]
+
+        hidden, token, prob, margin = self._call(name, run, [hidden, positions.to(self.device, non_blocking=True)])
+        return hidden, HeadOutput.of(token, prob, margin)
+
+    @torch.inference_mode()
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         token, prob, margin = self._call(name, lambda h: self.modules[name](h)[:3], [hidden])
         return HeadOutput.of(token, prob, margin)
