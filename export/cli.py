@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.errors import ParadecodeError
+from paradecode.graphs.errors import run_command
 from paradecode.graphs.tensors import DTYPES
 
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("torch", "onnxscript", "onnx_ir", "transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
-    try:
+    def work():
         config = ExportConfig(
             model=args.model,
             output=args.output,
@@ -110,13 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             fused_exits=not args.no_fused_exits,
             cache_dir=args.cache_dir,
         )
-        result = export_model(config)
-    except ParadecodeError as err:
-        print(f"paradecode-export: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("paradecode-export: interrupted; nothing was written", file=sys.stderr)
-        return 130
+        return export_model(config)
+
+    code, result = run_command("paradecode-export", work, "interrupted; nothing was written")
+    if code:
+        return code
     if not args.quiet:
         print("validation:", file=sys.stderr)
         for line in result.checklist.lines():

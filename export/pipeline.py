@@ -9,10 +9,7 @@ been written and validated, so an interrupted or failed export leaves nothing be
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
+from paradecode.export.files import TORCH_DTYPES, file_hashes, package_version, save_weights, staged_folder
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
 from paradecode.export.source import ModelSource, resolve_model
@@ -27,7 +25,7 @@ from paradecode.export.tokenizer import save_tokenizer
 from paradecode.export import validate
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
-    MANIFEST_NAME, NEVER_EXIT, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph, sha256_of,
+    NEVER_EXIT, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph,
 )
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.spec import ModelSpec
@@ -35,7 +33,6 @@ from paradecode.graphs.tensors import SubgraphIO, export_plan
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
@@ -197,42 +194,6 @@ def calibration_of(heads_metadata: dict) -> dict | None:
 
 # --- writing ----------------------------------------------------------------------------------
 
-@contextmanager
-def staged_folder(output: Path, force: bool):
-    """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds."""
-    created = [p for p in reversed(output.parents) if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
-        yield tmp
-        publishable(tmp)
-        if output.exists():
-            if not force:
-                raise UserInputError(f"output folder {output} appeared during the export; pass --force to replace it.")
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            output.rename(old / output.name)
-            tmp.rename(output)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for path in reversed(created):
-            if path.is_dir() and not any(path.iterdir()):
-                path.rmdir()
-        raise
-
-
-def publishable(folder: Path) -> None:
-    """Give the staged folder the modes a normal mkdir/open would have (mkdtemp makes it private)."""
-    import os
-
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
 def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     """Subgraphs with equal keys have the same graph up to their weights."""
     if io.kind == "layer":
@@ -310,24 +271,3 @@ def prompt_ids(folder: Path, tokenizer_files: list[str], spec: ModelSpec, identi
     return (start + [(7 * k + 3) % spec.vocab_size for k in range(limit)])[:limit]
 
 
-def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> None:
-    """Canonical weights for the torch backend, in the export dtype (rotary frequencies stay float32)."""
-    from safetensors.torch import save_file
-
-    cast = {k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
-            for k, v in weights.items()}
-    save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
-
-
-def file_hashes(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): sha256_of(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME}
-
-
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("paradecode")
-    except PackageNotFoundError:
-        return "unknown"

@@ -36,3 +36,21 @@ class ManifestError(ParadecodeError):
 
 class ValidationError(ParadecodeError):
     """An exported subgraph does not reproduce its PyTorch reference within tolerance."""
+
+
+def run_command(prog: str, work, interrupted: str = "interrupted") -> tuple[int, object]:
+    """Run a command's `work()`; map paradecode errors to their exit codes with one message on stderr.
+
+    Returns (exit code, what `work` returned or None). Every command-line tool goes through here,
+    so they all report a user's mistake the same way: "PROG: error: MESSAGE" and exit code 2.
+    """
+    import sys
+
+    try:
+        return 0, work()
+    except ParadecodeError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return err.exit_code, None
+    except KeyboardInterrupt:
+        print(f"{prog}: {interrupted}", file=sys.stderr)
+        return 130, None

@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from paradecode.graphs.errors import ParadecodeError, UserInputError
+from paradecode.graphs.errors import UserInputError, run_command
 
 
 def id_list(text: str) -> list[int]:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from paradecode.runtime.config import GenerationConfig, parse_threshold
     from paradecode.runtime.model import ParaDecodeModel
 
-    try:
+    def work():
         config = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
             mode=args.mode,
@@ -72,13 +72,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     sys.stdout.write(piece.text if model.tokenizer else f"{piece.token} ")
                     sys.stdout.flush()
-            result = stream.result
-    except ParadecodeError as err:
-        print(f"paradecode-generate: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("\nparadecode-generate: interrupted", file=sys.stderr)
-        return 130
+            return stream.result
+
+    code, result = run_command("paradecode-generate", work)
+    if code:
+        return code
     stats = result.stats
     if args.json:
         print(json.dumps(result.to_dict()))

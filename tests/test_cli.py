@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +38,10 @@ def test_help_needs_no_heavy_imports():
 
 
 def test_console_script_is_installed():
-    result = subprocess.run(["paradecode-export", "--help"], capture_output=True, text=True)
+    # The script sits beside the interpreter running the tests; PATH need not include that folder.
+    script = Path(sys.executable).parent / "paradecode-export"
+    assert script.is_file(), f"console script not installed at {script}"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--exit-layers" in result.stdout
 
 

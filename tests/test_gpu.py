@@ -6,7 +6,6 @@ Marked `gpu`: skipped, with the reason, where torch sees no CUDA device (tests/c
 import itertools
 
 import pytest
-import torch
 
 from paradecode.export.config import ExportConfig
 from paradecode.export.pipeline import export_model

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from paradecode.graphs.errors import ParadecodeError, UserInputError
+from paradecode.graphs.errors import UserInputError, run_command
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -43,16 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        table = run(args)
-    except ParadecodeError as err:
-        print(f"paradecode-bench: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("paradecode-bench: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    print(table)
-    return 0
+    code, table = run_command("paradecode-bench", lambda: run(args), "interrupted; nothing was written")
+    if code == 0:
+        print(table)
+    return code
 
 
 def parse_thresholds(text: str) -> list[float | None]:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paradecode.graphs.errors import ParadecodeError, UserInputError
+from paradecode.graphs.errors import ParadecodeError, UserInputError, run_command
 
 logger = logging.getLogger("paradecode.characterise")
 
@@ -61,12 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        print(run(args))
-    except ParadecodeError as err:
-        print(f"paradecode-characterise: error: {err}", file=sys.stderr)
-        return err.exit_code
-    return 0
+    code, table = run_command("paradecode-characterise", lambda: run(args))
+    if code == 0:
+        print(table)
+    return code
 
 
 def bounds(a: float, e: int, layers: int, k: int) -> dict[str, float]:

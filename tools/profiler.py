@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.errors import ParadecodeError
+from paradecode.graphs.errors import run_command
 
 logger = logging.getLogger("paradecode.profile")
 NSYS = ("nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o paradecode "
@@ -51,13 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        report = run(args)
-    except ParadecodeError as err:
-        print(f"paradecode-profile: error: {err}", file=sys.stderr)
-        return err.exit_code
-    print(report)
-    return 0
+    code, report = run_command("paradecode-profile", lambda: run(args))
+    if code == 0:
+        print(report)
+    return code
 
 
 def nvtx_annotator():

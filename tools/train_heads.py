@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.errors import ParadecodeError, UserInputError
+from paradecode.graphs.errors import UserInputError, run_command
 
 logger = logging.getLogger("paradecode.train_heads")
 
@@ -55,16 +55,10 @@ def read_lines(path: Path, what: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        result = run(args)
-    except ParadecodeError as err:
-        print(f"paradecode-train-heads: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
-        print("paradecode-train-heads: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    print(f"wrote {args.output}: heads after layers {','.join(map(str, sorted(result.transforms)))}")
-    return 0
+    code, result = run_command("paradecode-train-heads", lambda: run(args), "interrupted; nothing was written")
+    if code == 0:
+        print(f"wrote {args.output}: heads after layers {','.join(map(str, sorted(result.transforms)))}")
+    return code
 
 
 def run(args: argparse.Namespace):
