@@ -188,8 +188,13 @@ def _find_source(value: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[s
 
 
 def save_onnx(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Write `model` to `path` (weights in `path.data` when large); return the files written."""
+    """Write `model` to `path` (weights in `path.data` when large), check the written file with
+    `onnx.checker` (by path, so external data is checked too); return the files written."""
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
     onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
+    try:
+        onnx.checker.check_model(str(path), full_check=False)
+    except onnx.checker.ValidationError as err:
+        raise ValidationError(f"{path.name}: onnx.checker rejects the exported graph: {err}") from err
     return [path, path.with_name(path.name + ".data")] if external else [path]

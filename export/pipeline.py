@@ -245,7 +245,7 @@ def write_subgraphs(folder: Path, hf_model, spec: ModelSpec, weights: dict, plan
         cases += [(f"real {n}", inputs) for n, inputs in enumerate(real[io.name])]
         check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, config.dtype))
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
-        logger.info("[%2d/%d] %-9s %-13s %5.1f s  onnxruntime %s %s", i, len(plan), io.name, how,
+        logger.info("[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s", i, len(plan), io.name, how,
                     time.perf_counter() - started, check.status, diff)
     return checklist, files
 

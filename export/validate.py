@@ -56,7 +56,7 @@ class Check:
     def line(self) -> str:
         diff = f"max|Δ| {self.max_diff:.1e}" if self.max_diff is not None else ""
         tol = f"({self.tolerance})" if self.tolerance else ""
-        parts = [f"[{self.status:>4}]", f"{self.subject:<10}", f"{self.what:<34}", diff, tol, self.note]
+        parts = [f"[{self.status:>4}]", f"{self.subject:<14}", f"{self.what:<34}", diff, tol, self.note]
         return "  ".join(p for p in parts if p)
 
 

@@ -27,18 +27,18 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
                        "--plot", str(tmp_path / "b.png")])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| mode | tok/s |" in table and "paradecode batched calibrated" in table and "| hf |" in table
+    assert "| mode | tok/s |" in table and "paradecode batched default" in table and "| hf |" in table
     data = json.loads((tmp_path / "b.json").read_text())
     summary = data["summary"]
     assert summary["_baseline"]["ar"].startswith("ar (") and summary["_baseline"]["hf"] == "hf"
-    for name in ("paradecode batched calibrated", "paradecode both never", "hf"):
+    for name in ("paradecode batched default", "paradecode both never", "hf"):
         row = summary[name]
         for key in ("tokens_per_second", "latency_ms_p50", "latency_ms_p95", "speedup_vs_ar", "speedup_vs_hf",
                     "exact_match_vs_ar"):
             assert key in row, (name, key)
         assert row["exact_match_vs_ar"] == 1.0, name  # every mode gives the same tokens
         assert set(row["speedup_vs_ar"]) == {"min", "median", "max"}
-    assert "exits_per_layer" in summary["paradecode batched calibrated"]
+    assert "exits_per_layer" in summary["paradecode batched default"]
     assert len(data["samples"]) == 2 * 2 * (len(summary) - 1 - sum("skipped" in r for r in summary.values()))
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"

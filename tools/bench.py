@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -60,30 +59,33 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 
 def run(args) -> str:
-    from paradecode.runtime import load
     from paradecode.tools import benchmarking as bm
-    from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
     overlaps = [o.strip() for o in args.overlaps.split(",") if o.strip()]
-    cores = os.cpu_count() or 1
-    main_model = load(args.export, backend=args.backend, device=args.device, lanes=2)
-    ar_model = load(args.export, backend=args.backend, device=args.device, lanes=1, verify=False) \
-        if args.backend == "onnxruntime" and cores > 1 else None
+    main_model, ar_models = bm.load_with_ar_baselines(args.export, backend=args.backend, device=args.device)
+    try:
+        return measure(args, thresholds, overlaps, main_model, ar_models)
+    finally:
+        bm.close_all(main_model, ar_models)
+
+
+def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
+    from paradecode.tools import benchmarking as bm
+    from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
+
     manifest = main_model.manifest
     texts = read_prompts(args.prompts) if args.prompts else list(bm.DEFAULT_PROMPTS)
     if main_model.tokenizer is None:
         raise UserInputError(f"{args.export} has no tokenizer: the benchmark needs text prompts.")
     prompts = [main_model.tokenizer.encode(t) for t in texts]
     ignore = args.ignore_eos
-    modes = [bm.paradecode_mode("ar (1 thread/call)", main_model, {"mode": "ar"}, ignore_eos=ignore)]
-    if ar_model is not None:
-        modes.insert(0, bm.paradecode_mode(f"ar ({cores} threads/call)", ar_model, {"mode": "ar"}, ignore_eos=ignore))
+    modes = [bm.paradecode_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in overlaps:
         for threshold in thresholds:
-            label = "calibrated" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
+            label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
             settings = {"mode": "paradecode", "overlap": overlap, "thresholds": threshold,
                         "max_unverified": args.max_unverified}
             modes.append(bm.paradecode_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
@@ -103,9 +105,6 @@ def run(args) -> str:
     if args.plot:
         save_figure(args.plot, benchmark_figure(summary, f"{Path(args.export).name}: {args.backend} on {args.device}"))
         logger.info("wrote %s", args.plot)
-    main_model.close()
-    if ar_model is not None:
-        ar_model.close()
     return table
 
 

@@ -82,6 +82,33 @@ def _status_mb(key: str) -> float | None:
     return None
 
 
+def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu"):
+    """Load `export` for ParaDecode (2 lanes) plus the ar baselines worth measuring beside it.
+
+    Returns (model, {label: model}). ar runs on the 2-lane model as it is (with onnxruntime each
+    lane's calls get half the cores), and, with onnxruntime on a multi-core CPU, also on a 1-lane
+    model whose calls use every core: plain decoding has no second lane to feed, so that is the
+    fairer baseline there. Callers report the faster of the two as *the* ar.
+    """
+    from paradecode.runtime import load
+
+    cores = os.cpu_count() or 1
+    model = load(export, backend=backend, device=device, lanes=2)
+    if backend != "onnxruntime":
+        return model, {"ar": model}
+    per_lane = max(1, cores // 2)
+    baselines = {f"ar ({per_lane} thread{'s' if per_lane > 1 else ''}/call)": model}
+    if cores > 1:
+        baselines[f"ar ({cores} threads/call)"] = load(export, backend=backend, device=device, lanes=1, verify=False)
+    return model, baselines
+
+
+def close_all(model, baselines: dict) -> None:
+    """Close what `load_with_ar_baselines` loaded (each model once)."""
+    for m in {id(m): m for m in [model, *baselines.values()]}.values():
+        m.close()
+
+
 def paradecode_mode(name: str, model, settings: dict[str, Any], *, ignore_eos: bool) -> Mode:
     kind = "ar" if settings.get("mode") == "ar" else "paradecode"
 

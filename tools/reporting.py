@@ -94,7 +94,7 @@ def benchmark_figure(summary: dict[str, dict[str, Any]], title: str):
         left.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=overlap)
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
     left.set_xlim(-0.15, 1.15)
-    left.set_xlabel("threshold (-0.05: the export's calibrated defaults; 1.05: never exit)")
+    left.set_xlabel("threshold (-0.05: the export's default thresholds; 1.05: never exit)")
     left.set_ylabel("speedup over ar (median, min-max over repeats)")
     left.set_title("ParaDecode speedup vs threshold")
     left.legend()

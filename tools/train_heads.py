@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=positive_int, default=1024, help="positions per step (default 1024)")
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences held out (default 0.2)")
     parser.add_argument("--target-agreement", type=float, default=0.95,
-                        help="calibrate each threshold so early tokens agree with the final ones at least this often")
+                        help="calibrate each threshold so early tokens agree with the final ones at least this often (default 0.95)")
     parser.add_argument("--head-cost", type=float, metavar="C",
                         help="cost of one head call in decoder layers, for choosing which exit layers to use "
                              "(default: estimated from parameter counts)")
