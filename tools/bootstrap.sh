@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Set up .venv for paradecode on a fresh machine: the pinned CPU build of torch first (so nothing
 # pulls the multi-GB CUDA wheels), then the project in editable mode with its test extras.
-# Idempotent: a second run only checks that everything is installed.
+# Idempotent: a second run only checks torch and skips the project when pyproject.toml is unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu forces the CPU build where the default index
 # would serve the CUDA one.
 .venv/bin/python -m pip install -q --disable-pip-version-check ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The project, editable, with its test tools; skipped when pyproject.toml has not changed since.
+stamp=.venv/.paradecode-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+  echo "$want" > "$stamp"
+fi
