@@ -15,7 +15,9 @@ from paradecode.graphs.manifest import sha256_of
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+# Transformers' own weight file names (single and sharded): other .safetensors files in the folder, such
+# as exit heads saved beside the model, are not the model's weights and must not change its hash.
+WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model.bin", "pytorch_model-*-of-*.bin")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
@@ -77,7 +79,7 @@ def check_model_folder(source: ModelSource) -> None:
     if not (path / "config.json").is_file():
         raise UserInputError(
             f"{source.reference} is not a Hugging Face model folder: it has no config.json. Expected a folder "
-            "written by `save_pretrained` (config.json plus *.safetensors or pytorch_model*.bin)."
+            "written by `save_pretrained` (config.json plus model*.safetensors or pytorch_model*.bin)."
         )
     try:
         config = source.config_dict()
@@ -87,7 +89,8 @@ def check_model_folder(source: ModelSource) -> None:
         raise UserInputError(f"{path / 'config.json'} has no model_type: it does not describe a Hugging Face model.")
     if not source.weight_files:
         raise UserInputError(
-            f"{source.reference} has a config.json but no weights: expected *.safetensors or pytorch_model*.bin "
+            f"{source.reference} has a config.json but no weights: expected model.safetensors (or its shards "
+            "model-*-of-*.safetensors) or pytorch_model*.bin "
             "next to it. Save the model with `model.save_pretrained(folder)`."
         )
 

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=("ar", "paradecode"), default="paradecode", help="default paradecode")
     parser.add_argument("--overlap", choices=("auto", "streams", "batched", "both"), default="auto",
                         help="how pending layers are completed: on another lane at once (streams), batched with later "
-                             "tokens (batched), or both; auto picks the fastest for the device (default)")
+                             "tokens (batched), or both; auto (default): batched on a CPU, both on CUDA")
     parser.add_argument("--threshold", metavar="G",
                         help="exit threshold for every exit layer, in [0, 1], or 'never' (default: the export's)")
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K", help="most unverified tokens (default 5)")

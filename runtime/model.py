@@ -28,7 +28,8 @@ from paradecode.runtime.tokenizer import TextStream, TextTokenizer
 
 logger = logging.getLogger(__name__)
 
-# Which overlap is fastest where, from `paradecode-bench` runs (see README, "Choosing the overlap").
+# Which overlap `auto` means per device. CPU: batched was fastest in `paradecode-bench` on the demo model
+# (tools/results/cpu-2core/bench-demo.md). CUDA: both, not yet measured on a GPU.
 AUTO_OVERLAP = {"cpu": "batched", "cuda": "both"}
 
 

@@ -118,3 +118,16 @@ def test_cost_model_selects_the_subset_expected_to_be_fastest():
     hopeless = calibrate(confidence, agree, 0.95, CostModel(num_layers=4, head=5.0))
     assert hopeless["selected_layers"] == [] and all(v is None for v in hopeless["thresholds"].values())
     json.dumps(cheap)  # stored in the heads file's metadata
+
+
+def test_heads_saved_beside_the_model_do_not_change_its_identity(trained, model_dirs, tmp_path):
+    """A heads file written into the model's own folder is not one of the model's weight files."""
+    import shutil
+
+    from paradecode.export.source import resolve_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], folder)
+    before = resolve_model(str(folder)).identity()["weights_sha256"]
+    shutil.copy(trained[0], folder / "heads.safetensors")
+    assert resolve_model(str(folder)).identity()["weights_sha256"] == before == trained[2]["base_weights_sha256"]

@@ -26,6 +26,9 @@ def test_wheel_contains_every_module(tmp_path):
     assert not missing, f"modules missing from the wheel (list their package in pyproject.toml): {missing}"
     assert not [n for n in names if n.split("/")[0] in ("export", "runtime", "graphs", "tools", "tests")], \
         "the wheel installs a top-level module named after a repository folder"
+    demo = {n for n in names if n.startswith("paradecode/tools/demo_model/")}
+    for name in ("config.json", "model.safetensors", "heads.safetensors", "tokenizer.json", "README.md"):
+        assert f"paradecode/tools/demo_model/{name}" in demo, f"{name} of the demo model is missing from the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in SCRIPTS:

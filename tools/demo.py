@@ -1,42 +1,116 @@
-"""`paradecode-demo`: the main job on a built-in model, with no download.
+"""`paradecode-demo`: the main job, offline, on the demo model that ships with the project.
 
-Builds a small Llama-family model in-process (fixed seed, random weights) and exports it with
-`paradecode-export`'s library call, printing the per-subgraph progress and the validation checklist.
+It exports `tools/demo_model` (a small Llama trained by tools/train_demo.py on the CPython standard
+library, with exit heads trained by paradecode-train-heads) with its heads, generates Python code
+with ParaDecode (printed as tokens are verified), then measures plain decoding (ar) and ParaDecode
+side by side, interleaved on a few prompts, and reports tokens/s of both, early exits per layer
+and whether every output matched ar token for token.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-DEMO_CONFIG = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=6, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+from paradecode.graphs.errors import UserInputError, run_command
+
+DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+PROMPTS = (
+    "def fibonacci(n):\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main():\n",
 )
-
-
-def build_demo_model(folder: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**DEMO_CONFIG)).save_pretrained(folder)
-    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paradecode-demo", description=__doc__.splitlines()[0])
     parser.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="export folder (default out/demo)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--repeat", type=int, default=3, metavar="R", help="interleaved repeats per prompt (default 3)")
     args = parser.parse_args(argv)
-    from paradecode.export.cli import main as export_main
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from transformers.utils import logging as hf_logging
 
-    with tempfile.TemporaryDirectory(prefix="paradecode-demo-") as tmp:
-        model = build_demo_model(Path(tmp) / "demo-llama")
-        logging.getLogger(__name__).info("built the demo model (Llama, 6 layers, hidden 128) in %s", model)
-        return export_main([str(model), "-o", str(args.output), "--force"])
+    hf_logging.disable_progress_bar()
+    for noisy in ("torch", "onnxscript", "onnx_ir", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    return run_command("paradecode-demo", lambda: run(args))[0]
+
+
+def run(args) -> None:
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from paradecode.tools.benchmarking import close_all, load_with_ar_baselines
+
+    heads = DEMO_MODEL / "heads.safetensors"
+    if not (DEMO_MODEL / "model.safetensors").is_file() or not heads.is_file():
+        raise UserInputError(f"the demo model is missing from {DEMO_MODEL}: restore it from git, or train one with "
+                             "`python -m paradecode.tools.train_demo` and `paradecode-train-heads`.")
+    print(f"== exporting the demo model ({DEMO_MODEL}) with its trained exit heads", file=sys.stderr)
+    result = export_model(ExportConfig(model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384,
+                                       force=True))
+    failed = [c.line() for c in result.checklist.failed]
+    print(f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s"
+          + (f"; FAILED: {failed}" if failed else ""), file=sys.stderr)
+    model, ar_models = load_with_ar_baselines(args.output)
+    try:
+        thresholds = {e: t for e, t in model.manifest.thresholds.items() if t <= 1}
+        print(f"\n== ParaDecode, exit layers {sorted(thresholds)} at thresholds "
+              f"{ {e: round(t, 3) for e, t in thresholds.items()} }:\n", file=sys.stderr)
+        sys.stdout.write(PROMPTS[0])
+        for piece in model.stream(PROMPTS[0], max_new_tokens=args.max_new_tokens):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+        print("\n")
+        print(measure(model, ar_models, args.max_new_tokens, args.repeat))
+    finally:
+        close_all(model, ar_models)
+
+
+def measure(model, ar_models: dict, max_new_tokens: int, repeat: int) -> str:
+    """Interleaved ar / ParaDecode runs on every prompt; the faster ar thread setting is the baseline."""
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    rates: dict[str, list[float]] = {name: [] for name in [*ar_models, "paradecode"]}
+    exits: dict[int, int] = {}
+    accepted: dict[int, int] = {}
+    rollbacks, matched, runs = 0, 0, 0
+    for ids in prompts[:1]:  # warm-up
+        for name, m in ar_models.items():
+            m.generate(prompt_ids=ids, max_new_tokens=16, mode="ar")
+        model.generate(prompt_ids=ids, max_new_tokens=16)
+    for r in range(repeat):
+        for ids in prompts:
+            reference = None
+            for name, m in ar_models.items():
+                out = m.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, mode="ar")
+                rates[name].append(out.stats.tokens_per_second)
+                reference = out.token_ids
+            out = model.generate(prompt_ids=ids, max_new_tokens=max_new_tokens)
+            rates["paradecode"].append(out.stats.tokens_per_second)
+            runs += 1
+            matched += out.token_ids == reference
+            rollbacks += out.stats.rollbacks
+            for e, n in out.stats.exits_per_layer.items():
+                exits[e] = exits.get(e, 0) + n
+            for e, n in out.stats.accepted_per_layer.items():
+                accepted[e] = accepted.get(e, 0) + n
+        print(f"   measured repeat {r + 1}/{repeat}", file=sys.stderr)
+    baseline = max(ar_models, key=lambda n: statistics.median(rates[n]))
+    per_run = [p / a for p, a in zip(rates["paradecode"], rates[baseline])]
+    lines = [f"== side by side, {len(prompts)} prompts x {repeat} repeats, {max_new_tokens} new tokens, interleaved:"]
+    for name, values in rates.items():
+        lines.append(f"   {name:24} {statistics.median(values):7.1f} tokens/s (median)")
+    lines.append(f"   speedup over {baseline}: {statistics.median(per_run):.2f}x (min {min(per_run):.2f}, "
+                 f"max {max(per_run):.2f})")
+    lines.append("   early exits per layer (accepted / proposed): " + ", ".join(
+        f"layer {e}: {accepted.get(e, 0)}/{n}" for e, n in sorted(exits.items())) + f"; rollbacks {rollbacks}")
+    lines.append(f"   output identical to ar token for token: {matched}/{runs} runs"
+                 + (" (yes)" if matched == runs else " (NO: please report this)"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

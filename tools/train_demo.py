@@ -5,7 +5,7 @@ The script trains a byte-level BPE tokenizer on them, then a Llama-family model 
 writes a Hugging Face model folder (fp16 weights, tokenizer, config) plus `training.json` with
 what was done (data, steps, losses). Files are held out by a fixed rule for the validation loss.
 
-    python -m paradecode.tools.train_demo --output tools/demo_model --steps 1500 --threads 1
+    python -m paradecode.tools.train_demo --output tools/demo_model --steps 1000 --threads 2
 
 It is deterministic for a given Python version (the stdlib differs between versions) and seed.
 """
@@ -92,7 +92,7 @@ def evaluate(model, stream, length: int, windows: int = 16) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paradecode.tools.train_demo", description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        value = loss.item()
+        running = value if running is None else 0.95 * running + 0.05 * value
         if step % 50 == 0 or step == args.steps - 1:
             elapsed = time.time() - started
             entry = {"step": step, "train_loss": round(running, 4), "lr": lr_at(step), "seconds": round(elapsed)}
