@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_dependency_logs() -> None:
+    """Keep only errors from torch, the ONNX exporter, transformers and the hub client.
+
+    Import torch first: it sets up its own loggers on import, overriding levels set before.
+    """
+    import torch  # noqa: F401
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    for noisy in ("torch", "onnxscript", "onnx_ir", "transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -86,12 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model  # imports torch, which sets up its own loggers
-    from transformers.utils import logging as hf_logging
+    from paradecode.export.pipeline import export_model
 
-    hf_logging.disable_progress_bar()
-    for noisy in ("torch", "onnxscript", "onnx_ir", "transformers", "httpx", "huggingface_hub"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet_dependency_logs()
 
     def work():
         config = ExportConfig(

@@ -18,11 +18,13 @@ from pathlib import Path
 from paradecode.graphs.errors import UserInputError, run_command
 
 DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
+# No trailing newline: the tokenizer merges a newline with the next line's indentation ("\n    " is
+# one token), so a prompt cut after "\n" asks for a continuation the model has rarely seen.
 PROMPTS = (
-    "def fibonacci(n):\n",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
-    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"\n",
-    "import os\nimport sys\n\n\ndef main():\n",
+    "def fibonacci(n):",
+    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):",
+    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"",
+    "import os\nimport sys\n\n\ndef main():",
 )
 
 
@@ -33,11 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="interleaved repeats per prompt (default 3)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from transformers.utils import logging as hf_logging
+    from paradecode.export.cli import quiet_dependency_logs
 
-    hf_logging.disable_progress_bar()
-    for noisy in ("torch", "onnxscript", "onnx_ir", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet_dependency_logs()
     return run_command("paradecode-demo", lambda: run(args))[0]
 
 
