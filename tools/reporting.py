@@ -42,9 +42,11 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     baseline = summary.get("_baseline", {})
+    against = f"`{baseline.get('ar')}` (plain decoding, same export and backend)"
+    if baseline.get("hf"):
+        against += f" and `{baseline['hf']}` (Hugging Face generate)"
     lines = [
-        f"speedups are medians over repeats (min-max) against `{baseline.get('ar')}` (plain decoding, same export "
-        f"and backend) and `{baseline.get('hf')}` (Hugging Face generate)",
+        f"speedups are medians over repeats (min-max) against {against}",
         "",
         "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | rollback rate | "
         "match ar | peak MB |",
