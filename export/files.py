@@ -12,8 +12,8 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.manifest import MANIFEST_NAME, sha256_of
+from paradecode.graphs.ops import TORCH_DTYPES
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @contextmanager

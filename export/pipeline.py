@@ -17,7 +17,7 @@ import torch
 
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
-from paradecode.export.files import TORCH_DTYPES, file_hashes, package_version, save_weights, staged_folder
+from paradecode.export.files import file_hashes, package_version, save_weights, staged_folder
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
 from paradecode.export.source import ModelSource, resolve_model
@@ -28,6 +28,7 @@ from paradecode.graphs.manifest import (
     NEVER_EXIT, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph,
 )
 from paradecode.graphs.modules import build_subgraph
+from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
 

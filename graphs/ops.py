@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The contract's dtype names (manifest dtype, TensorSpec.dtype) as torch dtypes.
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype

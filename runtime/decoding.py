@@ -43,53 +43,33 @@ class DecodeContext:
 
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
-        if self.annotate is not None:
-            with self.annotate(f"embed pos {start}-{end - 1} lane {lane}"):
-                return self._embed(lane, ids, start, end)
-        return self._embed(lane, ids, start, end)
-
-    def _embed(self, lane: str, ids: list[int], start: int, end: int) -> torch.Tensor:
-        began = time.perf_counter()
-        hidden = self.backend.embed(torch.tensor([ids], dtype=torch.int64), self.positions[:, start:end])
-        self.timeline.add(lane, "embed", began, time.perf_counter(), (start, end))
-        return hidden
+        return self._call(lane, "embed", "embed", start, end, self.backend.embed,
+                          torch.tensor([ids], dtype=torch.int64), self.positions[:, start:end])
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         end = start + hidden.shape[1]
-        if self.annotate is not None:
-            with self.annotate(f"layer {layer} pos {start}-{end - 1} lane {lane}"):
-                return self._layer(lane, layer, hidden, start, end)
-        return self._layer(lane, layer, hidden, start, end)
-
-    def _layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        began = time.perf_counter()
-        out = self.backend.layer(layer, hidden, self.positions[:, start:end], self.cache)
-        self.timeline.add(lane, self.layer_names[layer], began, time.perf_counter(), (start, end))
-        return out
+        return self._call(lane, self.layer_names[layer], f"layer {layer}", start, end, self.backend.layer,
+                          layer, hidden, self.positions[:, start:end], self.cache)
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
         end = start + hidden.shape[1]
-        if self.annotate is not None:
-            with self.annotate(f"layer {layer} + exit head pos {start}-{end - 1} lane {lane}"):
-                return self._layer_exit(lane, layer, hidden, start, end)
-        return self._layer_exit(lane, layer, hidden, start, end)
-
-    def _layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int, end: int):
-        began = time.perf_counter()
-        out = self.backend.layer_exit(layer, hidden, self.positions[:, start:end], self.cache)
-        self.timeline.add(lane, f"layer_exit_{layer}", began, time.perf_counter(), (start, end))
-        return out
+        return self._call(lane, f"layer_exit_{layer}", f"layer {layer} + exit head", start, end,
+                          self.backend.layer_exit, layer, hidden, self.positions[:, start:end], self.cache)
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
-        if self.annotate is not None:
-            with self.annotate(f"{name} pos {start}-{start + hidden.shape[1] - 1} lane {lane}"):
-                return self._head(lane, name, hidden, start)
-        return self._head(lane, name, hidden, start)
+        return self._call(lane, name, name, start, start + hidden.shape[1], self.backend.head, name, hidden)
 
-    def _head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
+    def _call(self, lane: str, name: str, label: str, start: int, end: int, fn, *args):
+        """`fn(*args)`, timed into the timeline as `name`; inside an NVTX-style range while profiling."""
+        if self.annotate is not None:
+            with self.annotate(f"{label} pos {start}-{end - 1} lane {lane}"):
+                return self._timed(lane, name, start, end, fn, args)
+        return self._timed(lane, name, start, end, fn, args)
+
+    def _timed(self, lane: str, name: str, start: int, end: int, fn, args):
         began = time.perf_counter()
-        out = self.backend.head(name, hidden)
-        self.timeline.add(lane, name, began, time.perf_counter(), (start, start + hidden.shape[1]))
+        out = fn(*args)
+        self.timeline.add(lane, name, began, time.perf_counter(), (start, end))
         return out
 
     def phase(self, name: str, positions: tuple[int, int]):

@@ -114,7 +114,6 @@ class ParaDecoder:
     def publish(self) -> None:
         """On a GPU, wait for this lane's stream so another lane may read what it computed."""
         if self.sync:
-            import torch
             torch.cuda.current_stream().synchronize()
 
     def start_frontier(self, position: int, token: int) -> None:

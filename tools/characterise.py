@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import statistics
 import sys
@@ -143,7 +142,7 @@ def build_model(args, folder: Path) -> Path:
 def run(args) -> str:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.runtime import load
+    from paradecode.tools.benchmarking import close_all, load_with_ar_baselines
     from paradecode.tools.reporting import save_figure, save_json
 
     depths = sorted({max(1, min(args.layers - 1, round(d * args.layers))) for d in args.depths})
@@ -159,47 +158,45 @@ def run(args) -> str:
             build_model(args, model_dir)
             export_model(ExportConfig(model=str(model_dir), output=export_dir, exit_layers=tuple(depths),
                                       max_seq_len=128, max_unverified=args.max_unverified, force=True))
-        cores = os.cpu_count() or 1
-        pd_model = load(export_dir, backend=args.backend, device=args.device, lanes=2)
-        ar_models = {"ar (1 thread/call)": pd_model}
-        if args.backend == "onnxruntime" and cores > 1:
-            ar_models[f"ar ({cores} threads/call)"] = load(export_dir, lanes=1, verify=False)
-        prompt = [(17 * i + 5) % args.vocab for i in range(16)]
-        common = dict(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
-        reference = prompt + pd_model.generate(mode="ar", **common).token_ids
-        cases = [(e, a, o) for e in depths for a in args.acceptance for o in overlaps]
-        rows = {("ar", name): [] for name in ar_models} | {case: [] for case in cases}
-        exits: dict[tuple, list[float]] = {case: [] for case in cases}
-        started = time.perf_counter()
-        for rep in range(args.repeat + 1):  # the first pass is a warm-up
-            for key in rows:
-                if key[0] == "ar":
-                    result = ar_models[key[1]].generate(mode="ar", **common)
-                else:
-                    e, a, o = key
-                    result = pd_model.generate(overlap=o, thresholds={d: (0.0 if d == e else float("inf"))
-                                                                       for d in depths},
-                                               max_unverified=args.max_unverified,
-                                               exit_policy=oracle(reference, e, a), **common)
-                    if result.token_ids != reference[len(prompt):]:
-                        raise ParadecodeError(f"parity lost at {key}: the scheduler changed the output")
+        pd_model, ar_models = load_with_ar_baselines(export_dir, backend=args.backend, device=args.device)
+        try:
+            prompt = [(17 * i + 5) % args.vocab for i in range(16)]
+            common = dict(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+            reference = prompt + pd_model.generate(mode="ar", **common).token_ids
+            cases = [(e, a, o) for e in depths for a in args.acceptance for o in overlaps]
+            rows = {("ar", name): [] for name in ar_models} | {case: [] for case in cases}
+            exits: dict[tuple, list[float]] = {case: [] for case in cases}
+            started = time.perf_counter()
+            for rep in range(args.repeat + 1):  # the first pass is a warm-up
+                for key in rows:
+                    if key[0] == "ar":
+                        result = ar_models[key[1]].generate(mode="ar", **common)
+                    else:
+                        e, a, o = key
+                        result = pd_model.generate(overlap=o, thresholds={d: (0.0 if d == e else float("inf"))
+                                                                           for d in depths},
+                                                   max_unverified=args.max_unverified,
+                                                   exit_policy=oracle(reference, e, a), **common)
+                        if result.token_ids != reference[len(prompt):]:
+                            raise ParadecodeError(f"parity lost at {key}: the scheduler changed the output")
+                        if rep:
+                            exits[key].append(sum(result.stats.accepted_per_layer.values()) / len(result.token_ids))
                     if rep:
-                        exits[key].append(sum(result.stats.accepted_per_layer.values()) / len(result.token_ids))
-                if rep:
-                    rows[key].append(result.stats.tokens_per_second)
-            logger.info("pass %d/%d done (%.0f s)", rep, args.repeat, time.perf_counter() - started)
-        ar_name = max(ar_models, key=lambda n: statistics.median(rows[("ar", n)]))
-        ar_runs = rows[("ar", ar_name)]
-        results = []
-        for e, a, o in cases:
-            ratios = [x / y for x, y in zip(rows[(e, a, o)], ar_runs)]
-            share = statistics.median(exits[(e, a, o)])
-            results.append({"exit_layer": e, "acceptance": a, "exit_share": share, "overlap": o,
-                             "tokens_per_second": statistics.median(rows[(e, a, o)]),
-                             "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-                             "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o]})
-        for model in {id(m): m for m in ar_models.values()}.values():
-            model.close()
+                        rows[key].append(result.stats.tokens_per_second)
+                logger.info("pass %d/%d done (%.0f s)", rep, args.repeat, time.perf_counter() - started)
+            ar_name = max(ar_models, key=lambda n: statistics.median(rows[("ar", n)]))
+            ar_runs = rows[("ar", ar_name)]
+            results = []
+            for e, a, o in cases:
+                ratios = [x / y for x, y in zip(rows[(e, a, o)], ar_runs)]
+                share = statistics.median(exits[(e, a, o)])
+                results.append({"exit_layer": e, "acceptance": a, "exit_share": share, "overlap": o,
+                                 "tokens_per_second": statistics.median(rows[(e, a, o)]),
+                                 "speedup": {"median": statistics.median(ratios), "min": min(ratios),
+                                             "max": max(ratios)},
+                                 "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o]})
+        finally:
+            close_all(pd_model, ar_models)
         bandwidth = copy_bandwidth(args.device)
         weight_bytes = weight_bytes_per_token(export_dir)
     shape = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")}

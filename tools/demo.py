@@ -53,9 +53,9 @@ def run(args) -> None:
     print(f"== exporting the demo model ({DEMO_MODEL}) with its trained exit heads", file=sys.stderr)
     result = export_model(ExportConfig(model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384,
                                        force=True))
-    failed = [c.line() for c in result.checklist.failed]
-    print(f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s"
-          + (f"; FAILED: {failed}" if failed else ""), file=sys.stderr)
+    # export_model raises (and writes nothing) when a graph fails validation.
+    print(f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s",
+          file=sys.stderr)
     model, ar_models = load_with_ar_baselines(args.output)
     try:
         thresholds = {e: t for e, t in model.manifest.thresholds.items() if t <= 1}

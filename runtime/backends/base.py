@@ -13,10 +13,9 @@ import torch
 
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.manifest import Subgraph
+from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass

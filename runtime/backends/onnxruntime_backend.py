@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
+from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.tensors import (
     HIDDEN, HIDDEN_OUT, INPUT_IDS, MARGIN, PAST_KEY, PAST_VALUE, POSITIONS, PRESENT_KEY, PRESENT_VALUE, PROB, TOKEN,
 )
@@ -30,7 +31,6 @@ except ImportError as err:  # backend_class turns this into an install hint
     raise ImportError(f"onnxruntime is not installed: {err}") from err
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
 
 
