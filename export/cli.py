@@ -21,7 +21,9 @@ def layer_list(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers such as 2,4,6; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer numbers such as 2,4,6; got {text!r}"
+        ) from None
     if not layers:
         raise argparse.ArgumentTypeError("expected at least one layer number")
     return layers
@@ -48,30 +50,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="paradecode-export",
         description="Slice a Hugging Face decoder-only LM into an embedding graph, one graph per decoder layer "
-                    "(fixed-size KV cache written in place), early-exit heads and the final head; validate each "
-                    "against PyTorch with onnxruntime; write ONNX (and TensorRT engines) and a manifest.",
+        "(fixed-size KV cache written in place), early-exit heads and the final head; validate each "
+        "against PyTorch with onnxruntime; write ONNX (and TensorRT engines) and a manifest.",
     )
-    parser.add_argument("model", metavar="MODEL", help="a Hugging Face Hub id or a local folder written by save_pretrained")
+    parser.add_argument(
+        "model", metavar="MODEL", help="a Hugging Face Hub id or a local folder written by save_pretrained"
+    )
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="the export folder to create")
-    parser.add_argument("--exit-layers", type=layer_list, metavar="E1,E2,...",
-                        help="layers (1-based) after which an exit head predicts early; default: an even spread "
-                             "L/4, L/2, 3L/4, or the layers of --heads")
-    parser.add_argument("--heads", type=Path, metavar="FILE",
-                        help="trained exit-head transforms (from paradecode-train-heads); default: identity heads "
-                             "(the model's own final norm and LM head)")
-    parser.add_argument("--dtype", type=dtype_name, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)")
-    parser.add_argument("--max-seq-len", type=positive_int, metavar="N",
-                        help="KV-cache length (default: the model's max_position_embeddings, at most 2048)")
+    parser.add_argument(
+        "--exit-layers",
+        type=layer_list,
+        metavar="E1,E2,...",
+        help="layers (1-based) after which an exit head predicts early; default: an even spread "
+        "L/4, L/2, 3L/4, or the layers of --heads",
+    )
+    parser.add_argument(
+        "--heads",
+        type=Path,
+        metavar="FILE",
+        help="trained exit-head transforms (from paradecode-train-heads); default: identity heads "
+        "(the model's own final norm and LM head)",
+    )
+    parser.add_argument(
+        "--dtype", type=dtype_name, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)"
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        metavar="N",
+        help="KV-cache length (default: the model's max_position_embeddings, at most 2048)",
+    )
     parser.add_argument("--max-batch", type=positive_int, default=1, metavar="B", help="largest batch (default 1)")
-    parser.add_argument("--max-unverified", type=positive_int, default=5, metavar="K",
-                        help="most unverified tokens in flight; sizes batched TensorRT profiles (default 5)")
+    parser.add_argument(
+        "--max-unverified",
+        type=positive_int,
+        default=5,
+        metavar="K",
+        help="most unverified tokens in flight; sizes batched TensorRT profiles (default 5)",
+    )
     parser.add_argument("--opset", type=int, default=24, help="ONNX opset (default 24, which TensorScatter needs)")
-    parser.add_argument("--engine", choices=("onnx", "tensorrt"), default="onnx",
-                        help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)")
+    parser.add_argument(
+        "--engine",
+        choices=("onnx", "tensorrt"),
+        default="onnx",
+        help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)",
+    )
     parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
-    parser.add_argument("--no-fused-exits", action="store_true",
-                        help="do not write layer_exit_e graphs (layer e and its exit head in one call)")
-    parser.add_argument("--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)")
+    parser.add_argument(
+        "--no-fused-exits",
+        action="store_true",
+        help="do not write layer_exit_e graphs (layer e and its exit head in one call)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)"
+    )
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors and the result only")
     parser.add_argument("-v", "--verbose", action="store_true", help="print debugging detail")
@@ -130,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in result.checklist.lines():
             print("  " + line, file=sys.stderr)
     subgraphs = len(result.manifest.subgraphs)
-    print(f"wrote {result.path} ({subgraphs} subgraphs, exit layers "
-          f"{','.join(map(str, result.manifest.exit_layers))}) in {result.seconds:.1f} s")
+    print(
+        f"wrote {result.path} ({subgraphs} subgraphs, exit layers "
+        f"{','.join(map(str, result.manifest.exit_layers))}) in {result.seconds:.1f} s"
+    )
     return 0
 
 

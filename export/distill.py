@@ -21,10 +21,30 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = (
-    "def ", "import ", "class ", "from typing import", "def main():\n    ", "    return ", "if __name__ ==",
-    "for i in range(", "# Copyright", "def __init__(self", "try:\n    ", "with open(", "\"\"\"", "x = [",
-    "The ", "Once upon a time", "In the beginning", "It was a", "Question:", "Hello, my name is",
-    "Here is a list of", "The following", "Chapter 1", "To install the package,",
+    "def ",
+    "import ",
+    "class ",
+    "from typing import",
+    "def main():\n    ",
+    "    return ",
+    "if __name__ ==",
+    "for i in range(",
+    "# Copyright",
+    "def __init__(self",
+    "try:\n    ",
+    "with open(",
+    '"""',
+    "x = [",
+    "The ",
+    "Once upon a time",
+    "In the beginning",
+    "It was a",
+    "Question:",
+    "Hello, my name is",
+    "Here is a list of",
+    "The following",
+    "Chapter 1",
+    "To install the package,",
 )
 MIN_SUPPORT = 20  # a threshold needs at least this many held-out positions at or above it
 
@@ -52,8 +72,12 @@ def greedy_sequences(model, prompts: list[list[int]], new_tokens: int) -> list[l
     sequences = []
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0,
+            )
             sequences.append(out[0].tolist())
             if (i + 1) % max(1, len(prompts) // 4) == 0:
                 logger.info("  generated %d/%d sequences", i + 1, len(prompts))
@@ -93,8 +117,17 @@ def agreement(norm, lm_head, transform, hidden, final_tokens) -> float:
         return float((head_logits(norm, lm_head, transform, hidden).argmax(-1) == final_tokens).float().mean())
 
 
-def train_heads(model, features: Features, held_out: torch.Tensor, *, steps: int, lr: float, batch: int,
-                seed: int = 0, log_every: int = 50) -> tuple[dict[int, torch.Tensor], list[dict[str, Any]]]:
+def train_heads(
+    model,
+    features: Features,
+    held_out: torch.Tensor,
+    *,
+    steps: int,
+    lr: float,
+    batch: int,
+    seed: int = 0,
+    log_every: int = 50,
+) -> tuple[dict[int, torch.Tensor], list[dict[str, Any]]]:
     """Train T_e per exit layer by KL to the final distribution; return transforms and the progress history."""
     norm, lm_head = unembedding(model)
     for p in model.parameters():
@@ -112,13 +145,13 @@ def train_heads(model, features: Features, held_out: torch.Tensor, *, steps: int
         if step % log_every == 0 or step == steps:
             entry = {"step": step}
             for e, t in transforms.items():
-                entry[f"agreement_{e}"] = round(agreement(norm, lm_head, t.detach(), features.exits[e][test_rows],
-                                                          final_tokens), 4)
+                entry[f"agreement_{e}"] = round(
+                    agreement(norm, lm_head, t.detach(), features.exits[e][test_rows], final_tokens), 4
+                )
             if history and "loss" in history[-1]:
                 entry["loss"] = history[-1]["loss"]
             history.append(entry)
-            logger.info("  step %d/%d: %s", step, steps, "  ".join(
-                f"{k} {v}" for k, v in entry.items() if k != "step"))
+            logger.info("  step %d/%d: %s", step, steps, "  ".join(f"{k} {v}" for k, v in entry.items() if k != "step"))
         if step == steps:
             break
         rows = train_rows[torch.randint(0, len(train_rows), (min(batch, len(train_rows)),), generator=generator)]
@@ -153,7 +186,7 @@ class CostModel:
     min_head: float = 0.25
 
     @classmethod
-    def estimate(cls, spec) -> "CostModel":
+    def estimate(cls, spec) -> CostModel:
         d, ffn = spec.hidden_size, spec.intermediate_size
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         layer = d * (2 * q + 2 * kv) + (3 if spec.mlp == "gated" else 2) * d * ffn
@@ -177,8 +210,9 @@ class CostModel:
         return cost + float(remaining.float().mean()) * (self.num_layers + (heads + 1) * self.head)
 
 
-def calibrate(confidence: dict[int, torch.Tensor], agree: dict[int, torch.Tensor], target: float,
-              cost: CostModel | None = None) -> dict[str, Any]:
+def calibrate(
+    confidence: dict[int, torch.Tensor], agree: dict[int, torch.Tensor], target: float, cost: CostModel | None = None
+) -> dict[str, Any]:
     """Per exit layer, the lowest threshold whose early tokens agree with the final ones at rate >= target;
     then, with a cost model, the subset of exit layers to use.
 
@@ -200,8 +234,11 @@ def calibrate(confidence: dict[int, torch.Tensor], agree: dict[int, torch.Tensor
         if len(ok):
             cut = int(ok[-1])
             calibrated[e] = float(conf[cut])
-            layers[str(e)] = {"threshold": round(float(conf[cut]), 6), "precision": round(float(precision[cut]), 4),
-                              "exit_rate": round((cut + 1) / len(conf), 4)}
+            layers[str(e)] = {
+                "threshold": round(float(conf[cut]), 6),
+                "precision": round(float(precision[cut]), 4),
+                "exit_rate": round((cut + 1) / len(conf), 4),
+            }
         else:
             layers[str(e)] = {"threshold": None, "precision": None, "exit_rate": 0.0}
     candidates = sorted(calibrated)
@@ -209,8 +246,12 @@ def calibrate(confidence: dict[int, torch.Tensor], agree: dict[int, torch.Tensor
     estimates = []
     if cost is not None:
         for subset in subsets:
-            estimates.append({"layers": list(subset),
-                              "speedup": round(cost.ar() / cost.paradecode(subset, confidence, agree, calibrated), 4)})
+            estimates.append(
+                {
+                    "layers": list(subset),
+                    "speedup": round(cost.ar() / cost.paradecode(subset, confidence, agree, calibrated), 4),
+                }
+            )
         estimates.sort(key=lambda x: -x["speedup"])
         chosen = tuple(estimates[0]["layers"]) if estimates and estimates[0]["speedup"] > 1.0 else ()
     else:
@@ -227,16 +268,22 @@ def calibrate(confidence: dict[int, torch.Tensor], agree: dict[int, torch.Tensor
         "thresholds": {str(e): (calibrated[e] if e in chosen else None) for e in sorted(confidence)},
         "selected_layers": list(chosen),
         "expected_speedup": estimates[0]["speedup"] if estimates and chosen else None,
-        "cost_model": None if cost is None else {"head": round(cost.head, 4), "merge": cost.merge,
-                                                 "rollback": cost.rollback if cost.rollback is not None else cost.num_layers},
+        "cost_model": None
+        if cost is None
+        else {
+            "head": round(cost.head, 4),
+            "merge": cost.merge,
+            "rollback": cost.rollback if cost.rollback is not None else cost.num_layers,
+        },
         "subsets": estimates[:8],
         "layers": layers,
         "positions": len(next(iter(confidence.values()))),
     }
 
 
-def evaluate_heads(model, features: Features, held_out: torch.Tensor,
-                   transforms: dict[int, torch.Tensor | None]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+def evaluate_heads(
+    model, features: Features, held_out: torch.Tensor, transforms: dict[int, torch.Tensor | None]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """Top-1 probability of each head and whether its top-1 agrees with the final layer, on held-out positions."""
     norm, lm_head = unembedding(model)
     rows = torch.nonzero(held_out).squeeze(1)

@@ -15,7 +15,6 @@ from paradecode.graphs.manifest import MANIFEST_NAME, sha256_of
 from paradecode.graphs.ops import TORCH_DTYPES
 
 
-
 @contextmanager
 def staged_folder(output: Path, force: bool):
     """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds."""
@@ -54,14 +53,19 @@ def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> No
     """Canonical weights for the torch backend, in the export dtype (rotary frequencies stay float32)."""
     from safetensors.torch import save_file
 
-    cast = {k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
-            for k, v in weights.items()}
+    cast = {
+        k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
+        for k, v in weights.items()
+    }
     save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
-    return {p.relative_to(folder).as_posix(): sha256_of(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_NAME}
+    return {
+        p.relative_to(folder).as_posix(): sha256_of(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def package_version() -> str:
@@ -71,4 +75,3 @@ def package_version() -> str:
         return version("paradecode")
     except PackageNotFoundError:
         return "unknown"
-

@@ -44,11 +44,13 @@ def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     except (SafetensorError, OSError) as err:
         raise UserInputError(f"--heads {path} is not a safetensors file ({err}).") from err
     if header.get("format") != FORMAT:
-        raise UserInputError(f"--heads {path} is not a paradecode heads file (format {header.get('format')!r}, expected {FORMAT!r}).")
+        raise UserInputError(
+            f"--heads {path} is not a paradecode heads file (format {header.get('format')!r}, expected {FORMAT!r})."
+        )
     transforms = {}
     for key, tensor in tensors.items():
         match = KEY.match(key)
@@ -58,24 +60,36 @@ def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any
     return transforms, json.loads(header.get("metadata", "{}"))
 
 
-def check_heads(path: Path, transforms: dict[int, torch.Tensor], metadata: dict[str, Any], *, spec: ModelSpec,
-                model: dict[str, Any], exit_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+def check_heads(
+    path: Path,
+    transforms: dict[int, torch.Tensor],
+    metadata: dict[str, Any],
+    *,
+    spec: ModelSpec,
+    model: dict[str, Any],
+    exit_layers: tuple[int, ...] | None,
+) -> tuple[int, ...]:
     """Check heads against the model being exported; return the exit layers to export."""
     base = metadata.get("base_weights_sha256")
     if base != model["weights_sha256"]:
         raise UserInputError(
             f"--heads {path} was trained for another model ({metadata.get('base_model', 'unknown')}, weights "
-            f"sha256 {str(base)[:12]}...), not for {model['source']} (weights sha256 {model['weights_sha256'][:12]}...). "
+            f"sha256 {str(base)[:12]}...), not for {model['source']} "
+            f"(weights sha256 {model['weights_sha256'][:12]}...). "
             "Train heads for this model with `paradecode-train-heads`."
         )
     for layer, t in transforms.items():
         if tuple(t.shape) != (spec.hidden_size, spec.hidden_size):
-            raise UserInputError(f"--heads {path}: the head after layer {layer} has shape {tuple(t.shape)}, "
-                                 f"expected ({spec.hidden_size}, {spec.hidden_size}).")
+            raise UserInputError(
+                f"--heads {path}: the head after layer {layer} has shape {tuple(t.shape)}, "
+                f"expected ({spec.hidden_size}, {spec.hidden_size})."
+            )
     if exit_layers is None:
         return tuple(sorted(transforms))
     missing = [e for e in exit_layers if e not in transforms]
     if missing:
-        raise UserInputError(f"--exit-layers asks for layers {missing}, but --heads {path} has heads for "
-                             f"layers {sorted(transforms)} only. Drop --exit-layers to use the file's layers.")
+        raise UserInputError(
+            f"--exit-layers asks for layers {missing}, but --heads {path} has heads for "
+            f"layers {sorted(transforms)} only. Drop --exit-layers to use the file's layers."
+        )
     return exit_layers

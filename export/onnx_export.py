@@ -35,8 +35,12 @@ ONNX_DTYPES = {
     TensorProto.INT32: torch.int32,
     TensorProto.BOOL: torch.bool,
 }
-DTYPE_NAMES = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16",
-               TensorProto.BFLOAT16: "bfloat16", TensorProto.INT64: "int64"}
+DTYPE_NAMES = {
+    TensorProto.FLOAT: "float32",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.BFLOAT16: "bfloat16",
+    TensorProto.INT64: "int64",
+}
 EXTERNAL_DATA_BYTES = 1 << 30  # graphs above 1 GiB keep their weights in a side file (protobuf's limit is 2 GiB)
 SMALL_CONSTANT = 64  # unmatched float initializers up to this size are structural constants (scales, eps)
 
@@ -155,8 +159,12 @@ class GraphTemplate:
             if match is not None:
                 sources[init.name] = match
             elif value.is_floating_point() and value.numel() > SMALL_CONSTANT:
-                logger.debug("%s: initializer %s (%s) has no source parameter; not templating",
-                             io.name, init.name, tuple(value.shape))
+                logger.debug(
+                    "%s: initializer %s (%s) has no source parameter; not templating",
+                    io.name,
+                    init.name,
+                    tuple(value.shape),
+                )
                 return None
         return cls(model, sources)
 
@@ -191,8 +199,14 @@ def save_onnx(model: onnx.ModelProto, path: Path) -> list[Path]:
     """Write `model` to `path` (weights in `path.data` when large), check the written file with
     `onnx.checker` (by path, so external data is checked too); return the files written."""
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
-    onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=path.name + ".data",
+        size_threshold=1024,
+    )
     try:
         onnx.checker.check_model(str(path), full_check=False)
     except onnx.checker.ValidationError as err:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
 from paradecode.export.files import file_hashes, package_version, save_weights, staged_folder
@@ -22,10 +23,13 @@ from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
 from paradecode.export.source import ModelSource, resolve_model
 from paradecode.export.tokenizer import save_tokenizer
-from paradecode.export import validate
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
-    NEVER_EXIT, TOKENIZER_DIR, WEIGHTS_NAME, Manifest, Subgraph,
+    NEVER_EXIT,
+    TOKENIZER_DIR,
+    WEIGHTS_NAME,
+    Manifest,
+    Subgraph,
 )
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
@@ -34,7 +38,7 @@ from paradecode.graphs.tensors import SubgraphIO, export_plan
 
 logger = logging.getLogger(__name__)
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 @dataclass
@@ -52,6 +56,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     target = None
     if config.engine == "tensorrt":
         from paradecode.export.tensorrt import require_tensorrt
+
         target = require_tensorrt()
     source = resolve_model(config.model)
     check_output_is_not_source(config.output, source)
@@ -63,16 +68,40 @@ def export_model(config: ExportConfig) -> ExportResult:
     exit_layers, transforms, heads_metadata = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
     weights.update({f"exits.{e}.transform": t for e, t in transforms.items()})
-    plan = export_plan(spec, exit_layers, dtype=config.dtype, max_seq_len=max_seq_len,
-                       max_batch=config.max_batch, with_logits=config.with_logits, fused_exits=config.fused_exits)
-    logger.info("exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
-                config.model, spec.family, spec.num_layers, spec.hidden_size, config.output, config.dtype,
-                max_seq_len, ",".join(map(str, exit_layers)), "trained" if transforms else "identity")
+    plan = export_plan(
+        spec,
+        exit_layers,
+        dtype=config.dtype,
+        max_seq_len=max_seq_len,
+        max_batch=config.max_batch,
+        with_logits=config.with_logits,
+        fused_exits=config.fused_exits,
+    )
+    logger.info(
+        "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
+        config.model,
+        spec.family,
+        spec.num_layers,
+        spec.hidden_size,
+        config.output,
+        config.dtype,
+        max_seq_len,
+        ",".join(map(str, exit_layers)),
+        "trained" if transforms else "identity",
+    )
 
     with staged_folder(config.output, config.force) as folder:
         tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
-        checklist, onnx_files = write_subgraphs(folder, hf_model, spec, weights, plan, config, max_seq_len,
-                                                prompt_ids(folder, tokenizer_files, spec, identity, max_seq_len))
+        checklist, onnx_files = write_subgraphs(
+            folder,
+            hf_model,
+            spec,
+            weights,
+            plan,
+            config,
+            max_seq_len,
+            prompt_ids(folder, tokenizer_files, spec, identity, max_seq_len),
+        )
         if checklist.failed:
             raise ValidationError(
                 "the export does not reproduce the PyTorch model; nothing was written:\n"
@@ -81,6 +110,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         engines, tensorrt = {}, None
         if target is not None:
             from paradecode.export.tensorrt import ProfileSettings, build_engines
+
             settings = ProfileSettings(config.max_batch, max_seq_len, config.max_unverified)
             cache_dir = config.cache_dir or Path.home() / ".cache" / "paradecode"
             engines = build_engines(folder, plan, onnx_files, settings, target, cache_dir)
@@ -111,12 +141,15 @@ def export_model(config: ExportConfig) -> ExportResult:
 
 # --- checks before anything is written ---------------------------------------------------------
 
+
 def check_output(config: ExportConfig) -> None:
     output = config.output
     if output.exists() and not output.is_dir():
         raise UserInputError(f"output {output} exists and is a file, not a folder. Choose another -o path.")
     if output.exists() and not config.force:
-        raise UserInputError(f"output folder {output} already exists. Pass --force to replace it, or choose another -o path.")
+        raise UserInputError(
+            f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
+        )
 
 
 def check_output_is_not_source(output: Path, source: ModelSource) -> None:
@@ -157,8 +190,9 @@ def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -
     exit_layers = config.exit_layers
     if config.heads is not None:
         transforms, metadata = load_heads(config.heads)
-        exit_layers = check_heads(config.heads, transforms, metadata, spec=spec, model=identity,
-                                  exit_layers=exit_layers)
+        exit_layers = check_heads(
+            config.heads, transforms, metadata, spec=spec, model=identity, exit_layers=exit_layers
+        )
         transforms = {e: transforms[e] for e in exit_layers}
     exit_layers = exit_layers or default_exit_layers(last)
     bad = [e for e in exit_layers if not 1 <= e < last]
@@ -189,11 +223,15 @@ def default_thresholds(exit_layers: tuple[int, ...], heads_metadata: dict) -> di
 def calibration_of(heads_metadata: dict) -> dict | None:
     if "calibration" not in heads_metadata:
         return None
-    return {**heads_metadata["calibration"], "agreement": heads_metadata.get("agreement"),
-            "heads_data": heads_metadata.get("data")}
+    return {
+        **heads_metadata["calibration"],
+        "agreement": heads_metadata.get("agreement"),
+        "heads_data": heads_metadata.get("data"),
+    }
 
 
 # --- writing ----------------------------------------------------------------------------------
+
 
 def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     """Subgraphs with equal keys have the same graph up to their weights."""
@@ -206,18 +244,30 @@ def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     return (io.kind,)
 
 
-def write_subgraphs(folder: Path, hf_model, spec: ModelSpec, weights: dict, plan: list[SubgraphIO],
-                    config: ExportConfig, max_seq_len: int, ids: list[int]) -> tuple[validate.Checklist, dict[str, str]]:
+def write_subgraphs(
+    folder: Path,
+    hf_model,
+    spec: ModelSpec,
+    weights: dict,
+    plan: list[SubgraphIO],
+    config: ExportConfig,
+    max_seq_len: int,
+    ids: list[int],
+) -> tuple[validate.Checklist, dict[str, str]]:
     """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
     dtype = TORCH_DTYPES[config.dtype]
     checklist = validate.Checklist()
     fp32 = {io.name: build_subgraph(spec, io, weights, with_logits=config.with_logits) for io in plan}
     checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
-    modules = fp32 if dtype == torch.float32 else {
-        io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits) for io in plan}
+    modules = (
+        fp32
+        if dtype == torch.float32
+        else {io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits) for io in plan}
+    )
     real = validate.real_inputs(modules, plan, spec, ids, max_seq_len=max_seq_len, dtype=dtype)
-    export_args = dict(vocab_size=spec.vocab_size, dtype=dtype, opset=config.opset,
-                       max_batch=config.max_batch, max_seq_len=max_seq_len)
+    export_args = dict(
+        vocab_size=spec.vocab_size, dtype=dtype, opset=config.opset, max_batch=config.max_batch, max_seq_len=max_seq_len
+    )
     templates: dict[tuple, GraphTemplate | None] = {}
     files: dict[str, str] = {}
     generator = torch.Generator().manual_seed(0)
@@ -226,8 +276,9 @@ def write_subgraphs(folder: Path, hf_model, spec: ModelSpec, weights: dict, plan
         started = time.perf_counter()
         key = structure_key(io, spec, weights)
         if key not in templates:
-            random_module = build_subgraph(spec, io, random_weights(weights, generator), dtype=dtype,
-                                           with_logits=config.with_logits)
+            random_module = build_subgraph(
+                spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits
+            )
             templates[key] = GraphTemplate.trace(random_module, io, **export_args)
             how = "traced"
         else:
@@ -241,23 +292,47 @@ def write_subgraphs(folder: Path, hf_model, spec: ModelSpec, weights: dict, plan
         relative = f"onnx/{io.name}.onnx"
         save_onnx(model, folder / relative)
         files[io.name] = relative
-        cases = [(f"random T={t}", validate.random_inputs(io, spec, max_seq_len=max_seq_len, max_batch=config.max_batch,
-                                                          tokens=t, dtype=dtype, generator=generator)) for t in (1, 4)]
+        cases = [
+            (
+                f"random T={t}",
+                validate.random_inputs(
+                    io,
+                    spec,
+                    max_seq_len=max_seq_len,
+                    max_batch=config.max_batch,
+                    tokens=t,
+                    dtype=dtype,
+                    generator=generator,
+                ),
+            )
+            for t in (1, 4)
+        ]
         cases += [(f"real {n}", inputs) for n, inputs in enumerate(real[io.name])]
         check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, config.dtype))
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
-        logger.info("[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s", i, len(plan), io.name, how,
-                    time.perf_counter() - started, check.status, diff)
+        logger.info(
+            "[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s",
+            i,
+            len(plan),
+            io.name,
+            how,
+            time.perf_counter() - started,
+            check.status,
+            diff,
+        )
     return checklist, files
 
 
 def random_weights(weights: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Weights of the same shapes with distinct random values, for tracing templates."""
-    return {k: torch.randn(v.shape, generator=generator) * 0.1 if v.is_floating_point() else v
-            for k, v in weights.items()}
+    return {
+        k: torch.randn(v.shape, generator=generator) * 0.1 if v.is_floating_point() else v for k, v in weights.items()
+    }
 
 
-def prompt_ids(folder: Path, tokenizer_files: list[str], spec: ModelSpec, identity: dict, max_seq_len: int) -> list[int]:
+def prompt_ids(
+    folder: Path, tokenizer_files: list[str], spec: ModelSpec, identity: dict, max_seq_len: int
+) -> list[int]:
     """A real prompt for validation: the model's tokenizer on a line of code, else fixed ids."""
     limit = max(1, min(16, max_seq_len - 4))
     if "tokenizer.json" in tokenizer_files:
@@ -270,5 +345,3 @@ def prompt_ids(folder: Path, tokenizer_files: list[str], spec: ModelSpec, identi
     bos = identity.get("bos_token_id")
     start = [bos] if isinstance(bos, int) and 0 <= bos < spec.vocab_size else []
     return (start + [(7 * k + 3) % spec.vocab_size for k in range(limit)])[:limit]
-
-

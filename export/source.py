@@ -19,8 +19,15 @@ logger = logging.getLogger(__name__)
 # as exit heads saved beside the model, are not the model's weights and must not change its hash.
 WEIGHT_PATTERNS = ("model.safetensors", "model-*-of-*.safetensors", "pytorch_model.bin", "pytorch_model-*-of-*.bin")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -75,7 +82,9 @@ def resolve_model(reference: str) -> ModelSource:
 def check_model_folder(source: ModelSource) -> None:
     path = source.path
     if not path.is_dir():
-        raise UserInputError(f"{source.reference} is a file, not a model folder. Pass the folder that holds config.json.")
+        raise UserInputError(
+            f"{source.reference} is a file, not a model folder. Pass the folder that holds config.json."
+        )
     if not (path / "config.json").is_file():
         raise UserInputError(
             f"{source.reference} is not a Hugging Face model folder: it has no config.json. Expected a folder "
@@ -99,8 +108,13 @@ def download(hub_id: str) -> Path:
     """Fetch config, weights and tokenizer files of `hub_id` from the Hugging Face Hub (or its local cache)."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["config.json", *WEIGHT_PATTERNS, "*.safetensors.index.json", "pytorch_model.bin.index.json",
-                *TOKENIZER_FILES]
+    patterns = [
+        "config.json",
+        *WEIGHT_PATTERNS,
+        "*.safetensors.index.json",
+        "pytorch_model.bin.index.json",
+        *TOKENIZER_FILES,
+    ]
     logger.info("fetching %s from the Hugging Face Hub (or its local cache)", hub_id)
     try:
         return Path(snapshot_download(repo_id=hub_id, allow_patterns=patterns))

@@ -63,7 +63,9 @@ def require_tensorrt() -> TensorRTTarget:
     try:
         import tensorrt as trt
     except ImportError as err:
-        raise MissingDependencyError(f"--engine tensorrt needs TensorRT, which is not installed ({err}). {INSTALL_HINT}") from err
+        raise MissingDependencyError(
+            f"--engine tensorrt needs TensorRT, which is not installed ({err}). {INSTALL_HINT}"
+        ) from err
     try:
         import polygraphy.backend.trt  # noqa: F401
     except ImportError as err:
@@ -78,7 +80,9 @@ def require_tensorrt() -> TensorRTTarget:
     try:
         trt.Builder(trt.Logger(trt.Logger.ERROR))
     except Exception as err:  # the bindings raise TypeError/RuntimeError when no device can be used
-        raise MissingDependencyError(f"TensorRT {trt.__version__} cannot create a builder here ({err}). {INSTALL_HINT}") from err
+        raise MissingDependencyError(
+            f"TensorRT {trt.__version__} cannot create a builder here ({err}). {INSTALL_HINT}"
+        ) from err
     props = torch.cuda.get_device_properties(0)
     return TensorRTTarget(trt.__version__, f"{props.name} sm_{props.major}{props.minor}")
 
@@ -89,8 +93,10 @@ def profile_shapes(io: SubgraphIO, settings: ProfileSettings) -> list[dict[str, 
     for lo, opt, hi in settings.token_ranges():
         shapes = {}
         for t in io.inputs:
-            def dims(batch: int, tokens: int) -> tuple[int, ...]:
-                return tuple(batch if d == BATCH else tokens if d == TOKENS else d for d in t.shape)
+
+            def dims(batch: int, tokens: int, shape=t.shape) -> tuple[int, ...]:
+                return tuple(batch if d == BATCH else tokens if d == TOKENS else d for d in shape)
+
             shapes[t.name] = (dims(1, lo), dims(1, opt), dims(settings.max_batch, hi))
         profiles.append(shapes)
     return profiles
@@ -101,8 +107,9 @@ def engine_key(onnx_path: Path, target: TensorRTTarget, profiles: list[dict[str,
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def engine_from_onnx(onnx_path: Path, io: SubgraphIO, settings: ProfileSettings, target: TensorRTTarget,
-                     cache_dir: Path) -> tuple[Path, bool]:
+def engine_from_onnx(
+    onnx_path: Path, io: SubgraphIO, settings: ProfileSettings, target: TensorRTTarget, cache_dir: Path
+) -> tuple[Path, bool]:
     """Build (or reuse from `cache_dir`) the engine of one subgraph; return its cached path and whether it was built."""
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, Profile
 
@@ -131,8 +138,14 @@ def engine_from_onnx(onnx_path: Path, io: SubgraphIO, settings: ProfileSettings,
     return cached, True
 
 
-def build_engines(folder: Path, plan: list[SubgraphIO], onnx_files: dict[str, str], settings: ProfileSettings,
-                  target: TensorRTTarget, cache_dir: Path) -> dict[str, str]:
+def build_engines(
+    folder: Path,
+    plan: list[SubgraphIO],
+    onnx_files: dict[str, str],
+    settings: ProfileSettings,
+    target: TensorRTTarget,
+    cache_dir: Path,
+) -> dict[str, str]:
     """Engines for every subgraph, copied into `folder/engines`; returns subgraph name -> relative path."""
     engines = {}
     (folder / "engines").mkdir(exist_ok=True)

@@ -40,15 +40,19 @@ def convert_to_tokenizer_json(model_path: Path, target: Path) -> bool:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     except (OSError, ValueError, ImportError) as err:
-        logger.warning("could not load the tokenizer of %s to convert it (%s): the runtime will take token ids only",
-                       model_path, err)
+        logger.warning(
+            "could not load the tokenizer of %s to convert it (%s): the runtime will take token ids only",
+            model_path,
+            err,
+        )
         return False
     with tempfile.TemporaryDirectory(prefix="paradecode-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
         converted = Path(tmp) / "tokenizer.json"
         if not converted.is_file() or not usable(converted):
-            logger.warning("transformers wrote no usable tokenizer.json for %s: the runtime will take token ids only",
-                           model_path)
+            logger.warning(
+                "transformers wrote no usable tokenizer.json for %s: the runtime will take token ids only", model_path
+            )
             return False
         shutil.copyfile(converted, target)
     return True

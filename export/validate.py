@@ -21,7 +21,16 @@ import torch
 from paradecode.graphs.errors import MissingDependencyError
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
-    BATCH, HIDDEN, INPUT_IDS, MARGIN, PAST_KEY, PAST_VALUE, POSITIONS, TOKEN, TOKENS, SubgraphIO,
+    BATCH,
+    HIDDEN,
+    INPUT_IDS,
+    MARGIN,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+    TOKEN,
+    TOKENS,
+    SubgraphIO,
 )
 
 logger = logging.getLogger(__name__)
@@ -77,8 +86,9 @@ class Checklist:
         return [c.line() for c in self.checks]
 
 
-def compare(subject: str, what: str, expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor],
-            tol: Tolerance) -> Check:
+def compare(
+    subject: str, what: str, expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], tol: Tolerance
+) -> Check:
     """Compare every output of `actual` with `expected`.
 
     A top-1 token may differ only where the expected top-1/top-2 margin (`expected[MARGIN]`) is a
@@ -118,6 +128,7 @@ def compare(subject: str, what: str, expected: dict[str, torch.Tensor], actual: 
 
 # --- onnxruntime ----------------------------------------------------------------------------------
 
+
 def ort_session(path, threads: int = 0):
     try:
         import onnxruntime as ort
@@ -138,6 +149,7 @@ def ort_feed(tensor: torch.Tensor):
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
         from onnx import TensorProto
+
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tensor.view(torch.int16).numpy(), TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
 
@@ -174,9 +186,15 @@ def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]
     except Exception as err:  # onnxruntime raises its own exception types; report what it said
         if "NOT_IMPLEMENTED" not in str(err) and not isinstance(err, NotImplementedError):
             raise
-        return Check(io.name, "onnxruntime vs PyTorch", "skip", note=(
-            f"onnxruntime's CPU provider cannot run {dtype} graphs ({str(err).splitlines()[0][-60:]}); "
-            "validate on a GPU (onnxruntime-gpu or --engine tensorrt)"))
+        return Check(
+            io.name,
+            "onnxruntime vs PyTorch",
+            "skip",
+            note=(
+                f"onnxruntime's CPU provider cannot run {dtype} graphs ({str(err).splitlines()[0][-60:]}); "
+                "validate on a GPU (onnxruntime-gpu or --engine tensorrt)"
+            ),
+        )
     failed = [r for r in results if r.status == "FAIL"]
     worst = max(r.max_diff or 0.0 for r in results)
     notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
@@ -187,8 +205,17 @@ def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]
 
 # --- inputs ---------------------------------------------------------------------------------------
 
-def random_inputs(io: SubgraphIO, spec: ModelSpec, *, max_seq_len: int, max_batch: int, tokens: int,
-                  dtype: torch.dtype, generator: torch.Generator) -> dict[str, torch.Tensor]:
+
+def random_inputs(
+    io: SubgraphIO,
+    spec: ModelSpec,
+    *,
+    max_seq_len: int,
+    max_batch: int,
+    tokens: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> dict[str, torch.Tensor]:
     """Random inputs: hidden states, full random caches (masked slots must not matter), random positions."""
     batch = min(2, max_batch)
     tokens = min(tokens, max_seq_len)
@@ -205,12 +232,23 @@ def random_inputs(io: SubgraphIO, spec: ModelSpec, *, max_seq_len: int, max_batc
     return inputs
 
 
-def real_inputs(modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spec: ModelSpec, ids: list[int], *,
-                max_seq_len: int, dtype: torch.dtype, decode_steps: int = 2) -> dict[str, list[dict]]:
+def real_inputs(
+    modules: dict[str, torch.nn.Module],
+    plan: list[SubgraphIO],
+    spec: ModelSpec,
+    ids: list[int],
+    *,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    decode_steps: int = 2,
+) -> dict[str, list[dict]]:
     """Run the module chain on a real prompt (prefill, then greedy decode) and record each call's inputs."""
     cache_shape = (1, spec.num_kv_heads, max_seq_len, spec.head_dim)
-    caches = {io.layer: (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
-              for io in plan if io.kind == "layer"}
+    caches = {
+        io.layer: (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
+        for io in plan
+        if io.kind == "layer"
+    }
     recorded: dict[str, list[dict]] = {io.name: [] for io in plan}
     chunk, start = torch.tensor([ids]), 0
     with torch.no_grad():
@@ -224,8 +262,12 @@ def real_inputs(modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spe
                 if io.kind == "embed":
                     inputs = {INPUT_IDS: chunk, POSITIONS: positions}
                 elif io.kind == "layer":
-                    inputs = {HIDDEN: hidden, POSITIONS: positions, PAST_KEY: caches[io.layer][0],
-                              PAST_VALUE: caches[io.layer][1]}
+                    inputs = {
+                        HIDDEN: hidden,
+                        POSITIONS: positions,
+                        PAST_KEY: caches[io.layer][0],
+                        PAST_VALUE: caches[io.layer][1],
+                    }
                 else:
                     inputs = {HIDDEN: hidden}
                 inputs = {k: v for k, v in inputs.items() if k in io.input_names}
@@ -240,8 +282,15 @@ def real_inputs(modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spe
     return recorded
 
 
-def check_slicing(hf_model, modules: dict[str, torch.nn.Module], plan: list[SubgraphIO], spec: ModelSpec,
-                  ids: list[int], *, max_seq_len: int) -> Check:
+def check_slicing(
+    hf_model,
+    modules: dict[str, torch.nn.Module],
+    plan: list[SubgraphIO],
+    spec: ModelSpec,
+    ids: list[int],
+    *,
+    max_seq_len: int,
+) -> Check:
     """fp32 modules chained over fixed-size caches (prefill, then one token at a time) vs transformers."""
     split = max(1, len(ids) // 2)
     cache_shape = (1, spec.num_kv_heads, max_seq_len, spec.head_dim)
@@ -260,8 +309,11 @@ def check_slicing(hf_model, modules: dict[str, torch.nn.Module], plan: list[Subg
             pieces.append(modules["final"].logits(hidden)[0].float())
     ours = torch.cat(pieces)
     top = reference.topk(2, dim=-1).values
-    check = compare("model", f"slicing vs transformers ({len(ids)} tokens)",
-                    {"logits": reference, TOKEN: reference.argmax(-1), MARGIN: top[:, 0] - top[:, 1]},
-                    {"logits": ours, TOKEN: ours.argmax(-1)}, SLICING_TOLERANCE)
+    check = compare(
+        "model",
+        f"slicing vs transformers ({len(ids)} tokens)",
+        {"logits": reference, TOKEN: reference.argmax(-1), MARGIN: top[:, 0] - top[:, 1]},
+        {"logits": ours, TOKEN: ours.argmax(-1)},
+        SLICING_TOLERANCE,
+    )
     return check
-

@@ -100,8 +100,11 @@ class Manifest:
             "model": self.model,
             "spec": self.spec.to_dict(),
             "dtype": self.dtype,
-            "limits": {"max_seq_len": self.max_seq_len, "max_batch": self.max_batch,
-                       "max_unverified": self.max_unverified},
+            "limits": {
+                "max_seq_len": self.max_seq_len,
+                "max_batch": self.max_batch,
+                "max_unverified": self.max_unverified,
+            },
             "opset": self.opset,
             "exit_layers": list(self.exit_layers),
             "head_kind": self.head_kind,
@@ -166,7 +169,9 @@ def read_manifest(folder: str | Path) -> Manifest:
     try:
         return Manifest.from_dict(data)
     except (KeyError, TypeError, ValueError) as err:
-        raise ManifestError(f"{path} is incomplete or malformed ({type(err).__name__}: {err}); re-export the model.") from err
+        raise ManifestError(
+            f"{path} is incomplete or malformed ({type(err).__name__}: {err}); re-export the model."
+        ) from err
 
 
 def verify_files(folder: str | Path, manifest: Manifest) -> None:

@@ -176,14 +176,16 @@ def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Ten
     if io.kind == "layer_exit":
         layer = SubgraphIO(f"layer_{io.layer}", "layer", io.layer, io.inputs, io.outputs[:3])
         head = SubgraphIO(f"exit_{io.layer}", "exit", io.layer, io.inputs[:1], io.outputs[3:])
-        return {**{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights).items()},
-                **{f"head.{k}": v for k, v in subgraph_state(spec, head, weights).items()}}
+        return {
+            **{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights).items()},
+            **{f"head.{k}": v for k, v in subgraph_state(spec, head, weights).items()},
+        }
     if io.kind == "embed":
         prefix = "embed."
-        return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     if io.kind == "layer":
         prefix = f"layers.{io.layer}."
-        state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         if spec.positions == "rope":
             state["inv_freq"] = weights["rope.inv_freq"]
         return state
@@ -199,8 +201,11 @@ def load_exact(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> 
     """Load `state` into `module`, asserting every key and shape; name what is missing or extra."""
     expected = module.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [f"{k}: got {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
-             for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
+    wrong = [
+        f"{k}: got {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}"
+        for k in sorted(set(expected) & set(state))
+        if state[k].shape != expected[k].shape
+    ]
     if missing or unexpected or wrong:
         raise ManifestError(
             f"weights for {what} do not fit its module: missing {missing}, unexpected {unexpected}, "

@@ -52,8 +52,16 @@ class ModelSpec:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise UnsupportedModelError(f"ModelSpec.{name} must be a positive integer, got {value!r}.")
@@ -62,9 +70,12 @@ class ModelSpec:
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads}): "
                 "grouped-query attention needs every key/value head to serve the same number of query heads."
             )
-        for name, value, allowed in (("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS),
-                                     ("activation", self.activation, ACTIVATIONS),
-                                     ("positions", self.positions, POSITIONS)):
+        for name, value, allowed in (
+            ("norm", self.norm, NORMS),
+            ("mlp", self.mlp, MLPS),
+            ("activation", self.activation, ACTIVATIONS),
+            ("positions", self.positions, POSITIONS),
+        ):
             if value not in allowed:
                 raise UnsupportedModelError(f"ModelSpec.{name}={value!r} is not supported; expected one of {allowed}.")
         if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
@@ -81,7 +92,7 @@ class ModelSpec:
 
     @property
     def scale(self) -> float:
-        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (1-based), or None for full attention."""

@@ -123,8 +123,11 @@ def subgraph_io(
             TensorSpec(PRESENT_VALUE, cache, dtype),
         ]
         if kind == "layer_exit":
-            outputs += [TensorSpec(TOKEN, (batch, 1), "int64"), TensorSpec(PROB, (batch, 1), "float32"),
-                        TensorSpec(MARGIN, (batch, 1), "float32")]
+            outputs += [
+                TensorSpec(TOKEN, (batch, 1), "int64"),
+                TensorSpec(PROB, (batch, 1), "float32"),
+                TensorSpec(MARGIN, (batch, 1), "float32"),
+            ]
     elif kind in ("exit", "final"):
         if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
@@ -138,8 +141,9 @@ def subgraph_io(
             outputs.append(TensorSpec(LOGITS, (batch, tokens, spec.vocab_size), dtype))
     else:
         raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
-    return SubgraphIO(subgraph_name(kind, layer), kind, layer if kind != "final" else None,
-                      tuple(inputs), tuple(outputs))
+    return SubgraphIO(
+        subgraph_name(kind, layer), kind, layer if kind != "final" else None, tuple(inputs), tuple(outputs)
+    )
 
 
 def export_plan(

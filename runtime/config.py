@@ -71,7 +71,8 @@ class GenerationConfig:
         if isinstance(self.thresholds, Mapping):
             unknown = sorted(set(self.thresholds) - set(defaults))
             if unknown:
-                raise UserInputError(f"thresholds given for layers {unknown}, but the export's exit layers are "
-                                     f"{sorted(defaults)}.")
+                raise UserInputError(
+                    f"thresholds given for layers {unknown}, but the export's exit layers are {sorted(defaults)}."
+                )
             return {**defaults, **{int(k): float(v) for k, v in self.thresholds.items()}}
         return {layer: float(self.thresholds) for layer in defaults}

@@ -43,18 +43,46 @@ class DecodeContext:
 
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
-        return self._call(lane, "embed", "embed", start, end, self.backend.embed,
-                          torch.tensor([ids], dtype=torch.int64), self.positions[:, start:end])
+        return self._call(
+            lane,
+            "embed",
+            "embed",
+            start,
+            end,
+            self.backend.embed,
+            torch.tensor([ids], dtype=torch.int64),
+            self.positions[:, start:end],
+        )
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         end = start + hidden.shape[1]
-        return self._call(lane, self.layer_names[layer], f"layer {layer}", start, end, self.backend.layer,
-                          layer, hidden, self.positions[:, start:end], self.cache)
+        return self._call(
+            lane,
+            self.layer_names[layer],
+            f"layer {layer}",
+            start,
+            end,
+            self.backend.layer,
+            layer,
+            hidden,
+            self.positions[:, start:end],
+            self.cache,
+        )
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
         end = start + hidden.shape[1]
-        return self._call(lane, f"layer_exit_{layer}", f"layer {layer} + exit head", start, end,
-                          self.backend.layer_exit, layer, hidden, self.positions[:, start:end], self.cache)
+        return self._call(
+            lane,
+            f"layer_exit_{layer}",
+            f"layer {layer} + exit head",
+            start,
+            end,
+            self.backend.layer_exit,
+            layer,
+            hidden,
+            self.positions[:, start:end],
+            self.cache,
+        )
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
         return self._call(lane, name, name, start, start + hidden.shape[1], self.backend.head, name, hidden)

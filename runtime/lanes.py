@@ -77,6 +77,7 @@ class Lane:
         if self.stream is None:
             return contextlib.nullcontext()
         import torch
+
         return torch.cuda.stream(self.stream)
 
     def synchronize(self) -> None:

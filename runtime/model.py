@@ -56,7 +56,7 @@ class GenerationStream:
     def close(self) -> None:
         self._tokens.close()
 
-    def __enter__(self) -> "GenerationStream":
+    def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,8 +64,17 @@ class GenerationStream:
 
 
 class ParaDecodeModel:
-    def __init__(self, path: str | Path, *, backend: str = "onnxruntime", device: str = "cpu", lanes: int = 2,
-                 threads: int | None = None, cuda_graphs: bool = True, verify: bool = True):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        backend: str = "onnxruntime",
+        device: str = "cpu",
+        lanes: int = 2,
+        threads: int | None = None,
+        cuda_graphs: bool = True,
+        verify: bool = True,
+    ):
         if lanes < 1:
             raise UserInputError(f"lanes must be at least 1 (the calling thread), got {lanes}.")
         self.export = open_export(path, verify=verify)
@@ -81,7 +90,7 @@ class ParaDecodeModel:
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread whose call holds the model
         self._warned_full = False
-        self._streams: "weakref.WeakSet[GenerationStream]" = weakref.WeakSet()
+        self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
 
     @property
     def manifest(self):
@@ -106,33 +115,52 @@ class ParaDecodeModel:
         self.close()
 
     # --- public API ---------------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-                 config: GenerationConfig | None = None, trace: bool = False, annotate=None, exit_policy=None,
-                 **settings) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        config: GenerationConfig | None = None,
+        trace: bool = False,
+        annotate=None,
+        exit_policy=None,
+        **settings,
+    ) -> GenerationResult:
         """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields.
 
         `trace=True` keeps every subgraph call's span in `result.timeline`; `annotate(name)` (a context
         manager factory, such as an NVTX range) wraps every call and scheduler phase while profiling.
         `exit_policy` replaces the threshold test, for controlled measurements only (see ParaDecoder).
         """
-        stream = self._stream(prompt, prompt_ids, config, trace, settings, text=False, annotate=annotate,
-                              exit_policy=exit_policy)
+        stream = self._stream(
+            prompt, prompt_ids, config, trace, settings, text=False, annotate=annotate, exit_policy=exit_policy
+        )
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None,
-               config: GenerationConfig | None = None, trace: bool = False, **settings) -> GenerationStream:
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        config: GenerationConfig | None = None,
+        trace: bool = False,
+        **settings,
+    ) -> GenerationStream:
         """Like `generate`, but yields each token as soon as it is verified."""
         return self._stream(prompt, prompt_ids, config, trace, settings, text=True)
 
-    def _stream(self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool,
-                annotate=None, exit_policy=None) -> GenerationStream:
+    def _stream(
+        self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool, annotate=None, exit_policy=None
+    ) -> GenerationStream:
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids)
         if self._owner == threading.get_ident():
-            raise UserInputError("this thread still has an open stream on this model: exhaust it or call its "
-                                 "close() (or use `with model.stream(...) as stream:`) before the next call.")
+            raise UserInputError(
+                "this thread still has an open stream on this model: exhaust it or call its "
+                "close() (or use `with model.stream(...) as stream:`) before the next call."
+            )
         stream = GenerationStream(iter(()))
         stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
         self._streams.add(stream)
@@ -162,13 +190,22 @@ class ParaDecodeModel:
             )
         return ids
 
-    def _run(self, ids: list[int], config: GenerationConfig, timeline: Timeline, stream: GenerationStream,
-             with_text: bool, annotate=None, exit_policy=None) -> Iterator[StreamedToken]:
+    def _run(
+        self,
+        ids: list[int],
+        config: GenerationConfig,
+        timeline: Timeline,
+        stream: GenerationStream,
+        with_text: bool,
+        annotate=None,
+        exit_policy=None,
+    ) -> Iterator[StreamedToken]:
         with self._lock:
             self._owner = threading.get_ident()
             overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
-            stats = GenerationStats(mode=config.mode, overlap=overlap if config.mode == "paradecode" else None,
-                                    prompt_tokens=len(ids))
+            stats = GenerationStats(
+                mode=config.mode, overlap=overlap if config.mode == "paradecode" else None, prompt_tokens=len(ids)
+            )
             self.cache.reset()
             ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
             eos = () if config.ignore_eos else self.export.eos_token_ids
@@ -176,9 +213,15 @@ class ParaDecodeModel:
                 decoder = decode_ar(ctx, ids)
             else:
                 thresholds = config.resolve_thresholds(self.manifest.thresholds)
-                decoder = ParaDecoder(ctx, thresholds=thresholds, max_unverified=config.max_unverified,
-                                      overlap=overlap, side_lanes=self.side_lanes, eos_token_ids=eos,
-                                      exit_policy=exit_policy).run(ids, config.max_new_tokens)
+                decoder = ParaDecoder(
+                    ctx,
+                    thresholds=thresholds,
+                    max_unverified=config.max_unverified,
+                    overlap=overlap,
+                    side_lanes=self.side_lanes,
+                    eos_token_ids=eos,
+                    exit_policy=exit_policy,
+                ).run(ids, config.max_new_tokens)
             text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
             tokens, margins = [], []
             started = time.perf_counter()
@@ -202,9 +245,12 @@ class ParaDecodeModel:
                     stats.stop_reason = "max_seq_len"
                     if not self._warned_full:  # once per model; every result says so in stats.stop_reason
                         self._warned_full = True
-                        logger.warning("stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
-                                       "with a larger --max-seq-len for longer outputs.", len(tokens),
-                                       self.cache.capacity)
+                        logger.warning(
+                            "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
+                            "with a larger --max-seq-len for longer outputs.",
+                            len(tokens),
+                            self.cache.capacity,
+                        )
             finally:
                 self._owner = None
                 decoder.close()
@@ -212,8 +258,13 @@ class ParaDecodeModel:
                 stats.new_tokens = len(tokens)
                 stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
                 stats.calls = timeline.calls
-                stream.result = GenerationResult(tokens, self.tokenizer.decode(tokens) if self.tokenizer else None,
-                                                 stats, margins, timeline if timeline.record_spans else None)
+                stream.result = GenerationResult(
+                    tokens,
+                    self.tokenizer.decode(tokens) if self.tokenizer else None,
+                    stats,
+                    margins,
+                    timeline if timeline.record_spans else None,
+                )
 
 
 def load(path: str | Path, **options) -> ParaDecodeModel:

@@ -48,8 +48,17 @@ class Group:
 
 
 class ParaDecoder:
-    def __init__(self, ctx: DecodeContext, *, thresholds: dict[int, float], max_unverified: int, overlap: str,
-                 side_lanes: list[Lane], eos_token_ids: tuple[int, ...] = (), exit_policy=None):
+    def __init__(
+        self,
+        ctx: DecodeContext,
+        *,
+        thresholds: dict[int, float],
+        max_unverified: int,
+        overlap: str,
+        side_lanes: list[Lane],
+        eos_token_ids: tuple[int, ...] = (),
+        exit_policy=None,
+    ):
         self.ctx = ctx
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
@@ -88,8 +97,7 @@ class ParaDecoder:
         workers: list[Future] = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]
         try:
             while True:
-                for verified in self.verify_finished():
-                    yield verified
+                yield from self.verify_finished()
                 if self.frontier is None and not self.groups:
                     return  # every position whose output is needed has been verified
                 self.main_step()
@@ -106,8 +114,10 @@ class ParaDecoder:
         if not condition.wait(WAIT_SECONDS):
             self._waited += WAIT_SECONDS
             if self._waited >= STALL_SECONDS:
-                raise RuntimeError(f"the ParaDecode scheduler made no progress for {STALL_SECONDS:.0f} s "
-                                   "(a bug: please report it with the settings used)")
+                raise RuntimeError(
+                    f"the ParaDecode scheduler made no progress for {STALL_SECONDS:.0f} s "
+                    "(a bug: please report it with the settings used)"
+                )
         else:
             self._waited = 0.0
 
@@ -148,7 +158,7 @@ class ParaDecoder:
             stop = min([stop] + [e for e in self.thresholds if e > group.depth])
         hidden, depth, final, early = group.hidden, group.depth, None, None
         if depth == -1:
-            hidden, depth = self.ctx.embed(MAIN, self.tokens[group.start:group.end], group.start), 0
+            hidden, depth = self.ctx.embed(MAIN, self.tokens[group.start : group.end], group.start), 0
         while depth < stop:
             depth += 1
             if depth in self.fused and frontier and self.may_exit(group):
@@ -280,8 +290,9 @@ class ParaDecoder:
             while self.groups and self.groups[0].final is not None:
                 group = self.groups.pop(0)
                 if self.ctx.annotate is not None:
-                    self.ctx.timeline.add("phases", "verify", time.perf_counter(), time.perf_counter(),
-                                          (group.start, group.end))
+                    self.ctx.timeline.add(
+                        "phases", "verify", time.perf_counter(), time.perf_counter(), (group.start, group.end)
+                    )
                 for i, position in enumerate(range(group.start, group.end)):
                     token, margin = group.final.token[i], group.final.margin[i]
                     if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
@@ -312,7 +323,7 @@ class ParaDecoder:
         while self.in_flight:  # their writes must land before new ones to the same slots
             self.wait(self.cond)
         self.raise_side_error()
-        del self.tokens[position + 1:]
+        del self.tokens[position + 1 :]
         self.tokens.append(token)
         self.verified = position + 2
         self.exit_layer_of = {q: e for q, e in self.exit_layer_of.items() if q < position}

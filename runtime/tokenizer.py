@@ -12,7 +12,9 @@ class TextTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
-            raise MissingDependencyError(f"reading text needs the tokenizers library: `pip install tokenizers` ({err}).") from err
+            raise MissingDependencyError(
+                f"reading text needs the tokenizers library: `pip install tokenizers` ({err})."
+            ) from err
         self._tokenizer = Tokenizer.from_file(str(path))
 
     def encode(self, text: str) -> list[int]:
@@ -39,11 +41,11 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        piece = after[len(before):]
+        piece = after[len(before) :]
         self.prefix, self.read = self.read, len(self.ids)
         self.text += piece
         return piece

@@ -58,10 +58,12 @@ class Cache(dict):
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> Cache:
     """family -> a folder holding that family's tiny random model (save_pretrained)."""
+
     def build(family: str) -> Path:
         folder = tmp_path_factory.mktemp(f"model-{family}")
         save_tiny_model(family, folder)
         return folder
+
     return Cache(build)
 
 
@@ -73,9 +75,11 @@ def exports(tmp_path_factory, model_dirs) -> Cache:
 
     def build(family: str):
         out = tmp_path_factory.mktemp(f"export-{family}") / "export"
-        result = export_model(ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN,
-                                           with_logits=True))
+        result = export_model(
+            ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN, with_logits=True)
+        )
         return out, result
+
     return Cache(build)
 
 

@@ -23,12 +23,14 @@ class OrtChain:
         self.spec = spec
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        self.sessions = {s.io.name: ort.InferenceSession(str(self.folder / s.onnx), options,
-                                                         providers=["CPUExecutionProvider"])
-                         for s in self.manifest.subgraphs}
+        self.sessions = {
+            s.io.name: ort.InferenceSession(str(self.folder / s.onnx), options, providers=["CPUExecutionProvider"])
+            for s in self.manifest.subgraphs
+        }
         shape = (1, spec.num_kv_heads, self.manifest.max_seq_len, spec.head_dim)
-        self.caches = {layer: (np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-                       for layer in range(1, spec.num_layers + 1)}
+        self.caches = {
+            layer: (np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for layer in range(1, spec.num_layers + 1)
+        }
 
     def run(self, ids: list[int], start: int) -> dict[str, np.ndarray]:
         """Feed `ids` at positions start.. ; return the final head's outputs for them."""

@@ -18,11 +18,13 @@ def assert_same_tokens(ours: list[int], reference: list[int], margins: list[floa
     n = min(len(ours), len(reference))
     for i in range(n):
         if ours[i] != reference[i]:
-            report = (f"{what}: diverges at new token {i} (ours {ours[i]}, reference {reference[i]}), "
-                      f"final-head top-2 margin {margins[i]:.2e}")
+            report = (
+                f"{what}: diverges at new token {i} (ours {ours[i]}, reference {reference[i]}), "
+                f"final-head top-2 margin {margins[i]:.2e}"
+            )
             if margins[i] < NEAR_TIE:
                 print("near tie:", report)
-                warnings.warn(report)
+                warnings.warn(report, stacklevel=2)
                 return
             pytest.fail(report)
     assert len(ours) == len(reference), f"{what}: {len(ours)} tokens, reference has {len(reference)}"

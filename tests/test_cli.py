@@ -26,13 +26,15 @@ def assert_nothing_written(parent, name="out"):
 
 
 def test_help_needs_no_heavy_imports():
-    code = ("import sys; from paradecode.export import cli; "
-            "import contextlib, io\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    try: cli.main(['--help'])\n"
-            "    except SystemExit: pass\n"
-            "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'tensorrt') if m in sys.modules]\n"
-            "print(heavy)")
+    code = (
+        "import sys; from paradecode.export import cli; "
+        "import contextlib, io\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try: cli.main(['--help'])\n"
+        "    except SystemExit: pass\n"
+        "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'tensorrt') if m in sys.modules]\n"
+        "print(heavy)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -146,8 +148,12 @@ def test_output_may_not_replace_the_model(model_dirs, tmp_path, capsys):
 
 def test_heads_for_another_model_are_refused(model_dirs, tmp_path, capsys):
     import torch
-    heads = save_heads(tmp_path / "heads.safetensors", {1: torch.eye(48)},
-                       {"base_model": "some/other-model", "base_weights_sha256": "0" * 64})
+
+    heads = save_heads(
+        tmp_path / "heads.safetensors",
+        {1: torch.eye(48)},
+        {"base_model": "some/other-model", "base_weights_sha256": "0" * 64},
+    )
     code, out = run([model_dirs["llama"], "-o", tmp_path / "out", "--heads", heads], capsys)
     assert code == 2 and "trained for another model" in out and "some/other-model" in out
     assert_nothing_written(tmp_path)
@@ -158,6 +164,7 @@ def test_tensorrt_without_tensorrt_exits_3_and_writes_nothing(model_dirs, tmp_pa
     try:
         import tensorrt  # noqa: F401
         import torch
+
         if torch.cuda.is_available():
             pytest.skip("TensorRT and a GPU are present: the missing-TensorRT path cannot be reached here")
     except ImportError:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from paradecode.export import validate
 from paradecode.export.config import ExportConfig
 from paradecode.export.pipeline import export_model
 from paradecode.graphs.manifest import read_manifest, verify_files
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.tensors import LOGITS
-from paradecode.export import validate
 from tests.conftest import EXPORT_SEQ_LEN
 from tests.ort_chain import OrtChain
 from tests.tiny_models import tiny_model
@@ -24,9 +24,10 @@ LOGIT_TOLERANCE = 1e-4
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_export_is_complete(family, exports):
@@ -34,8 +35,13 @@ def test_export_is_complete(family, exports):
     manifest = read_manifest(folder)
     spec = manifest.spec
     names = [s.io.name for s in manifest.subgraphs]
-    expected = ["embed"] + [f"layer_{i}" for i in range(1, spec.num_layers + 1)] + \
-               [f"exit_{e}" for e in manifest.exit_layers] + [f"layer_exit_{e}" for e in manifest.exit_layers] + ["final"]
+    expected = (
+        ["embed"]
+        + [f"layer_{i}" for i in range(1, spec.num_layers + 1)]
+        + [f"exit_{e}" for e in manifest.exit_layers]
+        + [f"layer_exit_{e}" for e in manifest.exit_layers]
+        + ["final"]
+    )
     assert sorted(names) == sorted(expected)
     assert manifest.exit_layers and all(1 <= e < spec.num_layers for e in manifest.exit_layers)
     assert manifest.head_kind == "identity"
@@ -52,6 +58,7 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
     manifest = read_manifest(folder)
     model = tiny_model(family)
     from paradecode.export.families import family_for
+
     adapter = family_for(model.config.model_type)
     weights = adapter.weights(model, manifest.spec)
     generator = torch.Generator().manual_seed(123)
@@ -59,8 +66,15 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
         module = build_subgraph(manifest.spec, sub.io, weights, with_logits=True)
         session = validate.ort_session(folder / sub.onnx)
         for tokens in (1, manifest.max_unverified + 1):
-            inputs = validate.random_inputs(sub.io, manifest.spec, max_seq_len=manifest.max_seq_len,
-                                            max_batch=1, tokens=tokens, dtype=torch.float32, generator=generator)
+            inputs = validate.random_inputs(
+                sub.io,
+                manifest.spec,
+                max_seq_len=manifest.max_seq_len,
+                max_batch=1,
+                tokens=tokens,
+                dtype=torch.float32,
+                generator=generator,
+            )
             expected = validate.run_torch(module, sub.io, inputs)
             actual = validate.run_ort(session, sub.io, inputs)
             check = validate.compare(sub.io.name, f"T={tokens}", expected, actual, validate.TOLERANCES["float32"])
@@ -87,8 +101,10 @@ def test_chained_graphs_reproduce_transformers(family, exports):
     expected = hf_greedy(model, prompt, new_tokens)
     if tokens != expected:
         first = next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
-        pytest.fail(f"{family}: greedy differs from transformers at new token {first} "
-                    f"(ours {tokens[first]}, HF {expected[first]}, top-2 margin {margins[first]:.2e})")
+        pytest.fail(
+            f"{family}: greedy differs from transformers at new token {first} "
+            f"(ours {tokens[first]}, HF {expected[first]}, top-2 margin {margins[first]:.2e})"
+        )
 
 
 def test_batched_export_runs_rows_at_different_positions(model_dirs, tmp_path):
@@ -100,32 +116,47 @@ def test_batched_export_runs_rows_at_different_positions(model_dirs, tmp_path):
     assert layer.io.inputs[0].shape[0] == "batch"
     assert all(c.status == "ok" for c in result.checklist.checks), result.checklist.lines()
     from paradecode.export.families import family_for
+
     model = tiny_model("qwen2")
     weights = family_for("qwen2").weights(model, manifest.spec)
     module = build_subgraph(manifest.spec, layer.io, weights)
-    inputs = validate.random_inputs(layer.io, manifest.spec, max_seq_len=32, max_batch=2, tokens=3,
-                                    dtype=torch.float32, generator=torch.Generator().manual_seed(5))
+    inputs = validate.random_inputs(
+        layer.io,
+        manifest.spec,
+        max_seq_len=32,
+        max_batch=2,
+        tokens=3,
+        dtype=torch.float32,
+        generator=torch.Generator().manual_seed(5),
+    )
     assert inputs["positions"].shape == (2, 3) and inputs["positions"][0, 0] != inputs["positions"][1, 0]
-    check = validate.compare("layer_3", "batch 2", validate.run_torch(module, layer.io, inputs),
-                             validate.run_ort(validate.ort_session(out / layer.onnx), layer.io, inputs),
-                             validate.TOLERANCES["float32"])
+    check = validate.compare(
+        "layer_3",
+        "batch 2",
+        validate.run_torch(module, layer.io, inputs),
+        validate.run_ort(validate.ort_session(out / layer.onnx), layer.io, inputs),
+        validate.TOLERANCES["float32"],
+    )
     assert check.status == "ok", check.line()
 
 
 def test_half_precision_exports(model_dirs, tmp_path):
     """float16 graphs validate in onnxruntime; bfloat16 graphs are written, and the CPU-provider gap is reported."""
-    fp16 = export_model(ExportConfig(model=str(model_dirs["mistral"]), output=tmp_path / "fp16", dtype="float16",
-                                     max_seq_len=32))
+    fp16 = export_model(
+        ExportConfig(model=str(model_dirs["mistral"]), output=tmp_path / "fp16", dtype="float16", max_seq_len=32)
+    )
     assert read_manifest(tmp_path / "fp16").subgraph("layer_1").io.inputs[0].dtype == "float16"
     assert all(c.status == "ok" for c in fp16.checklist.checks), fp16.checklist.lines()
-    bf16 = export_model(ExportConfig(model=str(model_dirs["mistral"]), output=tmp_path / "bf16", dtype="bfloat16",
-                                     max_seq_len=32))
+    bf16 = export_model(
+        ExportConfig(model=str(model_dirs["mistral"]), output=tmp_path / "bf16", dtype="bfloat16", max_seq_len=32)
+    )
     statuses = {c.subject: c.status for c in bf16.checklist.checks}
     assert statuses.pop("model") == "ok"  # the slicing check runs in float32 whatever the dtype
     skipped = [c for c in bf16.checklist.checks if c.status == "skip"]
     assert skipped and all("bfloat16" in c.note for c in skipped), bf16.checklist.lines()
     assert not bf16.checklist.failed
     import onnx
+
     graph = onnx.load(str(tmp_path / "bf16" / "onnx" / "layer_1.onnx"))
     onnx.checker.check_model(graph, full_check=True)
     assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16

@@ -28,10 +28,20 @@ def test_cuda_paradecode_equals_ar_equals_cpu(family, exports):
             ar = gpu.generate(prompt_ids=prompt, max_new_tokens=40, mode="ar", ignore_eos=True)
             assert_same_tokens(ar.token_ids, expected, ar.margins, f"{family} cuda ar (graphs={graphs}) vs cpu")
             for threshold, overlap, k in SETTINGS:
-                ours = gpu.generate(prompt_ids=prompt, max_new_tokens=40, thresholds=threshold, overlap=overlap,
-                                    max_unverified=k, ignore_eos=True)
-                assert_same_tokens(ours.token_ids, ar.token_ids, ours.margins,
-                                   f"{family} cuda graphs={graphs} {threshold}/{overlap}/K={k} vs ar")
+                ours = gpu.generate(
+                    prompt_ids=prompt,
+                    max_new_tokens=40,
+                    thresholds=threshold,
+                    overlap=overlap,
+                    max_unverified=k,
+                    ignore_eos=True,
+                )
+                assert_same_tokens(
+                    ours.token_ids,
+                    ar.token_ids,
+                    ours.margins,
+                    f"{family} cuda graphs={graphs} {threshold}/{overlap}/K={k} vs ar",
+                )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
@@ -41,8 +51,9 @@ def test_bf16_export_on_cuda(family, model_dirs, tmp_path):
     with load(out, backend="torch", device="cuda") as gpu:
         ar = gpu.generate(prompt_ids=[2, 7, 1, 8], max_new_tokens=40, mode="ar", ignore_eos=True)
         for overlap in ("streams", "batched", "both"):
-            ours = gpu.generate(prompt_ids=[2, 7, 1, 8], max_new_tokens=40, thresholds=0.0, overlap=overlap,
-                                ignore_eos=True)
+            ours = gpu.generate(
+                prompt_ids=[2, 7, 1, 8], max_new_tokens=40, thresholds=0.0, overlap=overlap, ignore_eos=True
+            )
             assert_same_tokens(ours.token_ids, ar.token_ids, ours.margins, f"{family} bf16 {overlap} vs ar")
 
 
@@ -58,6 +69,7 @@ def test_stories260k_golden_on_cuda(stories_dir, tmp_path):
 
 def test_onnxruntime_cuda_provider(exports):
     import onnxruntime
+
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         pytest.skip("onnxruntime-gpu is not installed (CUDAExecutionProvider missing)")
     folder, _ = exports["mistral"]

@@ -14,8 +14,17 @@ from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import export_plan
 from tests.tiny_models import tiny_model
 
-SPEC = dict(family="llama", vocab_size=10, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
-            intermediate_size=16, max_position_embeddings=32)
+SPEC = dict(
+    family="llama",
+    vocab_size=10,
+    hidden_size=8,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    max_position_embeddings=32,
+)
 
 
 def test_spec_validates_itself():
@@ -39,9 +48,9 @@ def test_write_cache_writes_in_place_at_each_rows_position(batch):
     assert out.data_ptr() == cache.data_ptr()
     for b in range(batch):
         s = int(starts[b])
-        assert torch.equal(cache[b, :, s:s + 4], update[b])
+        assert torch.equal(cache[b, :, s : s + 4], update[b])
         untouched = torch.ones(10, dtype=torch.bool)
-        untouched[s:s + 4] = False
+        untouched[s : s + 4] = False
         assert torch.count_nonzero(cache[b, :, untouched]) == 0
 
 
@@ -68,8 +77,13 @@ def test_modules_reproduce_transformers_logits(family):
     plan = export_plan(spec, (1,), dtype="float32", max_seq_len=32)
     modules = {io.name: build_subgraph(spec, io, weights) for io in plan}
     ids = torch.randint(0, spec.vocab_size, (1, 14), generator=torch.Generator().manual_seed(1))
-    caches = {l: (torch.zeros(1, spec.num_kv_heads, 32, spec.head_dim), torch.zeros(1, spec.num_kv_heads, 32, spec.head_dim))
-              for l in range(1, spec.num_layers + 1)}
+    caches = {
+        layer: (
+            torch.zeros(1, spec.num_kv_heads, 32, spec.head_dim),
+            torch.zeros(1, spec.num_kv_heads, 32, spec.head_dim),
+        )
+        for layer in range(1, spec.num_layers + 1)
+    }
     pieces = []
     with torch.no_grad():
         reference = model(ids).logits
@@ -101,6 +115,7 @@ def test_manifest_refuses_other_versions_and_corrupt_files(exports, tmp_path):
     with pytest.raises(ManifestError, match="no manifest.json"):
         read_manifest(tmp_path)
     import shutil
+
     shutil.rmtree(copy)
     shutil.copytree(folder, copy)
     with open(copy / "onnx" / "layer_2.onnx", "r+b") as f:

@@ -14,9 +14,27 @@ from paradecode.tools import train_heads
 def trained(model_dirs, tmp_path_factory):
     """Heads for the tiny llama (4 layers) after layers 1 and 2, trained on its own greedy text."""
     out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
-    assert train_heads.main([str(model_dirs["llama"]), "--exit-layers", "1,2", "-o", str(out), "--steps", "150",
-                             "--new-tokens", "48", "--use-all-exits", "--target-agreement", "0.8"]) == 0
+    assert (
+        train_heads.main(
+            [
+                str(model_dirs["llama"]),
+                "--exit-layers",
+                "1,2",
+                "-o",
+                str(out),
+                "--steps",
+                "150",
+                "--new-tokens",
+                "48",
+                "--use-all-exits",
+                "--target-agreement",
+                "0.8",
+            ]
+        )
+        == 0
+    )
     from paradecode.export.heads import load_heads
+
     transforms, metadata = load_heads(out)
     return out, transforms, metadata
 
@@ -31,7 +49,8 @@ def test_training_raises_agreement_at_every_exit_layer(trained):
 
 
 def test_training_reports_decreasing_loss(model_dirs, tmp_path):
-    from paradecode.export.distill import collect, greedy_sequences, split_held_out, train_heads as train
+    from paradecode.export.distill import collect, greedy_sequences, split_held_out
+    from paradecode.export.distill import train_heads as train
     from tests.tiny_models import tiny_model
 
     model = tiny_model("qwen3")
@@ -60,6 +79,7 @@ def test_heads_file_round_trips_through_export_and_runtime(trained, model_dirs, 
         assert manifest.thresholds[layer] == (calibrated if calibrated is not None else float("inf"))
     assert manifest.calibration["agreement"] == metadata["agreement"]
     import onnx
+
     graph = onnx.load(str(out / "onnx" / "exit_1.onnx"))
     assert sum(n.op_type == "MatMul" for n in graph.graph.node) == 2, "the exit head applies its transform"
     with load(out) as model:
@@ -67,8 +87,9 @@ def test_heads_file_round_trips_through_export_and_runtime(trained, model_dirs, 
         for overlap in ("batched", "both"):
             ours = model.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, overlap=overlap, ignore_eos=True)
             assert ours.token_ids == ar.token_ids
-            forced = model.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, overlap=overlap, thresholds=0.0,
-                                    ignore_eos=True)
+            forced = model.generate(
+                prompt_ids=[5, 6, 7], max_new_tokens=30, overlap=overlap, thresholds=0.0, ignore_eos=True
+            )
             assert forced.token_ids == ar.token_ids
 
 

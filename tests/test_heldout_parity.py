@@ -27,14 +27,25 @@ def test_heldout_family(family, tmp_path):
     assert not result.checklist.failed, result.checklist.lines()
     prompt = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=50, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+        expected = model.generate(
+            torch.tensor([prompt]), max_new_tokens=50, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     for backend in ("onnxruntime", "torch"):
         with load(tmp_path / "export", backend=backend) as runtime:
             ar = runtime.generate(prompt_ids=prompt, max_new_tokens=50, mode="ar", ignore_eos=True)
             assert_same_tokens(ar.token_ids, expected, ar.margins, f"held-out {family}/{backend} ar vs HF")
             for threshold, overlap, k in SETTINGS:
-                ours = runtime.generate(prompt_ids=prompt, max_new_tokens=50, thresholds=threshold, overlap=overlap,
-                                        max_unverified=k, ignore_eos=True)
-                assert_same_tokens(ours.token_ids, expected, ours.margins,
-                                   f"held-out {family}/{backend} {threshold}/{overlap}/K={k} vs HF")
+                ours = runtime.generate(
+                    prompt_ids=prompt,
+                    max_new_tokens=50,
+                    thresholds=threshold,
+                    overlap=overlap,
+                    max_unverified=k,
+                    ignore_eos=True,
+                )
+                assert_same_tokens(
+                    ours.token_ids,
+                    expected,
+                    ours.margins,
+                    f"held-out {family}/{backend} {threshold}/{overlap}/K={k} vs HF",
+                )

@@ -47,6 +47,7 @@ def test_lanes_run_concurrently(lanes):
 def test_an_error_reaches_the_waiter_and_the_lane_keeps_working(lanes):
     def boom():
         raise ValueError("boom")
+
     failed = lanes[0].submit(boom)
     with pytest.raises(ValueError, match="boom"):
         failed.wait(5)

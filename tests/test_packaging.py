@@ -6,14 +6,39 @@ import zipfile
 
 from tests.conftest import REPO
 
-SUBPACKAGES = {"graphs": "paradecode/graphs", "export": "paradecode/export", "runtime": "paradecode/runtime",
-               "tools": "paradecode/tools"}
-SCRIPTS = ("paradecode-export", "paradecode-generate", "paradecode-train-heads", "paradecode-bench", "paradecode-profile", "paradecode-characterise", "paradecode-demo")
+SUBPACKAGES = {
+    "graphs": "paradecode/graphs",
+    "export": "paradecode/export",
+    "runtime": "paradecode/runtime",
+    "tools": "paradecode/tools",
+}
+SCRIPTS = (
+    "paradecode-export",
+    "paradecode-generate",
+    "paradecode-train-heads",
+    "paradecode-bench",
+    "paradecode-profile",
+    "paradecode-characterise",
+    "paradecode-demo",
+)
 
 
 def test_wheel_contains_every_module(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+    )
     (wheel,) = tmp_path.glob("paradecode-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = []
@@ -24,8 +49,9 @@ def test_wheel_contains_every_module(tmp_path):
                 if expected not in names:
                     missing.append(expected)
     assert not missing, f"modules missing from the wheel (list their package in pyproject.toml): {missing}"
-    assert not [n for n in names if n.split("/")[0] in ("export", "runtime", "graphs", "tools", "tests")], \
+    assert not [n for n in names if n.split("/")[0] in ("export", "runtime", "graphs", "tools", "tests")], (
         "the wheel installs a top-level module named after a repository folder"
+    )
     demo = {n for n in names if n.startswith("paradecode/tools/demo_model/")}
     for name in ("config.json", "model.safetensors", "heads.safetensors", "tokenizer.json", "README.md"):
         assert f"paradecode/tools/demo_model/{name}" in demo, f"{name} of the demo model is missing from the wheel"

@@ -14,8 +14,8 @@ import torch
 polygraphy = pytest.importorskip("polygraphy")
 from polygraphy.backend.base import BaseRunner  # noqa: E402
 from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
-from polygraphy.comparator import Comparator, SimpleCompareFunc  # noqa: E402
 from polygraphy.common import TensorMetadata  # noqa: E402
+from polygraphy.comparator import Comparator, SimpleCompareFunc  # noqa: E402
 from polygraphy.datatype import DataType  # noqa: E402
 
 from paradecode.export import validate  # noqa: E402
@@ -61,10 +61,21 @@ def test_polygraphy_comparator_agrees(exports, name):
     weights = family_for("mistral").weights(model, manifest.spec)
     module = build_subgraph(manifest.spec, sub.io, weights, with_logits=True)
     generator = torch.Generator().manual_seed(3)
-    feeds = [{k: v.numpy() for k, v in validate.random_inputs(sub.io, manifest.spec, max_seq_len=manifest.max_seq_len,
-                                                               max_batch=1, tokens=t, dtype=torch.float32,
-                                                               generator=generator).items()}
-             for t in (1, 4, 9)]
+    feeds = [
+        {
+            k: v.numpy()
+            for k, v in validate.random_inputs(
+                sub.io,
+                manifest.spec,
+                max_seq_len=manifest.max_seq_len,
+                max_batch=1,
+                tokens=t,
+                dtype=torch.float32,
+                generator=generator,
+            ).items()
+        }
+        for t in (1, 4, 9)
+    ]
     runners = [OnnxrtRunner(SessionFromOnnx(str(folder / sub.onnx))), TorchRunner(module, sub.io)]
     results = Comparator.run(runners, data_loader=feeds)
     accuracy = Comparator.compare_accuracy(results, compare_func=SimpleCompareFunc(atol=1e-4, rtol=1e-3))

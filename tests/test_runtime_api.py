@@ -5,8 +5,7 @@ import subprocess
 import sys
 import threading
 
-from paradecode.runtime import GenerationConfig, load
-from paradecode.runtime import cli
+from paradecode.runtime import GenerationConfig, cli, load
 
 
 def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports, stories_dir):
@@ -22,8 +21,10 @@ def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports, stor
 def test_statistics(exports):
     folder, _ = exports["llama"]
     with load(folder) as model:
-        result = model.generate(prompt_ids=[1, 2, 3], config=GenerationConfig(max_new_tokens=20, thresholds=0.0,
-                                                                               overlap="streams", ignore_eos=True))
+        result = model.generate(
+            prompt_ids=[1, 2, 3],
+            config=GenerationConfig(max_new_tokens=20, thresholds=0.0, overlap="streams", ignore_eos=True),
+        )
     stats = result.stats
     assert stats.mode == "paradecode" and stats.overlap == "streams"
     assert stats.new_tokens == 20 and stats.prompt_tokens == 3 and stats.tokens_per_second > 0
@@ -53,14 +54,17 @@ def test_text_in_and_out_and_eos(stories_dir, tmp_path_factory):
 def test_calls_from_several_threads_are_serialised_and_correct(exports):
     folder, _ = exports["mistral"]
     with load(folder) as model:
-        expected = {seed: model.generate(prompt_ids=[seed, 2, 3], max_new_tokens=12, mode="ar", ignore_eos=True).token_ids
-                    for seed in range(4)}
+        expected = {
+            seed: model.generate(prompt_ids=[seed, 2, 3], max_new_tokens=12, mode="ar", ignore_eos=True).token_ids
+            for seed in range(4)
+        }
         results, errors = {}, []
 
         def work(seed):
             try:
-                results[seed] = model.generate(prompt_ids=[seed, 2, 3], max_new_tokens=12, thresholds=0.0,
-                                               overlap="both", ignore_eos=True).token_ids
+                results[seed] = model.generate(
+                    prompt_ids=[seed, 2, 3], max_new_tokens=12, thresholds=0.0, overlap="both", ignore_eos=True
+                ).token_ids
             except Exception as err:  # collected and reported below
                 errors.append(err)
 
@@ -74,8 +78,22 @@ def test_calls_from_several_threads_are_serialised_and_correct(exports):
 
 def test_generate_json_prints_new_tokens_text_and_stats(exports, capsys):
     folder, _ = exports["gpt2"]
-    assert cli.main([str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "7", "--json", "--ignore-eos",
-                     "--threshold", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                str(folder),
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "7",
+                "--json",
+                "--ignore-eos",
+                "--threshold",
+                "0",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert len(data["token_ids"]) == 7 and data["text"] is None
     for key in ("tokens_per_second", "exits_per_layer", "rollbacks", "accepted_per_layer", "lane_busy_seconds"):

@@ -67,8 +67,12 @@ def test_never_and_per_layer_thresholds_are_accepted(model):
 
 
 def test_other_bad_settings():
-    for settings, message in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(mode="beam"), "mode"),
-                              (dict(overlap="sideways"), "overlap"), (dict(max_unverified=0), "max_unverified")]:
+    for settings, message in [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(mode="beam"), "mode"),
+        (dict(overlap="sideways"), "overlap"),
+        (dict(max_unverified=0), "max_unverified"),
+    ]:
         with pytest.raises(UserInputError, match=message):
             GenerationConfig(**settings)
 
@@ -78,6 +82,7 @@ def test_a_failing_side_lane_raises_instead_of_hanging(model, monkeypatch):
 
     def flaky(layer, hidden, positions, cache):
         import threading
+
         if threading.current_thread().name.startswith("paradecode-lane"):
             raise RuntimeError("device lost")
         return real(layer, hidden, positions, cache)
@@ -152,6 +157,7 @@ def test_unknown_backend(exports):
 
 def test_cuda_without_a_gpu(exports):
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the no-GPU error cannot be reached")
     folder, _ = exports["llama"]
@@ -182,6 +188,7 @@ def test_a_second_call_while_this_threads_stream_is_open(model):
 
 def test_bindings_follow_the_cache_they_are_given(exports):
     import torch
+
     folder, _ = exports["llama"]
     with load(folder) as model:
         backend = model.backend

@@ -24,9 +24,10 @@ def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def references():
             prompt = prompt_of(length, model.config.vocab_size, seed=length)
             cache[key] = prompt, hf_greedy(model, prompt, new_tokens)
         return cache[key]
+
     return get
 
 
@@ -53,8 +55,15 @@ def test_paradecode_equals_ar_equals_transformers(family, backend, exports, refe
             ar = model.generate(prompt_ids=prompt, max_new_tokens=new_tokens, mode="ar", ignore_eos=True)
             assert_same_tokens(ar.token_ids, expected, ar.margins, f"{family}/{backend} ar vs transformers")
             for threshold, overlap, k in SETTINGS:
-                result = model.generate(prompt_ids=prompt, max_new_tokens=new_tokens, mode="paradecode",
-                                        thresholds=threshold, overlap=overlap, max_unverified=k, ignore_eos=True)
+                result = model.generate(
+                    prompt_ids=prompt,
+                    max_new_tokens=new_tokens,
+                    mode="paradecode",
+                    thresholds=threshold,
+                    overlap=overlap,
+                    max_unverified=k,
+                    ignore_eos=True,
+                )
                 what = f"{family}/{backend} paradecode threshold={threshold} overlap={overlap} K={k} vs ar"
                 assert_same_tokens(result.token_ids, ar.token_ids, result.margins, what)
                 stats = result.stats
@@ -62,7 +71,9 @@ def test_paradecode_equals_ar_equals_transformers(family, backend, exports, refe
                     assert not stats.exits_per_layer and stats.rollbacks == 0, what
                 if threshold == 0.0:
                     # with K = 1 every other token can exit: the next must run to the final layer
-                    assert sum(stats.exits_per_layer.values()) >= (new_tokens - 1) // 2, f"{what}: too few exits {stats}"
+                    assert sum(stats.exits_per_layer.values()) >= (new_tokens - 1) // 2, (
+                        f"{what}: too few exits {stats}"
+                    )
                     assert stats.rollbacks + sum(stats.accepted_per_layer.values()) > 0, what
 
 
@@ -70,8 +81,14 @@ def test_rollback_stress_really_rolls_back(exports):
     """Untrained heads at threshold 0: most early tokens are wrong, so rollbacks must happen (and parity hold)."""
     folder, _ = exports["llama"]
     with load(folder) as model:
-        result = model.generate(prompt_ids=[3, 1, 4, 1, 5], max_new_tokens=40, thresholds=0.0, overlap="both",
-                                max_unverified=8, ignore_eos=True)
+        result = model.generate(
+            prompt_ids=[3, 1, 4, 1, 5],
+            max_new_tokens=40,
+            thresholds=0.0,
+            overlap="both",
+            max_unverified=8,
+            ignore_eos=True,
+        )
         ar = model.generate(prompt_ids=[3, 1, 4, 1, 5], max_new_tokens=40, mode="ar", ignore_eos=True)
     assert result.token_ids == ar.token_ids
     assert result.stats.rollbacks >= 10, result.stats
@@ -90,12 +107,17 @@ def test_stories260k_paradecode_reproduces_the_published_greedy_text(stories_dir
     golden = (stories_dir / "golden_greedy_from_bos.txt").read_text().rstrip("\n")  # 565 characters + newline
     assert len(golden) == 565
     for overlap in ("batched", "streams", "both"):
-        assert cli.main([str(out), "--prompt-ids", "1", "--mode", "paradecode", "--overlap", overlap,
-                         "--max-new-tokens", "260"]) == 0
+        assert (
+            cli.main(
+                [str(out), "--prompt-ids", "1", "--mode", "paradecode", "--overlap", overlap, "--max-new-tokens", "260"]
+            )
+            == 0
+        )
         printed = capsys.readouterr().out
         assert printed.startswith(golden), f"{overlap}: {printed[:120]!r}"
 
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(str(stories_dir / "hf")).eval()
     with load(out) as model:
         for text in ("Once upon a time, there was a dog", "The little bird", "Tom and Sue went to the park. They"):
@@ -105,10 +127,20 @@ def test_stories260k_paradecode_reproduces_the_published_greedy_text(stories_dir
                 ar = backend_model.generate(prompt_ids=prompt, max_new_tokens=48, mode="ar", ignore_eos=True)
                 assert_same_tokens(ar.token_ids, expected, ar.margins, f"stories ar {text!r}")
                 for threshold, overlap, k in SETTINGS:
-                    result = backend_model.generate(prompt_ids=prompt, max_new_tokens=48, thresholds=threshold,
-                                                    overlap=overlap, max_unverified=k, ignore_eos=True)
-                    assert_same_tokens(result.token_ids, expected, result.margins,
-                                       f"stories paradecode {text!r} {threshold}/{overlap}/K={k}")
+                    result = backend_model.generate(
+                        prompt_ids=prompt,
+                        max_new_tokens=48,
+                        thresholds=threshold,
+                        overlap=overlap,
+                        max_unverified=k,
+                        ignore_eos=True,
+                    )
+                    assert_same_tokens(
+                        result.token_ids,
+                        expected,
+                        result.margins,
+                        f"stories paradecode {text!r} {threshold}/{overlap}/K={k}",
+                    )
 
 
 def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
@@ -125,8 +157,9 @@ def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
         with load(folder) as model:
             ar = model.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
             for overlap in ("batched", "streams", "both"):
-                result = model.generate(prompt_ids=prompt, max_new_tokens=30, thresholds=0.5, overlap=overlap,
-                                        ignore_eos=True, trace=True)
+                result = model.generate(
+                    prompt_ids=prompt, max_new_tokens=30, thresholds=0.5, overlap=overlap, ignore_eos=True, trace=True
+                )
                 assert result.token_ids == ar.token_ids, (label, overlap)
                 names[label] = {s.name for s in result.timeline.spans}
     assert any(n.startswith("layer_exit_") for n in names["fused"])

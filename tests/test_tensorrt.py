@@ -29,16 +29,28 @@ def test_tensorrt_engines_build_and_match_onnxruntime(model_dirs, tmp_path):
     from paradecode.export.pipeline import export_model
 
     out = tmp_path / "trt"
-    result = export_model(ExportConfig(model=str(model_dirs["llama"]), output=out, engine="tensorrt",
-                                       max_seq_len=64, cache_dir=tmp_path / "cache"))
+    result = export_model(
+        ExportConfig(
+            model=str(model_dirs["llama"]), output=out, engine="tensorrt", max_seq_len=64, cache_dir=tmp_path / "cache"
+        )
+    )
     manifest = read_manifest(out)
     assert manifest.tensorrt is not None and all(s.engine for s in manifest.subgraphs)
     sub = manifest.subgraph("final")
-    runners = [OnnxrtRunner(SessionFromOnnx(str(out / sub.onnx))),
-               TrtRunner(EngineFromBytes((out / sub.engine).read_bytes()))]
+    runners = [
+        OnnxrtRunner(SessionFromOnnx(str(out / sub.onnx))),
+        TrtRunner(EngineFromBytes((out / sub.engine).read_bytes())),
+    ]
     accuracy = Comparator.compare_accuracy(Comparator.run(runners), compare_func=SimpleCompareFunc(atol=1e-3))
     assert bool(accuracy)
     # a second export reuses every cached engine
-    again = export_model(ExportConfig(model=str(model_dirs["llama"]), output=tmp_path / "trt2", engine="tensorrt",
-                                      max_seq_len=64, cache_dir=tmp_path / "cache"))
+    again = export_model(
+        ExportConfig(
+            model=str(model_dirs["llama"]),
+            output=tmp_path / "trt2",
+            engine="tensorrt",
+            max_seq_len=64,
+            cache_dir=tmp_path / "cache",
+        )
+    )
     assert again.manifest.tensorrt == result.manifest.tensorrt

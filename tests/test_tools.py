@@ -21,10 +21,27 @@ def stories_export(stories_dir, tmp_path_factory):
 def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe dog\n")
-    code = bench.main([str(stories_export), "--prompts", str(prompts), "--max-new-tokens", "12", "--repeat", "2",
-                       "--thresholds", "default,never", "--overlaps", "batched,both",
-                       "--hf", str(stories_dir / "hf"), "--json", str(tmp_path / "b.json"),
-                       "--plot", str(tmp_path / "b.png")])
+    code = bench.main(
+        [
+            str(stories_export),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--repeat",
+            "2",
+            "--thresholds",
+            "default,never",
+            "--overlaps",
+            "batched,both",
+            "--hf",
+            str(stories_dir / "hf"),
+            "--json",
+            str(tmp_path / "b.json"),
+            "--plot",
+            str(tmp_path / "b.png"),
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "| mode | tok/s |" in table and "paradecode batched default" in table and "| hf |" in table
@@ -33,8 +50,14 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     assert summary["_baseline"]["ar"].startswith("ar (") and summary["_baseline"]["hf"] == "hf"
     for name in ("paradecode batched default", "paradecode both never", "hf"):
         row = summary[name]
-        for key in ("tokens_per_second", "latency_ms_p50", "latency_ms_p95", "speedup_vs_ar", "speedup_vs_hf",
-                    "exact_match_vs_ar"):
+        for key in (
+            "tokens_per_second",
+            "latency_ms_p50",
+            "latency_ms_p95",
+            "speedup_vs_ar",
+            "speedup_vs_hf",
+            "exact_match_vs_ar",
+        ):
             assert key in row, (name, key)
         assert row["exact_match_vs_ar"] == 1.0, name  # every mode gives the same tokens
         assert set(row["speedup_vs_ar"]) == {"min", "median", "max"}
@@ -52,8 +75,24 @@ def test_bench_refuses_bad_input(stories_export, tmp_path, capsys):
 
 def test_profile_trace_format_and_lane_overlap(stories_export, tmp_path, capsys):
     trace = tmp_path / "trace.json"
-    assert profiler.main([str(stories_export), "--prompt", "Once upon a time", "--max-new-tokens", "24",
-                          "--overlap", "streams", "--threshold", "0", "--trace", str(trace)]) == 0
+    assert (
+        profiler.main(
+            [
+                str(stories_export),
+                "--prompt",
+                "Once upon a time",
+                "--max-new-tokens",
+                "24",
+                "--overlap",
+                "streams",
+                "--threshold",
+                "0",
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
     assert "lane main" in report and "lane side1" in report
     data = json.loads(trace.read_text())
@@ -70,8 +109,12 @@ def test_profile_trace_format_and_lane_overlap(stories_export, tmp_path, capsys)
 
 
 def test_overlap_arithmetic():
-    spans = [Span("a", "x", 0.0, 1.0, (0, 1)), Span("a", "x", 2.0, 3.0, (0, 1)),
-             Span("b", "y", 0.5, 2.5, (0, 1)), Span("b", "y", 2.6, 2.7, (0, 1))]
+    spans = [
+        Span("a", "x", 0.0, 1.0, (0, 1)),
+        Span("a", "x", 2.0, 3.0, (0, 1)),
+        Span("b", "y", 0.5, 2.5, (0, 1)),
+        Span("b", "y", 2.6, 2.7, (0, 1)),
+    ]
     assert profiler.overlap_seconds(spans, "a", "b") == pytest.approx(0.5 + 0.5 + 0.1)
     assert profiler.lane_busy(spans)[0] == ("b", pytest.approx(2.1))
 
@@ -86,10 +129,39 @@ def test_bounds_match_design():
 
 
 def test_characterise_runs_with_parity(tmp_path, capsys):
-    assert characterise.main(["--hidden", "64", "--ffn", "128", "--layers", "4", "--heads", "4", "--kv-heads", "2",
-                              "--vocab", "128", "--acceptance", "0,1", "--depths", "0.5", "--repeat", "1",
-                              "--max-new-tokens", "16", "--overlaps", "batched,streams",
-                              "--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")]) == 0
+    assert (
+        characterise.main(
+            [
+                "--hidden",
+                "64",
+                "--ffn",
+                "128",
+                "--layers",
+                "4",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--vocab",
+                "128",
+                "--acceptance",
+                "0,1",
+                "--depths",
+                "0.5",
+                "--repeat",
+                "1",
+                "--max-new-tokens",
+                "16",
+                "--overlaps",
+                "batched,streams",
+                "--json",
+                str(tmp_path / "c.json"),
+                "--plot",
+                str(tmp_path / "c.png"),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "c.json").read_text())
     full = [r for r in data["results"] if r["acceptance"] == 1.0]
     assert all(r["exit_share"] > 0.5 for r in full), full  # the oracle made most tokens exit (K caps the rest)

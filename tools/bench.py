@@ -20,15 +20,26 @@ logger = logging.getLogger("paradecode.bench")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paradecode-bench", description=__doc__.splitlines()[0])
     parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
-    parser.add_argument("--prompts", type=Path, metavar="FILE",
-                        help="one prompt per line (\\n for a newline); default: built-in code and prose prompts")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="one prompt per line (\\n for a newline); default: built-in code and prose prompts",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
-    parser.add_argument("--hf", metavar="MODEL", help="the original model for the Hugging Face reference "
-                                                      "(default: the manifest's source, where it is a local folder)")
+    parser.add_argument(
+        "--hf",
+        metavar="MODEL",
+        help="the original model for the Hugging Face reference "
+        "(default: the manifest's source, where it is a local folder)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face modes")
-    parser.add_argument("--thresholds", default="default,0.5,0.75,0.9",
-                        help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones")
+    parser.add_argument(
+        "--thresholds",
+        default="default,0.5,0.75,0.9",
+        help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones",
+    )
     parser.add_argument("--overlaps", default="batched,streams,both", help="overlap modes to try")
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
@@ -86,21 +97,39 @@ def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
     for overlap in overlaps:
         for threshold in thresholds:
             label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
-            settings = {"mode": "paradecode", "overlap": overlap, "thresholds": threshold,
-                        "max_unverified": args.max_unverified}
+            settings = {
+                "mode": "paradecode",
+                "overlap": overlap,
+                "thresholds": threshold,
+                "max_unverified": args.max_unverified,
+            }
             modes.append(bm.paradecode_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
         modes += hf_modes(hf_path, manifest, ignore)
-    logger.info("benchmarking %d modes x %d prompts x %d repeats, %d new tokens each", len(modes), len(prompts),
-                args.repeat, args.max_new_tokens)
+    logger.info(
+        "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
+        len(modes),
+        len(prompts),
+        args.repeat,
+        args.max_new_tokens,
+    )
     samples = bm.run_benchmark(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat)
     summary = bm.summarize(modes, samples)
     table = markdown_table(summary)
     if args.json:
-        save_json(args.json, {"export": str(Path(args.export).resolve()), "model": manifest.model,
-                              "machine": bm.machine(), "settings": {k: str(v) for k, v in vars(args).items()},
-                              "prompts": texts, "summary": summary, "samples": bm.samples_as_dicts(samples)})
+        save_json(
+            args.json,
+            {
+                "export": str(Path(args.export).resolve()),
+                "model": manifest.model,
+                "machine": bm.machine(),
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                "prompts": texts,
+                "summary": summary,
+                "samples": bm.samples_as_dicts(samples),
+            },
+        )
         logger.info("wrote %s", args.json)
     if args.plot:
         save_figure(args.plot, benchmark_figure(summary, f"{Path(args.export).name}: {args.backend} on {args.device}"))

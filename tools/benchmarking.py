@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROMPTS = (
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    'class Stack:\n    """A last-in first-out stack."""\n\n    def __init__(self):\n',
     "Once upon a time, there was a little girl",
     "The little dog wanted to play in the park.",
     "for i in range(10):\n",
@@ -114,12 +114,20 @@ def paradecode_mode(name: str, model, settings: dict[str, Any], *, ignore_eos: b
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Sample:
         started = time.perf_counter()
-        stream = model.stream(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                              **settings)
+        stream = model.stream(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, **settings)
         stamps = [time.perf_counter() for _ in stream]
         stats = stream.result.stats
-        return Sample(name, 0, 0, stream.result.token_ids, stamps[0] - started if stamps else 0.0, stamps,
-                      dict(stats.exits_per_layer), dict(stats.accepted_per_layer), stats.rollbacks)
+        return Sample(
+            name,
+            0,
+            0,
+            stream.result.token_ids,
+            stamps[0] - started if stamps else 0.0,
+            stamps,
+            dict(stats.exits_per_layer),
+            dict(stats.accepted_per_layer),
+            stats.rollbacks,
+        )
 
     return Mode(name, kind, run, settings)
 
@@ -149,17 +157,31 @@ def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mo
         extra = {"eos_token_id": None} if ignore_eos else {}
         started = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 streamer=streamer, pad_token_id=0, **extra, **kwargs)
-        tokens = out[0, len(prompt_ids):].tolist()
-        stamps = streamer.stamps[:len(tokens)]
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=0,
+                **extra,
+                **kwargs,
+            )
+        tokens = out[0, len(prompt_ids) :].tolist()
+        stamps = streamer.stamps[: len(tokens)]
         return Sample(name, 0, 0, tokens, stamps[0] - started if stamps else 0.0, stamps)
 
     return Mode(name, "hf", run, kwargs)
 
 
-def run_benchmark(modes: list[Mode], prompts: list[list[int]], *, max_new_tokens: int, repeat: int,
-                  warmup_tokens: int = 16, progress: Callable[[str], None] = logger.info) -> list[Sample]:
+def run_benchmark(
+    modes: list[Mode],
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    repeat: int,
+    warmup_tokens: int = 16,
+    progress: Callable[[str], None] = logger.info,
+) -> list[Sample]:
     """Warm every mode up, then run every mode on every prompt, interleaved, `repeat` times."""
     active = []
     for mode in modes:
@@ -181,8 +203,10 @@ def run_benchmark(modes: list[Mode], prompts: list[list[int]], *, max_new_tokens
                 samples.append(sample)
             done = r * len(prompts) + p + 1
             elapsed = time.perf_counter() - started
-            progress(f"[{done}/{total}] repeat {r + 1}, prompt {p + 1}: {elapsed:.0f} s elapsed, "
-                     f"about {elapsed / done * (total - done):.0f} s to go")
+            progress(
+                f"[{done}/{total}] repeat {r + 1}, prompt {p + 1}: {elapsed:.0f} s elapsed, "
+                f"about {elapsed / done * (total - done):.0f} s to go"
+            )
     return samples
 
 
@@ -190,7 +214,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def summarize(modes: list[Mode], samples: list[Sample]) -> dict[str, dict[str, Any]]:
@@ -234,7 +258,11 @@ def summarize(modes: list[Mode], samples: list[Sample]) -> dict[str, dict[str, A
             theirs = per_repeat(base)
             ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
             if ratios:
-                row[f"speedup_vs_{label}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                row[f"speedup_vs_{label}"] = {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                }
         exits = _total(s.exits for s in runs)
         accepted = _total(s.accepted for s in runs)
         if exits:
@@ -259,10 +287,17 @@ def machine() -> dict[str, Any]:
     import platform
 
     import torch
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine()}
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
     try:
         import onnxruntime
+
         info["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         pass

@@ -68,20 +68,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def bounds(a: float, e: int, layers: int, k: int) -> dict[str, float]:
     upper = layers - e
-    per_token = {"streams": a * max(e, upper) + (1 - a) * layers,
-                 "batched": a * (e + upper / k) + (1 - a) * layers,
-                 "both": a * max(e, upper / k) + (1 - a) * layers}
+    per_token = {
+        "streams": a * max(e, upper) + (1 - a) * layers,
+        "batched": a * (e + upper / k) + (1 - a) * layers,
+        "both": a * max(e, upper / k) + (1 - a) * layers,
+    }
     return {mode: layers / t for mode, t in per_token.items()}
 
 
 def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
     """Exit at `layer` with the reference token for a fixed pseudo-random share of positions."""
+
     def policy(position: int, exit_layer: int, out) -> int | None:
         if exit_layer != layer or position + 1 >= len(reference):
             return None
         if random.Random(position * 7919 + seed).random() < share:
             return reference[position + 1]
         return None
+
     return policy
 
 
@@ -112,7 +116,7 @@ def weight_bytes_per_token(export_dir: Path) -> int:
     manifest = read_manifest(export_dir)
     total = 0
     with safe_open(str(export_dir / manifest.weights), framework="pt") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             tensor = f.get_slice(key)
             count = 1
             for dim in tensor.get_shape():
@@ -132,9 +136,16 @@ def build_model(args, folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -153,11 +164,23 @@ def run(args) -> str:
         work = args.work_dir or Path(tmp)
         model_dir, export_dir = work / "model", work / "export"
         if not (export_dir / "manifest.json").is_file():
-            logger.info("building a random Llama (hidden %d, ffn %d, %d layers) and exporting it", args.hidden,
-                        args.ffn, args.layers)
+            logger.info(
+                "building a random Llama (hidden %d, ffn %d, %d layers) and exporting it",
+                args.hidden,
+                args.ffn,
+                args.layers,
+            )
             build_model(args, model_dir)
-            export_model(ExportConfig(model=str(model_dir), output=export_dir, exit_layers=tuple(depths),
-                                      max_seq_len=128, max_unverified=args.max_unverified, force=True))
+            export_model(
+                ExportConfig(
+                    model=str(model_dir),
+                    output=export_dir,
+                    exit_layers=tuple(depths),
+                    max_seq_len=128,
+                    max_unverified=args.max_unverified,
+                    force=True,
+                )
+            )
         pd_model, ar_models = load_with_ar_baselines(export_dir, backend=args.backend, device=args.device)
         try:
             prompt = [(17 * i + 5) % args.vocab for i in range(16)]
@@ -173,11 +196,14 @@ def run(args) -> str:
                         result = ar_models[key[1]].generate(mode="ar", **common)
                     else:
                         e, a, o = key
-                        result = pd_model.generate(overlap=o, thresholds={d: (0.0 if d == e else float("inf"))
-                                                                           for d in depths},
-                                                   max_unverified=args.max_unverified,
-                                                   exit_policy=oracle(reference, e, a), **common)
-                        if result.token_ids != reference[len(prompt):]:
+                        result = pd_model.generate(
+                            overlap=o,
+                            thresholds={d: (0.0 if d == e else float("inf")) for d in depths},
+                            max_unverified=args.max_unverified,
+                            exit_policy=oracle(reference, e, a),
+                            **common,
+                        )
+                        if result.token_ids != reference[len(prompt) :]:
                             raise ParadecodeError(f"parity lost at {key}: the scheduler changed the output")
                         if rep:
                             exits[key].append(sum(result.stats.accepted_per_layer.values()) / len(result.token_ids))
@@ -190,24 +216,38 @@ def run(args) -> str:
             for e, a, o in cases:
                 ratios = [x / y for x, y in zip(rows[(e, a, o)], ar_runs)]
                 share = statistics.median(exits[(e, a, o)])
-                results.append({"exit_layer": e, "acceptance": a, "exit_share": share, "overlap": o,
-                                 "tokens_per_second": statistics.median(rows[(e, a, o)]),
-                                 "speedup": {"median": statistics.median(ratios), "min": min(ratios),
-                                             "max": max(ratios)},
-                                 "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o]})
+                results.append(
+                    {
+                        "exit_layer": e,
+                        "acceptance": a,
+                        "exit_share": share,
+                        "overlap": o,
+                        "tokens_per_second": statistics.median(rows[(e, a, o)]),
+                        "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+                        "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o],
+                    }
+                )
         finally:
             close_all(pd_model, ar_models)
         bandwidth = copy_bandwidth(args.device)
         weight_bytes = weight_bytes_per_token(export_dir)
     shape = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")}
-    payload = {"shape": shape, "baseline": ar_name, "ar_tokens_per_second": statistics.median(ar_runs),
-               "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes_per_token": weight_bytes,
-               "ar_bandwidth_bound_tokens_per_second": bandwidth / weight_bytes,
-               "ar_variants": {n: statistics.median(rows[("ar", n)]) for n in ar_models},
-               "max_unverified": args.max_unverified, "max_new_tokens": args.max_new_tokens,
-               "repeat": args.repeat, "results": results}
+    payload = {
+        "shape": shape,
+        "baseline": ar_name,
+        "ar_tokens_per_second": statistics.median(ar_runs),
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_token": weight_bytes,
+        "ar_bandwidth_bound_tokens_per_second": bandwidth / weight_bytes,
+        "ar_variants": {n: statistics.median(rows[("ar", n)]) for n in ar_models},
+        "max_unverified": args.max_unverified,
+        "max_new_tokens": args.max_new_tokens,
+        "repeat": args.repeat,
+        "results": results,
+    }
     if args.json:
         from paradecode.tools.benchmarking import machine
+
         save_json(args.json, {**payload, "machine": machine()})
     if args.plot:
         save_figure(args.plot, figure(payload))
@@ -215,22 +255,28 @@ def run(args) -> str:
 
 
 def table(payload: dict) -> str:
-    lines = [f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}",
-             f"memory-bandwidth bound of ar: {payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
-             f"{payload['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth = "
-             f"{payload['ar_bandwidth_bound_tokens_per_second']:.1f} tokens/s",
-             "", "| exit layer | acceptance | exits done | overlap | tok/s | speedup (min-max) | bound |",
-             "| ---: | ---: | ---: | --- | ---: | --- | ---: |"]
+    lines = [
+        f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}",
+        f"memory-bandwidth bound of ar: {payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
+        f"{payload['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth = "
+        f"{payload['ar_bandwidth_bound_tokens_per_second']:.1f} tokens/s",
+        "",
+        "| exit layer | acceptance | exits done | overlap | tok/s | speedup (min-max) | bound |",
+        "| ---: | ---: | ---: | --- | ---: | --- | ---: |",
+    ]
     for r in payload["results"]:
         s = r["speedup"]
-        lines.append(f"| {r['exit_layer']} | {r['acceptance']:.2f} | {r['exit_share']:.2f} | {r['overlap']} | "
-                     f"{r['tokens_per_second']:.1f} | {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) | "
-                     f"{r['bound']:.2f}x |")
+        lines.append(
+            f"| {r['exit_layer']} | {r['acceptance']:.2f} | {r['exit_share']:.2f} | {r['overlap']} | "
+            f"{r['tokens_per_second']:.1f} | {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f}) | "
+            f"{r['bound']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def figure(payload: dict):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -238,15 +284,32 @@ def figure(payload: dict):
     fig, axes = plt.subplots(1, len(layers), figsize=(6 * len(layers), 4.5), squeeze=False)
     for axis, e in zip(axes[0], layers):
         for i, overlap in enumerate(sorted({r["overlap"] for r in payload["results"]})):
-            rows = sorted((r for r in payload["results"] if r["exit_layer"] == e and r["overlap"] == overlap),
-                          key=lambda r: r["acceptance"])
+            rows = sorted(
+                (r for r in payload["results"] if r["exit_layer"] == e and r["overlap"] == overlap),
+                key=lambda r: r["acceptance"],
+            )
             color = f"C{i}"
             med = [r["speedup"]["median"] for r in rows]
-            err = [[m - r["speedup"]["min"] for m, r in zip(med, rows)], [r["speedup"]["max"] - m for m, r in zip(med, rows)]]
-            axis.errorbar([r["exit_share"] for r in rows], med, yerr=err, marker="o", color=color, capsize=3,
-                          label=f"{overlap} measured")
-            axis.plot([r["exit_share"] for r in rows], [r["bound"] for r in rows], ls="--", color=color,
-                      label=f"{overlap} bound")
+            err = [
+                [m - r["speedup"]["min"] for m, r in zip(med, rows)],
+                [r["speedup"]["max"] - m for m, r in zip(med, rows)],
+            ]
+            axis.errorbar(
+                [r["exit_share"] for r in rows],
+                med,
+                yerr=err,
+                marker="o",
+                color=color,
+                capsize=3,
+                label=f"{overlap} measured",
+            )
+            axis.plot(
+                [r["exit_share"] for r in rows],
+                [r["bound"] for r in rows],
+                ls="--",
+                color=color,
+                label=f"{overlap} bound",
+            )
         axis.axhline(1.0, color="grey", lw=0.8)
         axis.set_title(f"exit after layer {e} of {payload['shape']['layers']}")
         axis.set_xlabel("share of tokens exiting early (all correct)")

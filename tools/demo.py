@@ -22,8 +22,8 @@ DEMO_MODEL = Path(__file__).resolve().parent / "demo_model"
 # one token), so a prompt cut after "\n" asks for a continuation the model has rarely seen.
 PROMPTS = (
     "def fibonacci(n):",
-    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):",
-    "def read_config(path):\n    \"\"\"Read a configuration file and return a dict.\"\"\"",
+    'class Stack:\n    """A last-in first-out stack."""\n\n    def __init__(self):',
+    'def read_config(path):\n    """Read a configuration file and return a dict."""',
     "import os\nimport sys\n\n\ndef main():",
 )
 
@@ -48,19 +48,27 @@ def run(args) -> None:
 
     heads = DEMO_MODEL / "heads.safetensors"
     if not (DEMO_MODEL / "model.safetensors").is_file() or not heads.is_file():
-        raise UserInputError(f"the demo model is missing from {DEMO_MODEL}: restore it from git, or train one with "
-                             "`python -m paradecode.tools.train_demo` and `paradecode-train-heads`.")
+        raise UserInputError(
+            f"the demo model is missing from {DEMO_MODEL}: restore it from git, or train one with "
+            "`python -m paradecode.tools.train_demo` and `paradecode-train-heads`."
+        )
     print(f"== exporting the demo model ({DEMO_MODEL}) with its trained exit heads", file=sys.stderr)
-    result = export_model(ExportConfig(model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384,
-                                       force=True))
+    result = export_model(
+        ExportConfig(model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384, force=True)
+    )
     # export_model raises (and writes nothing) when a graph fails validation.
-    print(f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s",
-          file=sys.stderr)
+    print(
+        f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s",
+        file=sys.stderr,
+    )
     model, ar_models = load_with_ar_baselines(args.output)
     try:
         thresholds = {e: t for e, t in model.manifest.thresholds.items() if t <= 1}
-        print(f"\n== ParaDecode, exit layers {sorted(thresholds)} at thresholds "
-              f"{ {e: round(t, 3) for e, t in thresholds.items()} }:\n", file=sys.stderr)
+        print(
+            f"\n== ParaDecode, exit layers {sorted(thresholds)} at thresholds "
+            f"{ {e: round(t, 3) for e, t in thresholds.items()} }:\n",
+            file=sys.stderr,
+        )
         sys.stdout.write(PROMPTS[0])
         for piece in model.stream(PROMPTS[0], max_new_tokens=args.max_new_tokens):
             sys.stdout.write(piece.text)
@@ -79,7 +87,7 @@ def measure(model, ar_models: dict, max_new_tokens: int, repeat: int) -> str:
     accepted: dict[int, int] = {}
     rollbacks, matched, runs = 0, 0, 0
     for ids in prompts[:1]:  # warm-up
-        for name, m in ar_models.items():
+        for m in ar_models.values():
             m.generate(prompt_ids=ids, max_new_tokens=16, mode="ar")
         model.generate(prompt_ids=ids, max_new_tokens=16)
     for r in range(repeat):
@@ -104,12 +112,19 @@ def measure(model, ar_models: dict, max_new_tokens: int, repeat: int) -> str:
     lines = [f"== side by side, {len(prompts)} prompts x {repeat} repeats, {max_new_tokens} new tokens, interleaved:"]
     for name, values in rates.items():
         lines.append(f"   {name:24} {statistics.median(values):7.1f} tokens/s (median)")
-    lines.append(f"   speedup over {baseline}: {statistics.median(per_run):.2f}x (min {min(per_run):.2f}, "
-                 f"max {max(per_run):.2f})")
-    lines.append("   early exits per layer (accepted / proposed): " + ", ".join(
-        f"layer {e}: {accepted.get(e, 0)}/{n}" for e, n in sorted(exits.items())) + f"; rollbacks {rollbacks}")
-    lines.append(f"   output identical to ar token for token: {matched}/{runs} runs"
-                 + (" (yes)" if matched == runs else " (NO: please report this)"))
+    lines.append(
+        f"   speedup over {baseline}: {statistics.median(per_run):.2f}x (min {min(per_run):.2f}, "
+        f"max {max(per_run):.2f})"
+    )
+    lines.append(
+        "   early exits per layer (accepted / proposed): "
+        + ", ".join(f"layer {e}: {accepted.get(e, 0)}/{n}" for e, n in sorted(exits.items()))
+        + f"; rollbacks {rollbacks}"
+    )
+    lines.append(
+        f"   output identical to ar token for token: {matched}/{runs} runs"
+        + (" (yes)" if matched == runs else " (NO: please report this)")
+    )
     return "\n".join(lines)
 
 

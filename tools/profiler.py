@@ -24,13 +24,16 @@ from pathlib import Path
 from paradecode.graphs.errors import run_command
 
 logger = logging.getLogger("paradecode.profile")
-NSYS = ("nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o paradecode "
-        "paradecode-profile DIR --device cuda")
+NSYS = (
+    "nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx -o paradecode "
+    "paradecode-profile DIR --device cuda"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paradecode-profile", description=__doc__.splitlines()[0],
-                                     epilog=f"Nsight Systems: {NSYS}")
+    parser = argparse.ArgumentParser(
+        prog="paradecode-profile", description=__doc__.splitlines()[0], epilog=f"Nsight Systems: {NSYS}"
+    )
     parser.add_argument("export", metavar="DIR")
     parser.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a line of code)")
     parser.add_argument("--prompt-ids", help="prompt as comma-separated ids (for exports without a tokenizer)")
@@ -43,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--trace", type=Path, default=Path("paradecode-trace.json"), metavar="OUT.json")
     parser.add_argument("--png", type=Path, metavar="OUT.png", help="timeline picture (default: next to --trace)")
-    parser.add_argument("--torch-profiler", type=Path, metavar="OUT.json",
-                        help="also record a torch.profiler trace (CUDA kernels per stream through CUPTI on a GPU)")
+    parser.add_argument(
+        "--torch-profiler",
+        type=Path,
+        metavar="OUT.json",
+        help="also record a torch.profiler trace (CUDA kernels per stream through CUPTI on a GPU)",
+    )
     return parser
 
 
@@ -75,9 +82,12 @@ def run(args) -> str:
     from paradecode.tools.reporting import save_figure, save_json
 
     model = load(args.export, backend=args.backend, device=args.device, lanes=args.lanes)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, overlap=args.overlap,
-                              thresholds=parse_threshold(args.threshold) if args.threshold else None,
-                              max_unverified=args.max_unverified)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        overlap=args.overlap,
+        thresholds=parse_threshold(args.threshold) if args.threshold else None,
+        max_unverified=args.max_unverified,
+    )
     ids = [int(i) for i in args.prompt_ids.split(",")] if args.prompt_ids else None
     prompt = None if ids else args.prompt
     model.generate(prompt, prompt_ids=ids, config=GenerationConfig(max_new_tokens=8))  # warm-up
@@ -89,8 +99,13 @@ def run(args) -> str:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         kernels = torch.profiler.profile(activities=activities)
     with capture, kernels as recorded:
-        result = model.generate(prompt, prompt_ids=ids, config=config, trace=True,
-                                annotate=annotate or (lambda name: contextlib.nullcontext()))
+        result = model.generate(
+            prompt,
+            prompt_ids=ids,
+            config=config,
+            trace=True,
+            annotate=annotate or (lambda name: contextlib.nullcontext()),
+        )
     if args.torch_profiler:
         args.torch_profiler.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.torch_profiler.with_name(f".{args.torch_profiler.name}.tmp")
@@ -103,9 +118,11 @@ def run(args) -> str:
     title = f"{Path(args.export).name}: {result.stats.mode} {result.stats.overlap}, {args.backend} on {args.device}"
     save_figure(png, timeline_figure(spans, title))
     busy = lane_busy(spans)
-    lines = [f"wrote {args.trace} and {png}" + (f" and {args.torch_profiler}" if args.torch_profiler else ""),
-             f"{result.stats.new_tokens} tokens, {result.stats.tokens_per_second:.1f} tokens/s, "
-             f"exits {result.stats.exits_per_layer}, rollbacks {result.stats.rollbacks}"]
+    lines = [
+        f"wrote {args.trace} and {png}" + (f" and {args.torch_profiler}" if args.torch_profiler else ""),
+        f"{result.stats.new_tokens} tokens, {result.stats.tokens_per_second:.1f} tokens/s, "
+        f"exits {result.stats.exits_per_layer}, rollbacks {result.stats.rollbacks}",
+    ]
     lines += [f"  lane {lane}: busy {seconds * 1e3:.1f} ms" for lane, seconds in busy]
     if len(busy) >= 2:
         a, b = busy[0][0], busy[1][0]
@@ -150,29 +167,51 @@ def chrome_trace(spans, metadata: dict) -> dict:
     origin = min((s.start for s in spans), default=0.0)
     lanes = sorted({s.lane for s in spans}, key=lambda lane: (lane == "phases", lane != "main", lane))
     tid = {lane: i for i, lane in enumerate(lanes)}
-    events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[lane], "args": {"name": f"lane {lane}"}}
-              for lane in lanes]
+    events = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[lane], "args": {"name": f"lane {lane}"}}
+        for lane in lanes
+    ]
     for s in spans:
-        events.append({"name": s.name, "cat": "phase" if s.lane == "phases" else "subgraph", "ph": "X", "pid": 0,
-                       "tid": tid[s.lane], "ts": (s.start - origin) * 1e6, "dur": (s.end - s.start) * 1e6,
-                       "args": {"positions": f"{s.positions[0]}-{s.positions[1] - 1}"}})
+        events.append(
+            {
+                "name": s.name,
+                "cat": "phase" if s.lane == "phases" else "subgraph",
+                "ph": "X",
+                "pid": 0,
+                "tid": tid[s.lane],
+                "ts": (s.start - origin) * 1e6,
+                "dur": (s.end - s.start) * 1e6,
+                "args": {"positions": f"{s.positions[0]}-{s.positions[1] - 1}"},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def timeline_figure(spans, title: str):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     origin = min((s.start for s in spans), default=0.0)
     lanes = sorted({s.lane for s in spans}, key=lambda lane: (lane == "phases", lane != "main", lane))
-    colors = {"embed": "tab:grey", "layer": "tab:blue", "exit": "tab:orange", "final": "tab:green",
-              "prefill": "tab:purple", "verify": "tab:olive", "rollback": "tab:red"}
+    colors = {
+        "embed": "tab:grey",
+        "layer": "tab:blue",
+        "exit": "tab:orange",
+        "final": "tab:green",
+        "prefill": "tab:purple",
+        "verify": "tab:olive",
+        "rollback": "tab:red",
+    }
     figure, axis = plt.subplots(figsize=(14, 1.2 + 0.8 * len(lanes)))
     for row, lane in enumerate(lanes):
         for kind, color in colors.items():
-            bars = [((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 0.02))
-                    for s in spans if s.lane == lane and s.name.startswith(kind)]
+            bars = [
+                ((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 0.02))
+                for s in spans
+                if s.lane == lane and s.name.startswith(kind)
+            ]
             if bars:
                 axis.broken_barh(bars, (row - 0.4, 0.8), color=color, label=kind)
     handles, labels = axis.get_legend_handles_labels()

@@ -27,6 +27,7 @@ def save_json(path: Path, payload: dict[str, Any]) -> Path:
 
 def save_figure(path: Path, figure) -> Path:
     import io
+
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
     return write_atomically(path, buffer.getvalue())
@@ -59,15 +60,18 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
             lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | |")
             continue
 
-        def speedup(key: str) -> str:
+        def speedup(key: str, row=row) -> str:
             s = row.get(key)
             return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s else "-"
 
         exits = row.get("exits_per_layer")
-        exit_text = ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
+        exit_text = (
+            ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
+        )
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
-            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | {exit_text} | "
+            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | "
+            f"{exit_text} | "
             f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
         )
     return "\n".join(lines)
@@ -76,6 +80,7 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
 def benchmark_figure(summary: dict[str, dict[str, Any]], title: str):
     """Left: speedup over ar against the threshold, per overlap; right: early exits per layer."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -28,9 +28,18 @@ EOT = "<|endoftext|>"
 # 9 layers of ~1M parameters (SwiGLU 4x): on a CPU a decode step is bound by reading weights, not by
 # per-call overhead; a 2048-token vocabulary keeps an exit head at ~0.6 of a layer; ~19 MB in fp16.
 MODEL = dict(
-    vocab_size=2048, hidden_size=256, intermediate_size=1024, num_hidden_layers=9, num_attention_heads=8,
-    num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, rms_norm_eps=1e-5,
-    bos_token_id=0, eos_token_id=0, rope_theta=10000.0,
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=9,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=0,
+    rope_theta=10000.0,
 )
 
 
@@ -53,8 +62,13 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator((read(p) for p in files), trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", special_tokens=[(EOT, 0)])
     return tokenizer
@@ -74,7 +88,7 @@ def batches(stream, batch: int, length: int, generator):
 
     while True:
         starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=generator)
-        yield torch.stack([stream[s:s + length + 1] for s in starts.tolist()])
+        yield torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
 
 
 def evaluate(model, stream, length: int, windows: int = 16) -> float:
@@ -84,7 +98,7 @@ def evaluate(model, stream, length: int, windows: int = 16) -> float:
     losses = []
     with torch.no_grad():
         for start in range(0, step * windows, step):
-            x = stream[start:start + length + 1][None]
+            x = stream[start : start + length + 1][None]
             losses.append(float(model(x, labels=x).loss))
     return sum(losses) / len(losses)
 
@@ -106,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     train_files, held_out = stdlib_files()
-    logger.info("data: %d training files, %d held out, from %s", len(train_files), len(held_out),
-                sysconfig.get_paths()["stdlib"])
+    logger.info(
+        "data: %d training files, %d held out, from %s",
+        len(train_files),
+        len(held_out),
+        sysconfig.get_paths()["stdlib"],
+    )
     tokenizer = train_tokenizer(train_files, MODEL["vocab_size"])
     train = token_stream(tokenizer, train_files)
     valid = token_stream(tokenizer, held_out)
@@ -146,26 +164,47 @@ def main(argv: list[str] | None = None) -> int:
                 entry["valid_loss"] = round(evaluate(model, valid, args.length), 4)
                 model.train()
             history.append(entry)
-            logger.info("step %d/%d %s (%.0f tokens/s)", step, args.steps, entry,
-                        (step + 1) * args.batch * args.length / max(elapsed, 1e-9))
+            logger.info(
+                "step %d/%d %s (%.0f tokens/s)",
+                step,
+                args.steps,
+                entry,
+                (step + 1) * args.batch * args.length / max(elapsed, 1e-9),
+            )
 
     model.eval()
     args.output.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(args.output)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT, unk_token=None,
-                                   model_max_length=MODEL["max_position_embeddings"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=EOT,
+        eos_token=EOT,
+        unk_token=None,
+        model_max_length=MODEL["max_position_embeddings"],
+    )
     fast.save_pretrained(args.output)
     summary = {
         "script": "python -m paradecode.tools.train_demo " + " ".join(argv if argv is not None else sys.argv[1:]),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "data": {"source": "CPython standard library .py files (sysconfig stdlib path), every 40th file held out",
-                 "train_files": len(train_files), "held_out_files": len(held_out),
-                 "train_tokens": len(train), "held_out_tokens": len(valid)},
+        "data": {
+            "source": "CPython standard library .py files (sysconfig stdlib path), every 40th file held out",
+            "train_files": len(train_files),
+            "held_out_files": len(held_out),
+            "train_tokens": len(train),
+            "held_out_tokens": len(valid),
+        },
         "model": {**MODEL, "parameters": params},
-        "training": {"steps": args.steps, "batch": args.batch, "length": args.length, "lr": args.lr,
-                     "tokens_seen": args.steps * args.batch * args.length, "seconds": round(time.time() - started),
-                     "threads": args.threads, "seed": args.seed},
+        "training": {
+            "steps": args.steps,
+            "batch": args.batch,
+            "length": args.length,
+            "lr": args.lr,
+            "tokens_seen": args.steps * args.batch * args.length,
+            "seconds": round(time.time() - started),
+            "threads": args.threads,
+            "seed": args.seed,
+        },
         "final": history[-1],
         "history": history,
     }

@@ -24,9 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the heads file to write")
     parser.add_argument("--exit-layers", type=layer_list, metavar="E1,E2,...", help="default: L/4, L/2, 3L/4")
     data = parser.add_mutually_exclusive_group()
-    data.add_argument("--prompts", type=Path, metavar="FILE",
-                      help="one prompt per line; the model continues each greedily (default: a built-in set of code "
-                           "and prose prompts)")
+    data.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="one prompt per line; the model continues each greedily (default: a built-in set of code "
+        "and prose prompts)",
+    )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
     parser.add_argument("--window", type=positive_int, default=256, help="tokens per --text window (default 256)")
@@ -34,13 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
     parser.add_argument("--batch", type=positive_int, default=1024, help="positions per step (default 1024)")
     parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences held out (default 0.2)")
-    parser.add_argument("--target-agreement", type=float, default=0.95,
-                        help="calibrate each threshold so early tokens agree with the final ones at least this often (default 0.95)")
-    parser.add_argument("--head-cost", type=float, metavar="C",
-                        help="cost of one head call in decoder layers, for choosing which exit layers to use "
-                             "(default: estimated from parameter counts)")
-    parser.add_argument("--use-all-exits", action="store_true",
-                        help="give every calibrated exit layer a threshold instead of the cost-model selection")
+    parser.add_argument(
+        "--target-agreement",
+        type=float,
+        default=0.95,
+        help="calibrate each threshold so early tokens agree with the final ones at least this often (default 0.95)",
+    )
+    parser.add_argument(
+        "--head-cost",
+        type=float,
+        metavar="C",
+        help="cost of one head call in decoder layers, for choosing which exit layers to use "
+        "(default: estimated from parameter counts)",
+    )
+    parser.add_argument(
+        "--use-all-exits",
+        action="store_true",
+        help="give every calibrated exit layer a threshold instead of the cost-model selection",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace FILE if it exists")
     return parser
@@ -67,8 +82,15 @@ def run(args: argparse.Namespace):
 
     from paradecode.export.config import default_exit_layers
     from paradecode.export.distill import (
-        DEFAULT_PROMPTS, CostModel, HeadsTraining, calibrate, collect, evaluate_heads, greedy_sequences,
-        split_held_out, train_heads,
+        DEFAULT_PROMPTS,
+        CostModel,
+        HeadsTraining,
+        calibrate,
+        collect,
+        evaluate_heads,
+        greedy_sequences,
+        split_held_out,
+        train_heads,
     )
     from paradecode.export.families import family_for
     from paradecode.export.heads import save_heads
@@ -97,7 +119,7 @@ def run(args: argparse.Namespace):
         if tokenizer is None:
             raise UserInputError(f"{args.model} has no tokenizer to read --text with.")
         ids = tokenizer(read_text(args.text))["input_ids"]
-        sequences = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
+        sequences = [ids[i : i + args.window] for i in range(0, len(ids) - 1, args.window)]
         sequences = [s for s in sequences if len(s) > 1]
         data = {"kind": "text", "file": str(args.text), "windows": len(sequences)}
     else:
@@ -113,22 +135,37 @@ def run(args: argparse.Namespace):
             prompts = [torch.randint(0, spec.vocab_size, (4,), generator=generator).tolist() for _ in texts]
         logger.info("generating %d greedy continuations of %d tokens", len(prompts), args.new_tokens)
         sequences = greedy_sequences(model, prompts, args.new_tokens)
-        data = {"kind": "generations", "prompts": str(args.prompts) if args.prompts else "built-in",
-                "sequences": len(sequences), "new_tokens": args.new_tokens}
+        data = {
+            "kind": "generations",
+            "prompts": str(args.prompts) if args.prompts else "built-in",
+            "sequences": len(sequences),
+            "new_tokens": args.new_tokens,
+        }
     if len(sequences) < 2:
         raise UserInputError("need at least two sequences (one to train on, one held out); give more prompts or text.")
     features = collect(model, sequences, exit_layers)
     held_out = split_held_out(features, args.held_out, args.seed)
-    data.update(positions=int(len(held_out)), held_out_positions=int(held_out.sum()))
-    logger.info("%d positions (%d held out); training heads after layers %s for %d steps", data["positions"],
-                data["held_out_positions"], ",".join(map(str, exit_layers)), args.steps)
+    data.update(positions=len(held_out), held_out_positions=int(held_out.sum()))
+    logger.info(
+        "%d positions (%d held out); training heads after layers %s for %d steps",
+        data["positions"],
+        data["held_out_positions"],
+        ",".join(map(str, exit_layers)),
+        args.steps,
+    )
 
-    before = evaluate_heads(model, features, held_out, {e: None for e in exit_layers})
-    transforms, history = train_heads(model, features, held_out, steps=args.steps, lr=args.lr, batch=args.batch,
-                                      seed=args.seed)
+    before = evaluate_heads(model, features, held_out, dict.fromkeys(exit_layers))
+    transforms, history = train_heads(
+        model, features, held_out, steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed
+    )
     after = evaluate_heads(model, features, held_out, transforms)
-    table = {e: {"untrained": round(float(before[1][e].float().mean()), 4),
-                 "trained": round(float(after[1][e].float().mean()), 4)} for e in exit_layers}
+    table = {
+        e: {
+            "untrained": round(float(before[1][e].float().mean()), 4),
+            "trained": round(float(after[1][e].float().mean()), 4),
+        }
+        for e in exit_layers
+    }
     cost = None
     if not args.use_all_exits:
         cost = CostModel.estimate(spec)
@@ -140,8 +177,13 @@ def run(args: argparse.Namespace):
         "base_model": source.hub_id or str(source.path.resolve()),
         "base_weights_sha256": source.identity()["weights_sha256"],
         "data": data,
-        "training": {"steps": args.steps, "lr": args.lr, "batch": args.batch, "seed": args.seed,
-                     "final_loss": history[-1].get("loss")},
+        "training": {
+            "steps": args.steps,
+            "lr": args.lr,
+            "batch": args.batch,
+            "seed": args.seed,
+            "final_loss": history[-1].get("loss"),
+        },
         "agreement": {str(e): v for e, v in table.items()},
         "calibration": calibration,
     }
@@ -165,20 +207,45 @@ def read_text(path: Path) -> str:
 
 
 def report(table: dict, calibration: dict) -> None:
-    logger.info("top-1 agreement with the final layer on held-out positions, and calibrated thresholds "
-                "(target agreement %.2f):", calibration["target_agreement"])
-    logger.info("  %-6s %-10s %-8s %-10s %-10s %-9s %-9s %s", "layer", "untrained", "trained", "threshold",
-                "precision", "exits", "cascade", "used")
+    logger.info(
+        "top-1 agreement with the final layer on held-out positions, and calibrated thresholds "
+        "(target agreement %.2f):",
+        calibration["target_agreement"],
+    )
+    logger.info(
+        "  %-6s %-10s %-8s %-10s %-10s %-9s %-9s %s",
+        "layer",
+        "untrained",
+        "trained",
+        "threshold",
+        "precision",
+        "exits",
+        "cascade",
+        "used",
+    )
     for e, row in table.items():
         c = calibration["layers"][str(e)]
         threshold = f"{c['threshold']:.3f}" if c["threshold"] is not None else "never"
         precision = f"{c['precision']:.3f}" if c["precision"] is not None else "-"
-        logger.info("  %-6s %-10.3f %-8.3f %-10s %-10s %-9.3f %-9.3f %s", e, row["untrained"], row["trained"],
-                    threshold, precision, c["exit_rate"], c["cascade_exit_rate"], "yes" if c["selected"] else "no")
+        logger.info(
+            "  %-6s %-10.3f %-8.3f %-10s %-10s %-9.3f %-9.3f %s",
+            e,
+            row["untrained"],
+            row["trained"],
+            threshold,
+            precision,
+            c["exit_rate"],
+            c["cascade_exit_rate"],
+            "yes" if c["selected"] else "no",
+        )
     if calibration["cost_model"] is not None:
         best = ", ".join(f"{s['layers']}: {s['speedup']:.2f}x" for s in calibration["subsets"][:4])
-        logger.info("cost model (layer units: head %.2f, merge %.2f): expected speedup by exit layers used: %s",
-                    calibration["cost_model"]["head"], calibration["cost_model"]["merge"], best)
+        logger.info(
+            "cost model (layer units: head %.2f, merge %.2f): expected speedup by exit layers used: %s",
+            calibration["cost_model"]["head"],
+            calibration["cost_model"]["merge"],
+            best,
+        )
         logger.info("using exit layers %s", calibration["selected_layers"] or "none (no subset is expected to help)")
 
 

@@ -4,7 +4,7 @@ A family turns a Hugging Face config and state dict into a `ModelSpec` and the c
 of `paradecode.graphs.modules`. Adding a family is one file here plus its tiny model in the tests.
 """
 
-from paradecode.export.families.base import Family, family_for, register, registered_families
 from paradecode.export.families import gpt2, llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
+from paradecode.export.families.base import Family, family_for, register, registered_families
 
 __all__ = ["Family", "family_for", "register", "registered_families"]

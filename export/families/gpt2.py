@@ -21,7 +21,9 @@ class GPT2(Family):
         if config.scale_attn_by_inverse_layer_idx:
             raise UnsupportedModelError("GPT-2 with scale_attn_by_inverse_layer_idx=True is not supported.")
         if getattr(config, "add_cross_attention", False):
-            raise UnsupportedModelError("GPT-2 with cross-attention is an encoder-decoder; only decoder-only models are supported.")
+            raise UnsupportedModelError(
+                "GPT-2 with cross-attention is an encoder-decoder; only decoder-only models are supported."
+            )
         head_dim = config.n_embd // config.n_head
         return ModelSpec(
             family=self.name,

@@ -84,8 +84,12 @@ class Llama(Family):
         for i in range(1, spec.num_layers + 1):
             src, dst = f"model.layers.{i - 1}.", f"layers.{i}."
             m.put(dst + "attn_norm.weight", src + "input_layernorm.weight", (d,))
-            for ours, out, bias in (("q", q_out, spec.qkv_bias), ("k", kv_out, spec.qkv_bias),
-                                    ("v", kv_out, spec.qkv_bias), ("o", d, spec.o_bias)):
+            for ours, out, bias in (
+                ("q", q_out, spec.qkv_bias),
+                ("k", kv_out, spec.qkv_bias),
+                ("v", kv_out, spec.qkv_bias),
+                ("o", d, spec.o_bias),
+            ):
                 in_dim = q_out if ours == "o" else d
                 m.put(f"{dst}attn.{ours}.weight", f"{src}self_attn.{ours}_proj.weight", (out, in_dim))
                 if bias:
@@ -101,7 +105,9 @@ class Llama(Family):
         m.put("norm.weight", "model.norm.weight", (d,))
         if spec.tie_word_embeddings:
             if not tied_lm_head_ok(state, "model.embed_tokens.weight"):
-                raise UnsupportedModelError("the config says tie_word_embeddings, but lm_head differs from the embedding.")
+                raise UnsupportedModelError(
+                    "the config says tie_word_embeddings, but lm_head differs from the embedding."
+                )
             m.used.add("lm_head.weight")
         else:
             m.put("unembed.weight", "lm_head.weight", (spec.vocab_size, d))

@@ -13,11 +13,17 @@ from paradecode.runtime.backends.base import Backend, HeadOutput
 
 BACKENDS = {
     "torch": ("paradecode.runtime.backends.torch_backend", "TorchBackend", "torch is a dependency of paradecode"),
-    "onnxruntime": ("paradecode.runtime.backends.onnxruntime_backend", "OnnxRuntimeBackend",
-                    "`pip install paradecode[cpu]` (onnxruntime) or `paradecode[gpu]` (onnxruntime-gpu)"),
-    "tensorrt": ("paradecode.runtime.backends.tensorrt_backend", "TensorRTBackend",
-                 "`pip install paradecode[tensorrt] --extra-index-url https://pypi.nvidia.com`, on an NVIDIA GPU, "
-                 "and export with --engine tensorrt"),
+    "onnxruntime": (
+        "paradecode.runtime.backends.onnxruntime_backend",
+        "OnnxRuntimeBackend",
+        "`pip install paradecode[cpu]` (onnxruntime) or `paradecode[gpu]` (onnxruntime-gpu)",
+    ),
+    "tensorrt": (
+        "paradecode.runtime.backends.tensorrt_backend",
+        "TensorRTBackend",
+        "`pip install paradecode[tensorrt] --extra-index-url https://pypi.nvidia.com`, on an NVIDIA GPU, "
+        "and export with --engine tensorrt",
+    ),
 }
 
 

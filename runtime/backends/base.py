@@ -28,7 +28,7 @@ class HeadOutput:
     margin: list[float]
 
     @classmethod
-    def of(cls, token: torch.Tensor, prob: torch.Tensor, margin: torch.Tensor) -> "HeadOutput":
+    def of(cls, token: torch.Tensor, prob: torch.Tensor, margin: torch.Tensor) -> HeadOutput:
         """From [1, T] (or [T]) tensors on any device."""
         return cls(token.reshape(-1).tolist(), prob.reshape(-1).tolist(), margin.reshape(-1).tolist())
 
@@ -76,8 +76,9 @@ class Backend:
         """Run head `name` ("exit_{e}" or "final") on hidden [1, T, D]."""
         raise NotImplementedError
 
-    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
-                   cache: KVCache) -> tuple[torch.Tensor, HeadOutput]:
+    def layer_exit(
+        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, HeadOutput]:
         """Layer `layer` and its exit head on the last position, in one call (`layer_exit_{layer}`)."""
         raise NotImplementedError
 
@@ -85,8 +86,10 @@ class Backend:
     def check_names(self, sub: Subgraph, inputs, outputs, what: str) -> None:
         """Compare a loaded graph's tensor names with the manifest's; report both differences as sets."""
         problems = []
-        for kind, actual, expected in (("inputs", set(inputs), set(sub.io.input_names)),
-                                       ("outputs", set(outputs), set(sub.io.output_names))):
+        for kind, actual, expected in (
+            ("inputs", set(inputs), set(sub.io.input_names)),
+            ("outputs", set(outputs), set(sub.io.output_names)),
+        ):
             missing, unexpected = expected - actual, actual - expected
             if missing or unexpected:
                 problems.append(f"{kind}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")

@@ -19,7 +19,17 @@ import torch
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.tensors import (
-    HIDDEN, HIDDEN_OUT, INPUT_IDS, MARGIN, PAST_KEY, PAST_VALUE, POSITIONS, PRESENT_KEY, PRESENT_VALUE, PROB, TOKEN,
+    HIDDEN,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    MARGIN,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    PROB,
+    TOKEN,
 )
 from paradecode.runtime.backends.base import Backend, HeadOutput
 from paradecode.runtime.kvcache import KVCache
@@ -34,10 +44,11 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int6
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
 
 
-def ort_value(tensor: torch.Tensor) -> "ort.OrtValue":
+def ort_value(tensor: torch.Tensor) -> ort.OrtValue:
     """An OrtValue sharing the memory of a contiguous CPU tensor."""
     if tensor.dtype == torch.bfloat16:
         from onnx import TensorProto
+
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tensor.view(torch.int16).numpy(), TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
 
@@ -49,7 +60,7 @@ class Bound:
     persistent bound buffers and copies the outputs out; a layer's caches stay bound in place.
     """
 
-    def __init__(self, session, io, tokens: int, caches: dict[str, "ort.OrtValue"]):
+    def __init__(self, session, io, tokens: int, caches: dict[str, ort.OrtValue]):
         self.binding = session.io_binding()
         self.session = session
         self.buffers: dict[str, np.ndarray] = {}
@@ -82,8 +93,10 @@ class OnnxRuntimeBackend(Backend):
                 "`pip uninstall onnxruntime && pip install paradecode[gpu]`."
             )
         if self.dtype == torch.bfloat16:
-            raise UserInputError("the onnxruntime backend does not run bfloat16 exports (no CPU kernels, no numpy "
-                                 "type to bind): use --backend torch or tensorrt, or export float32/float16.")
+            raise UserInputError(
+                "the onnxruntime backend does not run bfloat16 exports (no CPU kernels, no numpy "
+                "type to bind): use --backend torch or tensorrt, or export float32/float16."
+            )
         self.threads = threads if threads is not None else max(1, os.cpu_count() or 1)
         self.options = ort.SessionOptions()
         self.options.intra_op_num_threads = self.threads
@@ -97,8 +110,12 @@ class OnnxRuntimeBackend(Backend):
         self._bound: dict[tuple[str, int, int, int], Bound] = {}
         for sub in self.manifest.subgraphs:
             session = self._create_session(sub.onnx)
-            self.check_names(sub, [i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()],
-                             f"the ONNX graph {sub.onnx}")
+            self.check_names(
+                sub,
+                [i.name for i in session.get_inputs()],
+                [o.name for o in session.get_outputs()],
+                f"the ONNX graph {sub.onnx}",
+            )
             self.sessions[sub.io.name] = session
 
     def _create_session(self, relative: str, stream: int | None = None):
@@ -112,7 +129,9 @@ class OnnxRuntimeBackend(Backend):
         try:
             return ort.InferenceSession(str(path), self.options, providers=providers)
         except Exception as err:  # onnxruntime raises its own exception types
-            raise ManifestError(f"onnxruntime cannot load {path} ({str(err).splitlines()[0]}); re-export the model.") from err
+            raise ManifestError(
+                f"onnxruntime cannot load {path} ({str(err).splitlines()[0]}); re-export the model."
+            ) from err
 
     def close(self) -> None:
         self._bound.clear()
@@ -125,8 +144,9 @@ class OnnxRuntimeBackend(Backend):
         self._bound.clear()
         return super().allocate_cache()
 
-    def _bound_call(self, name: str, tokens: int, inputs: dict[str, torch.Tensor],
-                    caches: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+    def _bound_call(
+        self, name: str, tokens: int, inputs: dict[str, torch.Tensor], caches: dict[str, torch.Tensor] | None = None
+    ) -> list[torch.Tensor] | None:
         """Run through a persistent binding (CPU, small calls); None where the generic path applies."""
         if self.device.type != "cpu" or tokens > BOUND_TOKENS:
             return None
@@ -162,12 +182,19 @@ class OnnxRuntimeBackend(Backend):
                     self._cache_values[tensor.data_ptr()] = value
             (binding.bind_ortvalue_output if output else binding.bind_ortvalue_input)(name, value)
         else:
-            args = (name, "cuda", tensor.device.index or 0, NUMPY_DTYPES[tensor.dtype], tuple(tensor.shape),
-                    tensor.data_ptr())
+            args = (
+                name,
+                "cuda",
+                tensor.device.index or 0,
+                NUMPY_DTYPES[tensor.dtype],
+                tuple(tensor.shape),
+                tensor.data_ptr(),
+            )
             (binding.bind_output if output else binding.bind_input)(*args)
 
-    def _run(self, name: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor],
-             cached: tuple[str, ...] = ()) -> None:
+    def _run(
+        self, name: str, inputs: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], cached: tuple[str, ...] = ()
+    ) -> None:
         session = self._session(name)
         binding = session.io_binding()
         for key, tensor in inputs.items():
@@ -189,15 +216,23 @@ class OnnxRuntimeBackend(Backend):
 
     def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         key, value = cache.layer(layer)
-        fast = self._bound_call(f"layer_{layer}", hidden.shape[1], {HIDDEN: hidden, POSITIONS: positions},
-                                {PAST_KEY: key, PAST_VALUE: value, PRESENT_KEY: key, PRESENT_VALUE: value})
+        fast = self._bound_call(
+            f"layer_{layer}",
+            hidden.shape[1],
+            {HIDDEN: hidden, POSITIONS: positions},
+            {PAST_KEY: key, PAST_VALUE: value, PRESENT_KEY: key, PRESENT_VALUE: value},
+        )
         if fast is not None:
             return fast[0]
         out = torch.empty_like(hidden)
         self._run(
             f"layer_{layer}",
-            {HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(), PAST_KEY: key,
-             PAST_VALUE: value},
+            {
+                HIDDEN: hidden.contiguous(),
+                POSITIONS: positions.to(self.device).contiguous(),
+                PAST_KEY: key,
+                PAST_VALUE: value,
+            },
             {HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value},
             cached=(PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE),
         )
@@ -215,10 +250,17 @@ class OnnxRuntimeBackend(Backend):
         token = torch.empty(shape, dtype=torch.int64, device=self.device)
         prob = torch.empty(shape, dtype=torch.float32, device=self.device)
         margin = torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._run(name, {HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(),
-                         PAST_KEY: key, PAST_VALUE: value},
-                  {HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value, TOKEN: token, PROB: prob, MARGIN: margin},
-                  cached=tuple(caches))
+        self._run(
+            name,
+            {
+                HIDDEN: hidden.contiguous(),
+                POSITIONS: positions.to(self.device).contiguous(),
+                PAST_KEY: key,
+                PAST_VALUE: value,
+            },
+            {HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value, TOKEN: token, PROB: prob, MARGIN: margin},
+            cached=tuple(caches),
+        )
         return out, HeadOutput.of(token, prob, margin)
 
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:

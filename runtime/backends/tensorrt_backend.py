@@ -13,7 +13,17 @@ import torch
 
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.tensors import (
-    HIDDEN, HIDDEN_OUT, INPUT_IDS, MARGIN, PAST_KEY, PAST_VALUE, POSITIONS, PRESENT_KEY, PRESENT_VALUE, PROB, TOKEN,
+    HIDDEN,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    MARGIN,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    PROB,
+    TOKEN,
 )
 from paradecode.runtime.backends.base import Backend, HeadOutput
 from paradecode.runtime.kvcache import KVCache
@@ -38,8 +48,10 @@ class TensorRTBackend(Backend):
         props = torch.cuda.get_device_properties(self.device)
         here = f"{props.name} sm_{props.major}{props.minor}"
         if info["gpu"] != here or info["version"] != trt.__version__:
-            raise ManifestError(f"the engines were built for {info['gpu']} with TensorRT {info['version']}; this is "
-                                f"{here} with TensorRT {trt.__version__}. Re-export with --engine tensorrt here.")
+            raise ManifestError(
+                f"the engines were built for {info['gpu']} with TensorRT {info['version']}; this is "
+                f"{here} with TensorRT {trt.__version__}. Re-export with --engine tensorrt here."
+            )
         self.token_ranges = [tuple(r) for r in info["token_ranges"]]
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
@@ -77,10 +89,12 @@ class TensorRTBackend(Backend):
             self.contexts[key] = context
         engine = self.engines[name]
         for tensor_name, tensor in tensors.items():
-            if engine.get_tensor_mode(tensor_name) == trt.TensorIOMode.INPUT:
-                if not context.set_input_shape(tensor_name, tuple(tensor.shape)):
-                    raise UserInputError(f"{name}: input {tensor_name} shape {tuple(tensor.shape)} is outside "
-                                         f"the engine's profile {profile} {self.token_ranges[profile]}.")
+            is_input = engine.get_tensor_mode(tensor_name) == trt.TensorIOMode.INPUT
+            if is_input and not context.set_input_shape(tensor_name, tuple(tensor.shape)):
+                raise UserInputError(
+                    f"{name}: input {tensor_name} shape {tuple(tensor.shape)} is outside "
+                    f"the engine's profile {profile} {self.token_ranges[profile]}."
+                )
             context.set_tensor_address(tensor_name, tensor.data_ptr())
         if not context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError(f"TensorRT failed to enqueue {name} ({tokens} tokens)")
@@ -97,29 +111,52 @@ class TensorRTBackend(Backend):
     def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         key, value = cache.layer(layer)
         out = torch.empty_like(hidden)
-        self._execute(f"layer_{layer}", {
-            HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(),
-            PAST_KEY: key, PAST_VALUE: value, HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value,
-        }, hidden.shape[1])
+        self._execute(
+            f"layer_{layer}",
+            {
+                HIDDEN: hidden.contiguous(),
+                POSITIONS: positions.to(self.device).contiguous(),
+                PAST_KEY: key,
+                PAST_VALUE: value,
+                HIDDEN_OUT: out,
+                PRESENT_KEY: key,
+                PRESENT_VALUE: value,
+            },
+            hidden.shape[1],
+        )
         return out
 
     def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
         key, value = cache.layer(layer)
         out = torch.empty_like(hidden)
         shape = (hidden.shape[0], 1)
-        heads = {TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
-                 PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
-                 MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device)}
-        self._execute(f"layer_exit_{layer}", {
-            HIDDEN: hidden.contiguous(), POSITIONS: positions.to(self.device).contiguous(),
-            PAST_KEY: key, PAST_VALUE: value, HIDDEN_OUT: out, PRESENT_KEY: key, PRESENT_VALUE: value, **heads,
-        }, hidden.shape[1])
+        heads = {
+            TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
+            PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
+            MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device),
+        }
+        self._execute(
+            f"layer_exit_{layer}",
+            {
+                HIDDEN: hidden.contiguous(),
+                POSITIONS: positions.to(self.device).contiguous(),
+                PAST_KEY: key,
+                PAST_VALUE: value,
+                HIDDEN_OUT: out,
+                PRESENT_KEY: key,
+                PRESENT_VALUE: value,
+                **heads,
+            },
+            hidden.shape[1],
+        )
         return out, HeadOutput.of(heads[TOKEN], heads[PROB], heads[MARGIN])
 
     def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
         shape = hidden.shape[:2]
-        outputs = {TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
-                   PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
-                   MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device)}
+        outputs = {
+            TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
+            PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
+            MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device),
+        }
         self._execute(name, {HIDDEN: hidden.contiguous(), **outputs}, shape[1])
         return HeadOutput.of(outputs[TOKEN], outputs[PROB], outputs[MARGIN])

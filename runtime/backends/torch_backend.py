@@ -22,7 +22,6 @@ from paradecode.runtime.backends.base import Backend, HeadOutput
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
 
-
 GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
 
 
@@ -68,12 +67,19 @@ class TorchBackend(Backend):
         self.modules: dict[str, torch.nn.Module] = {}
         for sub in manifest.subgraphs:
             with_logits = LOGITS in sub.io.output_names
-            contract = subgraph_io(self.spec, sub.io.kind, sub.io.layer, dtype=manifest.dtype,
-                                   max_seq_len=manifest.max_seq_len, max_batch=manifest.max_batch,
-                                   with_logits=with_logits)
+            contract = subgraph_io(
+                self.spec,
+                sub.io.kind,
+                sub.io.layer,
+                dtype=manifest.dtype,
+                max_seq_len=manifest.max_seq_len,
+                max_batch=manifest.max_batch,
+                with_logits=with_logits,
+            )
             self.check_names(sub, contract.input_names, contract.output_names, "the torch module")
-            self.modules[sub.io.name] = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype,
-                                                       with_logits=with_logits).to(self.device)
+            self.modules[sub.io.name] = build_subgraph(
+                self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits
+            ).to(self.device)
         self.layers = [self.modules[f"layer_{i}"] for i in range(1, self.spec.num_layers + 1)]
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graphs: dict[tuple, GraphedCall] = {}
@@ -113,8 +119,11 @@ class TorchBackend(Backend):
     def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         key, value = cache.layer(layer)
         module = self.layers[layer - 1]
-        return self._call(f"layer_{layer}", lambda h, p: module(h, p, key, value)[0],
-                          [hidden, positions.to(self.device, non_blocking=True)])[0]
+        return self._call(
+            f"layer_{layer}",
+            lambda h, p: module(h, p, key, value)[0],
+            [hidden, positions.to(self.device, non_blocking=True)],
+        )[0]
 
     @torch.inference_mode()
     def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
