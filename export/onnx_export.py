@@ -50,7 +50,7 @@ def example_inputs(io: SubgraphIO, vocab_size: int, dtype: torch.dtype) -> tuple
     batch, tokens = 2, 3
     args = []
     for t in io.inputs:
-        shape = [batch if d == BATCH else tokens if d == TOKENS else d for d in t.shape]
+        shape = t.concrete(batch, tokens)
         if t.name == POSITIONS:
             args.append((torch.arange(tokens) + 4 * torch.arange(shape[0])[:, None]).to(torch.int64))
         elif t.dtype == "int64":

@@ -23,7 +23,7 @@ from typing import Any
 
 from paradecode.graphs.errors import MissingDependencyError
 from paradecode.graphs.manifest import sha256_of
-from paradecode.graphs.tensors import BATCH, TOKENS, SubgraphIO
+from paradecode.graphs.tensors import SubgraphIO
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,7 @@ def profile_shapes(io: SubgraphIO, settings: ProfileSettings) -> list[dict[str, 
     for lo, opt, hi in settings.token_ranges():
         shapes = {}
         for t in io.inputs:
-
-            def dims(batch: int, tokens: int, shape=t.shape) -> tuple[int, ...]:
-                return tuple(batch if d == BATCH else tokens if d == TOKENS else d for d in shape)
-
-            shapes[t.name] = (dims(1, lo), dims(1, opt), dims(settings.max_batch, hi))
+            shapes[t.name] = (t.concrete(1, lo), t.concrete(1, opt), t.concrete(settings.max_batch, hi))
         profiles.append(shapes)
     return profiles
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from paradecode.graphs.errors import MissingDependencyError
+from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
-    BATCH,
     HIDDEN,
     INPUT_IDS,
     MARGIN,
@@ -29,7 +29,6 @@ from paradecode.graphs.tensors import (
     PAST_VALUE,
     POSITIONS,
     TOKEN,
-    TOKENS,
     SubgraphIO,
 )
 
@@ -143,19 +142,10 @@ def ort_session(path, threads: int = 0):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def ort_feed(tensor: torch.Tensor):
-    import onnxruntime as ort
-
-    tensor = tensor.detach().cpu().contiguous()
-    if tensor.dtype == torch.bfloat16:
-        from onnx import TensorProto
-
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tensor.view(torch.int16).numpy(), TensorProto.BFLOAT16)
-    return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
-
-
 def run_ort(session, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    outputs = session.run_with_ort_values(io.output_names, {k: ort_feed(v) for k, v in inputs.items()})
+    outputs = session.run_with_ort_values(
+        io.output_names, {k: ort_value(v.detach().cpu().contiguous()) for k, v in inputs.items()}
+    )
     result = {}
     for name, value in zip(io.output_names, outputs):
         if value.data_type() == "tensor(bfloat16)":
@@ -222,7 +212,7 @@ def random_inputs(
     starts = torch.randint(0, max_seq_len - tokens + 1, (batch,), generator=generator)
     inputs = {}
     for t in io.inputs:
-        shape = [batch if d == BATCH else tokens if d == TOKENS else d for d in t.shape]
+        shape = t.concrete(batch, tokens)
         if t.name == POSITIONS:
             inputs[t.name] = starts[:, None] + torch.arange(tokens)
         elif t.name == INPUT_IDS:

@@ -38,6 +38,14 @@ class ValidationError(ParadecodeError):
     """An exported subgraph does not reproduce its PyTorch reference within tolerance."""
 
 
+class ModelClosedError(UserInputError):
+    """A call on a model after its `close()`."""
+
+
+class SchedulerStallError(ParadecodeError):
+    """The ParaDecode scheduler made no progress for too long (a bug: the message names what it waited for)."""
+
+
 def run_command(prog: str, work, interrupted: str = "interrupted") -> tuple[int, object]:
     """Run a command's `work()`; map paradecode errors to their exit codes with one message on stderr.
 

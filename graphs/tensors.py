@@ -41,6 +41,10 @@ PROB = "prob"
 MARGIN = "margin"
 LOGITS = "logits"
 
+# A layer writes its new keys and values into the cache buffers it is fed: each of these outputs is
+# the very buffer fed as the named input (bound to the same memory by every backend).
+IN_PLACE = {PRESENT_KEY: PAST_KEY, PRESENT_VALUE: PAST_VALUE}
+
 DTYPES = ("float32", "float16", "bfloat16")
 KINDS = ("embed", "layer", "exit", "final", "layer_exit")
 
@@ -50,6 +54,11 @@ class TensorSpec:
     name: str
     shape: tuple[int | str, ...]
     dtype: str
+
+    def concrete(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """The shape with its symbolic dimensions (`batch`, `tokens`) given values: the one place that
+        substitutes them."""
+        return tuple(batch if d == BATCH else tokens if d == TOKENS else d for d in self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}

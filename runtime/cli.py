@@ -11,8 +11,19 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError, run_command
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def id_list(text: str) -> list[int]:
@@ -23,6 +34,9 @@ def id_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from paradecode.runtime.backends import BACKENDS
+    from paradecode.runtime.config import MODES, OVERLAPS
+
     parser = argparse.ArgumentParser(
         prog="paradecode-generate",
         description="Generate text with a paradecode export, with plain greedy decoding "
@@ -31,15 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt text (needs the export's tokenizer)")
-    prompt.add_argument("--prompt-ids", type=id_list, metavar="1,2,3", help="the prompt as token ids")
-    parser.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="N", help="new tokens to generate (default 64)"
+    prompt.add_argument(
+        "--prompt-file", type=Path, metavar="FILE", help="read the prompt text from FILE ('-': standard input)"
     )
-    parser.add_argument("--mode", choices=("ar", "paradecode"), default="paradecode", help="default paradecode")
+    prompt.add_argument("--prompt-ids", type=id_list, metavar="1,2,3", help="the prompt as token ids")
+    # Settings default to GenerationConfig's own defaults (None here: not given).
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="new tokens to generate (default 64)")
+    parser.add_argument("--mode", choices=MODES, help="default paradecode")
     parser.add_argument(
         "--overlap",
-        choices=("auto", "streams", "batched", "both"),
-        default="auto",
+        choices=OVERLAPS,
         help="how pending layers are completed: on another lane at once (streams), batched with later "
         "tokens (batched), or both; auto (default): batched on a CPU, both on CUDA",
     )
@@ -48,34 +63,57 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="exit threshold for every exit layer, in [0, 1], or 'never' (default: the export's)",
     )
-    parser.add_argument("--max-unverified", type=int, default=5, metavar="K", help="most unverified tokens (default 5)")
-    parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
+    parser.add_argument("--max-unverified", type=positive_int, metavar="K", help="most unverified tokens (default 5)")
+    parser.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop when the output contains TEXT (repeatable)"
+    )
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--lanes", type=int, default=2, help="concurrent lanes, the calling thread included (default 2)"
+        "--lanes", type=positive_int, default=2, help="concurrent lanes, the calling thread included (default 2)"
     )
-    parser.add_argument("--threads", type=int, help="onnxruntime threads per call (default: cores / lanes)")
+    parser.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: cores / lanes)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
     return parser
 
 
+def read_prompt_file(path: Path) -> str:
+    if str(path) == "-":
+        return sys.stdin.read()
+    if not path.is_file():
+        raise UserInputError(f"--prompt-file {path}: no such file.")
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as err:
+        raise UserInputError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start}).") from err
+
+
+def config_of(args: argparse.Namespace):
+    """The GenerationConfig the flags ask for: only the flags given; every default is GenerationConfig's."""
+    from paradecode.runtime.config import GenerationConfig, parse_threshold
+
+    given = {
+        "max_new_tokens": args.max_new_tokens,
+        "mode": args.mode,
+        "overlap": args.overlap,
+        "thresholds": parse_threshold(args.threshold) if args.threshold is not None else None,
+        "max_unverified": args.max_unverified,
+        "stop": tuple(args.stop) if args.stop else None,
+        "ignore_eos": args.ignore_eos or None,
+    }
+    return GenerationConfig(**{k: v for k, v in given.items() if v is not None})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="paradecode-generate: %(message)s", stream=sys.stderr)
-    from paradecode.runtime.config import GenerationConfig, parse_threshold
     from paradecode.runtime.model import ParaDecodeModel
 
     def work():
-        config = GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
-            mode=args.mode,
-            overlap=args.overlap,
-            thresholds=parse_threshold(args.threshold) if args.threshold is not None else None,
-            max_unverified=args.max_unverified,
-            ignore_eos=args.ignore_eos,
-        )
+        config = config_of(args)
+        prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
         with ParaDecodeModel(
             args.export,
             backend=args.backend,
@@ -84,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             verify=not args.no_verify,
         ) as model:
-            if args.prompt is not None and model.tokenizer is None:
+            if prompt is not None and model.tokenizer is None:
                 raise UserInputError(f"{args.export} has no tokenizer: use --prompt-ids.")
-            stream = model.stream(args.prompt, prompt_ids=args.prompt_ids, config=config)
+            stream = model.stream(prompt, prompt_ids=args.prompt_ids, config=config)
             for piece in stream:
                 if not args.json:
                     sys.stdout.write(piece.text if model.tokenizer else f"{piece.token} ")

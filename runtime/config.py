@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from paradecode.graphs.errors import UserInputError
@@ -23,6 +24,8 @@ def parse_threshold(text: str) -> float:
 
 
 def check_threshold(value: float, where: str = "threshold") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise UserInputError(f"{where} must be a number in [0, 1] or NEVER (math.inf), got {value!r}.")
     value = float(value)
     if value == NEVER or 0.0 <= value <= 1.0:
         return value
@@ -30,6 +33,28 @@ def check_threshold(value: float, where: str = "threshold") -> float:
         f"{where} {value!r} is outside [0, 1]. A token exits when its top-1 probability reaches the threshold: "
         "0 exits every token, 1 only certain ones; use 'never' (math.inf in Python) to disable early exits."
     )
+
+
+def is_integer(value) -> bool:
+    """An integer, numpy's included; not a bool (True is an int in Python, never a count or a token here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_integer(value, name: str, what: str = "") -> int:
+    if not is_integer(value) or value < 1:
+        raise UserInputError(f"{name}{what} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def check_token_ids(ids: Iterable, name: str) -> list[int]:
+    """Token ids as a list of ints; floats, bools, strings and other types are refused, never truncated."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise UserInputError(f"{name} must be a list of integer token ids, got {type(ids).__name__}.")
+    ids = list(ids)
+    bad = [i for i in ids if not is_integer(i)]
+    if bad:
+        raise UserInputError(f"{name} must hold integer token ids; got {bad[:3]!r} ({type(bad[0]).__name__}).")
+    return [int(i) for i in ids]
 
 
 @dataclass(frozen=True)
@@ -47,20 +72,26 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise UserInputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}.")
+        positive_integer(self.max_new_tokens, "max_new_tokens")
         if self.mode not in MODES:
             raise UserInputError(f"mode {self.mode!r} is not one of {', '.join(MODES)}.")
         if self.overlap not in OVERLAPS:
             raise UserInputError(f"overlap {self.overlap!r} is not one of {', '.join(OVERLAPS)}.")
-        if not isinstance(self.max_unverified, int) or self.max_unverified < 1:
-            raise UserInputError(f"max_unverified (K) must be a positive integer, got {self.max_unverified!r}.")
+        positive_integer(self.max_unverified, "max_unverified", " (K)")
         if isinstance(self.thresholds, Mapping):
             for layer, value in self.thresholds.items():
+                if not is_integer(layer):
+                    raise UserInputError(f"thresholds are keyed by exit layer numbers, got the key {layer!r}.")
                 check_threshold(value, f"threshold for exit layer {layer}")
         elif self.thresholds is not None:
             check_threshold(self.thresholds)
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("ignore_eos",):
+            if not isinstance(getattr(self, name), bool):
+                raise UserInputError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop string
+        if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
+            raise UserInputError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        object.__setattr__(self, "stop", tuple(stop))
         if any(not s for s in self.stop):
             raise UserInputError("stop strings must not be empty.")
 

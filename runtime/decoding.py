@@ -1,4 +1,4 @@
-"""What every decoder shares: the call context, the prefill, and plain greedy decoding (`ar`).
+"""What every decoder shares: the subgraph calls, the prefill, and plain greedy decoding (`ar`).
 
 A decoder is a generator of verified tokens `(token, margin)`: the caller applies stop conditions
 (max tokens, EOS, stop strings) and closes the generator when done, which stops the decoder.
@@ -14,7 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paradecode.runtime.backends.base import Backend, HeadOutput
+from paradecode.graphs.tensors import (
+    HIDDEN,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    MARGIN,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+    PROB,
+    TOKEN,
+)
+from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.stats import GenerationStats
@@ -23,8 +34,27 @@ MAIN = "main"
 
 
 @dataclass
+class HeadOutput:
+    """Top-1 token, its probability and the top-1/top-2 logit margin per position, as Python lists
+    (the scheduler reads them one by one; lists are the cheapest form for that)."""
+
+    token: list[int]
+    prob: list[float]
+    margin: list[float]
+
+    @classmethod
+    def of(cls, outputs: dict[str, torch.Tensor]) -> HeadOutput:
+        """From a head's (or fused layer+exit's) outputs, [1, T] tensors on any device."""
+        return cls(*(outputs[name].reshape(-1).tolist() for name in (TOKEN, PROB, MARGIN)))
+
+
+@dataclass
 class DecodeContext:
-    """The subgraph calls a decoder makes, each timed into the timeline (this is the hot path)."""
+    """The subgraph calls a decoder makes, each timed into the timeline (this is the hot path).
+
+    Each method builds the call's feeds from the contract's tensor names and makes one
+    `backend.run(name, feeds, lane)`.
+    """
 
     backend: Backend
     cache: KVCache
@@ -35,7 +65,7 @@ class DecodeContext:
 
     def __post_init__(self) -> None:
         self.positions = torch.arange(self.cache.capacity, dtype=torch.int64).unsqueeze(0)
-        self.layer_names = [f"layer_{i}" for i in range(self.num_layers + 1)]
+        self.learned_positions = self.backend.spec.positions == "learned"
 
     @property
     def num_layers(self) -> int:
@@ -43,60 +73,39 @@ class DecodeContext:
 
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
-        return self._call(
-            lane,
-            "embed",
-            "embed",
-            start,
-            end,
-            self.backend.embed,
-            torch.tensor([ids], dtype=torch.int64),
-            self.positions[:, start:end],
-        )
+        feeds = {INPUT_IDS: torch.tensor([ids], dtype=torch.int64)}
+        if self.learned_positions:
+            feeds[POSITIONS] = self.positions[:, start:end]
+        return self._call(lane, "embed", "embed", start, end, feeds)[HIDDEN]
+
+    def _layer_feeds(self, layer: int, hidden: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        key, value = self.cache.layer(layer)
+        positions = self.positions[:, start : start + hidden.shape[1]]
+        return {HIDDEN: hidden, POSITIONS: positions, PAST_KEY: key, PAST_VALUE: value}
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        end = start + hidden.shape[1]
-        return self._call(
-            lane,
-            self.layer_names[layer],
-            f"layer {layer}",
-            start,
-            end,
-            self.backend.layer,
-            layer,
-            hidden,
-            self.positions[:, start:end],
-            self.cache,
-        )
+        feeds = self._layer_feeds(layer, hidden, start)
+        return self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)[HIDDEN_OUT]
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
-        end = start + hidden.shape[1]
-        return self._call(
-            lane,
-            f"layer_exit_{layer}",
-            f"layer {layer} + exit head",
-            start,
-            end,
-            self.backend.layer_exit,
-            layer,
-            hidden,
-            self.positions[:, start:end],
-            self.cache,
-        )
+        feeds = self._layer_feeds(layer, hidden, start)
+        name, label = f"layer_exit_{layer}", f"layer {layer} + exit head"
+        out = self._call(lane, name, label, start, start + hidden.shape[1], feeds)
+        return out[HIDDEN_OUT], HeadOutput.of(out)
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
-        return self._call(lane, name, name, start, start + hidden.shape[1], self.backend.head, name, hidden)
+        return HeadOutput.of(self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: hidden}))
 
-    def _call(self, lane: str, name: str, label: str, start: int, end: int, fn, *args):
-        """`fn(*args)`, timed into the timeline as `name`; inside an NVTX-style range while profiling."""
-        if self.annotate is not None:
-            with self.annotate(f"{label} pos {start}-{end - 1} lane {lane}"):
-                return self._timed(lane, name, start, end, fn, args)
-        return self._timed(lane, name, start, end, fn, args)
+    def _call(self, lane: str, name: str, label: str, start: int, end: int, feeds: dict) -> dict[str, torch.Tensor]:
+        """`backend.run(name, feeds, lane)`, timed into the timeline; inside an NVTX-style range while profiling."""
+        if self.annotate is None:
+            return self._timed(lane, name, start, end, feeds)
+        with self.annotate(f"{label} pos {start}-{end - 1} lane {lane}"):
+            return self._timed(lane, name, start, end, feeds)
 
-    def _timed(self, lane: str, name: str, start: int, end: int, fn, args):
+    def _timed(self, lane: str, name: str, start: int, end: int, feeds: dict) -> dict[str, torch.Tensor]:
         began = time.perf_counter()
-        out = fn(*args)
+        out = self.backend.run(name, feeds, lane)
         self.timeline.add(lane, name, began, time.perf_counter(), (start, end))
         return out
 

@@ -26,6 +26,10 @@ class ExportFolder:
         bos = self.manifest.model.get("bos_token_id")
         return bos if isinstance(bos, int) else None
 
+    def file(self, relative: str) -> Path:
+        """The path of a file the manifest names."""
+        return self.path / relative
+
     @property
     def tokenizer_path(self) -> Path | None:
         path = self.path / TOKENIZER_DIR / "tokenizer.json"

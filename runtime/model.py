@@ -1,28 +1,41 @@
 """`ParaDecodeModel`: load an export once, then generate with `ar` or `paradecode`, whole or streamed.
 
-Thread safety: a model may be shared by many threads; its generate calls are *serialised* (one at
-a time, in arrival order) because they share the KV cache and the lanes. For parallel requests,
-load one model per worker. A failed request (bad input, a stopped stream) leaves the model usable.
+Threading model
+---------------
+A model may be shared by many threads; its calls are *serialised* (one at a time, in arrival order)
+because they share the KV cache and the lanes. For parallel requests, load one model per worker.
+
+- `_lock` is held by the call that is decoding, from its first token request (`next()` on its
+  stream; `generate` does that at once) until the stream is exhausted or closed.
+- `_owner` is the thread holding `_lock`: set and reset only by that thread, while it holds the lock.
+  A second call from the same thread while its own stream is open is refused (it would wait for
+  itself), both when the stream is created and when it first asks for a token.
+- `_state` guards `_closed` and `_active` (the stream holding `_lock`).
+- `close()` marks the model closed, ends the stream holding it (at once if it is idle, after its
+  current token if another thread is computing it), waits for `_lock`, and frees the lanes and the
+  backend. Every later call raises `ModelClosedError`.
+
+A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInputError
 from paradecode.runtime.backends import backend_class
-from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
 from paradecode.runtime.loader import open_export
-from paradecode.runtime.scheduler import ParaDecoder
+from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextStream, TextTokenizer
 
@@ -42,16 +55,19 @@ class StreamedToken:
 class GenerationStream:
     """Iterate to receive tokens as they are verified; `result` holds everything once iteration ends.
 
-    A stream holds its model until it is exhausted or closed: stop early with `close()` (or use it
-    as a context manager) so the model can serve the next call.
+    A stream holds its model from its first token until it is exhausted or closed: stop early with
+    `close()` (or use it as a context manager) so the model can serve the next call.
     """
 
-    def __init__(self, tokens: Iterator[StreamedToken]):
-        self._tokens = tokens
+    def __init__(self) -> None:
+        self._tokens: Iterator[StreamedToken] = iter(())
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[StreamedToken]:
         return self._tokens
+
+    def __next__(self) -> StreamedToken:
+        return next(self._tokens)
 
     def close(self) -> None:
         self._tokens.close()
@@ -75,8 +91,10 @@ class ParaDecodeModel:
         cuda_graphs: bool = True,
         verify: bool = True,
     ):
-        if lanes < 1:
-            raise UserInputError(f"lanes must be at least 1 (the calling thread), got {lanes}.")
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise UserInputError(f"lanes must be a positive integer (the calling thread counts as one), got {lanes!r}.")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise UserInputError(f"threads must be a positive integer (threads per onnxruntime call), got {threads!r}.")
         self.export = open_export(path, verify=verify)
         options = {}
         if backend == "onnxruntime":
@@ -88,25 +106,47 @@ class ParaDecodeModel:
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
         self._lock = threading.Lock()
-        self._owner: int | None = None  # the thread whose call holds the model
+        self._owner: int | None = None
+        self._state = threading.Lock()
+        self._closed = False
+        self._active: GenerationStream | None = None
         self._warned_full = False
-        self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
 
     @property
     def manifest(self):
         return self.export.manifest
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Stop open streams, then free the lanes and the backend."""
-        for stream in list(self._streams):
-            try:
-                stream.close()
-            except ValueError:  # the stream is being iterated by another thread right now
-                logger.warning("closing the model while another thread iterates one of its streams")
-        for lane in self.side_lanes:
-            lane.close()
-        self.side_lanes = []
-        self.backend.close()
+        """End the call holding the model (if any), then free the lanes and the backend. Idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + STALL_SECONDS
+        while not self._lock.acquire(timeout=0.05):
+            with self._state:
+                active = self._active
+            if active is not None:
+                # An idle stream (between two tokens) ends now, from this thread. One that another thread is
+                # computing raises ValueError ("generator already executing"): it ends at its next token
+                # boundary (it sees `_closed`), or this loop closes it once it is idle.
+                with contextlib.suppress(ValueError):
+                    active.close()
+            if time.monotonic() > deadline:
+                raise ParadecodeError(
+                    f"close() waited {STALL_SECONDS:g} s for the running call to end; the model was not freed."
+                )
+        try:
+            for lane in self.side_lanes:
+                lane.close()
+            self.side_lanes = []
+            self.backend.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self
@@ -132,9 +172,7 @@ class ParaDecodeModel:
         manager factory, such as an NVTX range) wraps every call and scheduler phase while profiling.
         `exit_policy` replaces the threshold test, for controlled measurements only (see ParaDecoder).
         """
-        stream = self._stream(
-            prompt, prompt_ids, config, trace, settings, text=False, annotate=annotate, exit_policy=exit_policy
-        )
+        stream = self._stream(prompt, prompt_ids, config, trace, settings, False, annotate, exit_policy)
         for _ in stream:
             pass
         return stream.result
@@ -149,33 +187,50 @@ class ParaDecodeModel:
         **settings,
     ) -> GenerationStream:
         """Like `generate`, but yields each token as soon as it is verified."""
-        return self._stream(prompt, prompt_ids, config, trace, settings, text=True)
+        return self._stream(prompt, prompt_ids, config, trace, settings, True)
 
     def _stream(
         self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool, annotate=None, exit_policy=None
     ) -> GenerationStream:
+        """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
+        self._check_open()
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids)
+        thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
+        self._refuse_reentry()
+        stream = GenerationStream()
+        stream._tokens = self._run(
+            ids, config, thresholds, Timeline(record_spans=trace), stream, text, annotate, exit_policy
+        )
+        return stream
+
+    # --- internals --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError("this model is closed: load the export again to decode with it.")
+
+    def _refuse_reentry(self) -> None:
         if self._owner == threading.get_ident():
             raise UserInputError(
                 "this thread still has an open stream on this model: exhaust it or call its "
                 "close() (or use `with model.stream(...) as stream:`) before the next call."
             )
-        stream = GenerationStream(iter(()))
-        stream._tokens = self._run(ids, config, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
-        self._streams.add(stream)
-        return stream
 
-    # --- internals --------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_ids is None):
             raise UserInputError("give either a text prompt or prompt ids, not both or neither.")
         if prompt is not None:
+            if not isinstance(prompt, str):
+                raise UserInputError(
+                    f"prompt must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids."
+                )
             if self.tokenizer is None:
                 raise UserInputError(f"the export {self.export.path} has no tokenizer: pass prompt ids instead.")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(i) for i in prompt_ids]
+            ids = check_token_ids(prompt_ids, "prompt_ids")
         if not ids:
             raise UserInputError("the prompt is empty: give at least one token (a BOS token for an empty text).")
         vocab = self.manifest.spec.vocab_size
@@ -194,77 +249,96 @@ class ParaDecodeModel:
         self,
         ids: list[int],
         config: GenerationConfig,
+        thresholds: dict[int, float],
         timeline: Timeline,
         stream: GenerationStream,
         with_text: bool,
         annotate=None,
         exit_policy=None,
     ) -> Iterator[StreamedToken]:
-        with self._lock:
+        self._refuse_reentry()  # e.g. zip(model.stream(a), model.stream(b)) in one thread
+        self._lock.acquire()
+        try:
             self._owner = threading.get_ident()
-            overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
-            stats = GenerationStats(
-                mode=config.mode, overlap=overlap if config.mode == "paradecode" else None, prompt_tokens=len(ids)
-            )
-            self.cache.reset()
-            ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
-            eos = () if config.ignore_eos else self.export.eos_token_ids
-            if config.mode == "ar":
-                decoder = decode_ar(ctx, ids)
+            with self._state:
+                self._check_open()
+                self._active = stream
+            yield from self._decode(ids, config, thresholds, timeline, stream, with_text, annotate, exit_policy)
+        finally:
+            with self._state:
+                self._active = None
+            self._owner = None
+            self._lock.release()
+
+    def _decode(self, ids, config, thresholds, timeline, stream, with_text, annotate, exit_policy):
+        overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
+        stats = GenerationStats(
+            mode=config.mode, overlap=overlap if config.mode == "paradecode" else None, prompt_tokens=len(ids)
+        )
+        self.cache.reset()
+        ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
+        eos = () if config.ignore_eos else self.export.eos_token_ids
+        if config.mode == "ar":
+            decoder = decode_ar(ctx, ids)
+        else:
+            decoder = ParaDecoder(
+                ctx,
+                ids,
+                config.max_new_tokens,
+                thresholds=thresholds,
+                max_unverified=config.max_unverified,
+                overlap=overlap,
+                side_lanes=self.side_lanes,
+                eos_token_ids=eos,
+                exit_policy=exit_policy,
+            ).run()
+        text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
+        tokens, margins = [], []
+        started = time.perf_counter()
+        try:
+            for token, margin in decoder:
+                if not tokens:
+                    stats.prefill_seconds = time.perf_counter() - started
+                tokens.append(token)
+                margins.append(margin)
+                piece = text.push(token) if text else ""
+                yield StreamedToken(token, piece)
+                if token in eos:
+                    stats.stop_reason = "eos"
+                elif len(tokens) >= config.max_new_tokens:
+                    stats.stop_reason = "max_new_tokens"
+                elif config.stop and text and any(s in text.text for s in config.stop):
+                    stats.stop_reason = "stop_string"
+                elif self._closed:
+                    stats.stop_reason = "closed"
+                if stats.stop_reason:
+                    break
             else:
-                thresholds = config.resolve_thresholds(self.manifest.thresholds)
-                decoder = ParaDecoder(
-                    ctx,
-                    thresholds=thresholds,
-                    max_unverified=config.max_unverified,
-                    overlap=overlap,
-                    side_lanes=self.side_lanes,
-                    eos_token_ids=eos,
-                    exit_policy=exit_policy,
-                ).run(ids, config.max_new_tokens)
-            text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
-            tokens, margins = [], []
-            started = time.perf_counter()
-            try:
-                for token, margin in decoder:
-                    if not tokens:
-                        stats.prefill_seconds = time.perf_counter() - started
-                    tokens.append(token)
-                    margins.append(margin)
-                    piece = text.push(token) if text else ""
-                    yield StreamedToken(token, piece)
-                    if token in eos:
-                        stats.stop_reason = "eos"
-                    elif len(tokens) >= config.max_new_tokens:
-                        stats.stop_reason = "max_new_tokens"
-                    elif config.stop and text and any(s in text.text for s in config.stop):
-                        stats.stop_reason = "stop_string"
-                    if stats.stop_reason:
-                        break
-                else:
-                    stats.stop_reason = "max_seq_len"
-                    if not self._warned_full:  # once per model; every result says so in stats.stop_reason
-                        self._warned_full = True
-                        logger.warning(
-                            "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
-                            "with a larger --max-seq-len for longer outputs.",
-                            len(tokens),
-                            self.cache.capacity,
-                        )
-            finally:
-                self._owner = None
-                decoder.close()
-                stats.seconds = time.perf_counter() - started
-                stats.new_tokens = len(tokens)
-                stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
-                stats.calls = timeline.calls
-                stream.result = GenerationResult(
-                    tokens,
-                    self.tokenizer.decode(tokens) if self.tokenizer else None,
-                    stats,
-                    margins,
-                    timeline if timeline.record_spans else None,
-                )
+                stats.stop_reason = "max_seq_len"
+                if not self._warned_full:  # once per model; every result says so in stats.stop_reason
+                    self._warned_full = True
+                    logger.warning(
+                        "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
+                        "with a larger --max-seq-len for longer outputs.",
+                        len(tokens),
+                        self.cache.capacity,
+                    )
+        except GeneratorExit:
+            stats.stop_reason = stats.stop_reason or ("closed" if self._closed else "cancelled")
+            raise
+        finally:
+            decoder.close()
+            stats.seconds = time.perf_counter() - started
+            stats.new_tokens = len(tokens)
+            stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
+            stats.calls = timeline.calls
+            stream.result = GenerationResult(
+                tokens,
+                self.tokenizer.decode(tokens) if self.tokenizer else None,
+                stats,
+                margins,
+                timeline if timeline.record_spans else None,
+            )
 
 
 def load(path: str | Path, **options) -> ParaDecodeModel:

@@ -4,8 +4,7 @@ State. The unverified positions form *groups*: contiguous runs of positions at t
 (layers computed), holding their hidden state. Depth strictly decreases along positions, so a
 group may compute its next layer once the group before it is deeper (§3.3); when a group catches
 up with the one before it, the two are merged into one batched call (`batched`, `both`) or the
-later one waits (`streams`). The last group is the *frontier*: the newest token, run by lane 0
-(the calling thread).
+later one waits (`streams`). The last group is the *frontier*: the newest token, run by lane 0.
 
 Flow. After each exit layer the frontier's exit head may emit its newest token early (top-1
 probability >= the layer's threshold, fewer than K unverified tokens): the frontier becomes a
@@ -16,11 +15,31 @@ its positions in order and on the first mismatch rolls back: the correct token r
 one and everything computed for later positions is discarded (in-flight calls finish first, so no
 stale cache write can land after the new one).
 
-Only lane 0 makes decisions (exits, verification, rollback); side lanes only compute.
+Threading model
+---------------
+One `ParaDecoder` serves one generate call; all its state is created in `__init__`.
+
+- Lane 0 is the calling thread. It runs `run()`, makes every decision (exits, verification,
+  rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
+  extra lane, in `streams` and `both`) only compute the next layer of pending groups.
+- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `fused`, `K`,
+  `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
+- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `exit_layer_of`,
+  `waited`.
+- Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
+  `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
+  cache's lengths (`cache.written`, `cache.rollback`).
+- Claiming: a lane takes a group by marking it `busy` under the lock (lane 0 owns the frontier
+  without marking it). It then computes that group's next layers *without* the lock, from the
+  hidden state and depth it read under the lock, and publishes the result under the lock. No other
+  lane touches a busy group, and merging (`ready`) never takes a busy group.
+- A rollback (lane 0, under the lock) bumps `epoch` and waits until `in_flight` is zero, so a side
+  lane's late result is dropped (its epoch is stale) and no stale cache write lands after a new one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -28,10 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from paradecode.runtime.backends.base import HeadOutput
-from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
+from paradecode.graphs.errors import SchedulerStallError
+from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, prefill
 from paradecode.runtime.lanes import Future, Lane
 from paradecode.runtime.stats import Mismatch
+
+logger = logging.getLogger(__name__)
 
 WAIT_SECONDS = 5.0  # one condition wait
 STALL_SECONDS = 120.0  # no progress for this long is a bug: raise instead of hanging
@@ -43,7 +64,7 @@ class Group:
     end: int  # one past the last position
     depth: int  # layers computed; -1: not embedded yet
     hidden: torch.Tensor | None = None  # output of layer `depth` for positions start..end-1
-    busy: bool = False  # a lane other than the frontier's is computing its next layer
+    busy: bool = False  # claimed by a lane computing a pending group's next layer (side lanes or lane 0)
     final: HeadOutput | None = None  # the final head's outputs, once depth == L
 
 
@@ -51,6 +72,8 @@ class ParaDecoder:
     def __init__(
         self,
         ctx: DecodeContext,
+        prompt: list[int],
+        max_new_tokens: int,
         *,
         thresholds: dict[int, float],
         max_unverified: int,
@@ -59,7 +82,9 @@ class ParaDecoder:
         eos_token_ids: tuple[int, ...] = (),
         exit_policy=None,
     ):
+        # Settings: read-only after __init__.
         self.ctx = ctx
+        self.prompt = list(prompt)
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
         # Exit layers whose layer and head the export also fused into one graph (one call, not two).
@@ -71,55 +96,82 @@ class ParaDecoder:
         # For measurements only (tools/characterise.py): `exit_policy(position, layer, head_output)` returns
         # the early token, or None for no exit, in place of the threshold test. The head still runs.
         self.exit_policy = exit_policy
+        self.last_position = min(len(prompt) + max_new_tokens - 2, ctx.cache.capacity - 1)
+        self.sync = ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
         # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
         # signalled when pending groups exist, so idle side lanes cost nothing when nothing exits.
-        lock = threading.Lock()
-        self.cond = threading.Condition(lock)
-        self.work = threading.Condition(lock)
-
-    # --- the generator lane 0 runs ------------------------------------------------------------
-    def run(self, prompt: list[int], max_new_tokens: int) -> Iterator[tuple[int, float]]:
-        n = len(prompt)
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.work = threading.Condition(self.lock)
+        # Owned by lane 0.
         self.tokens = list(prompt)
-        self.verified = n  # tokens[:verified] are verified
-        self.last_position = min(n + max_new_tokens - 2, self.ctx.cache.capacity - 1)
+        self.verified = len(prompt)  # tokens[:verified] are verified
+        self.exit_layer_of: dict[int, int] = {}  # position q -> the exit layer that proposed tokens[q + 1]
+        self.waited = 0.0  # seconds lane 0 has waited without progress
+        # Guarded by `lock`.
         self.groups: list[Group] = []
         self.frontier: Group | None = None
-        self.exit_layer_of: dict[int, int] = {}  # position q -> the exit layer that proposed tokens[q + 1]
-        self.epoch, self.in_flight, self.stopping, self.error = 0, 0, False, None
-        self._waited = 0.0
-        self.sync = self.ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
-        token, margin = prefill(self.ctx, prompt)
+        self.epoch = 0  # bumped by every rollback and at the end: results of an older epoch are dropped
+        self.in_flight = 0  # side-lane calls running
+        self.stopping = False
+        self.error: BaseException | None = None  # a side lane's error, raised by lane 0
+
+    # --- the generator lane 0 runs ------------------------------------------------------------
+    def run(self) -> Iterator[tuple[int, float]]:
+        n = len(self.prompt)
+        token, margin = prefill(self.ctx, self.prompt)
         self.tokens.append(token)
         self.verified = n + 1
         yield token, margin
-        self.start_frontier(n, token)
+        with self.lock:
+            self.start_frontier(n, token)
         workers: list[Future] = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]
+        failed = False
         try:
             while True:
                 yield from self.verify_finished()
-                if self.frontier is None and not self.groups:
-                    return  # every position whose output is needed has been verified
+                with self.lock:
+                    if self.frontier is None and not self.groups:
+                        return  # every position whose output is needed has been verified
                 self.main_step()
+        except BaseException:  # closing early (GeneratorExit) included: the stop below must not mask it
+            failed = True
+            raise
         finally:
-            with self.cond:
-                self.stopping = True
-                self.epoch += 1
-                self.progress()
-            for worker in workers:
-                worker.wait(STALL_SECONDS)
+            self.stop_side_lanes(workers, raise_errors=not failed)
 
-    def wait(self, condition: threading.Condition) -> None:
-        """Wait for progress (lock held); a stall of STALL_SECONDS is reported as an error, not a hang."""
-        if not condition.wait(WAIT_SECONDS):
-            self._waited += WAIT_SECONDS
-            if self._waited >= STALL_SECONDS:
-                raise RuntimeError(
-                    f"the ParaDecode scheduler made no progress for {STALL_SECONDS:.0f} s "
+    def stop_side_lanes(self, workers: list[Future], *, raise_errors: bool) -> None:
+        """Tell the side lanes to stop and wait for them. With an error already propagating, a lane that
+        does not stop is logged, never raised: the first error is the one the caller sees."""
+        with self.lock:
+            self.stopping = True
+            self.epoch += 1
+            self.progress()
+        for lane, worker in zip(self.side_lanes, workers):
+            try:
+                worker.wait(STALL_SECONDS)
+            except TimeoutError:
+                error = SchedulerStallError(
+                    f"side lane {lane.name} did not stop within {STALL_SECONDS:g} s of the end of the generation "
                     "(a bug: please report it with the settings used)"
                 )
-        else:
-            self._waited = 0.0
+                if raise_errors:
+                    raise error from None
+                logger.error("%s", error)
+
+    def wait(self, condition: threading.Condition, what: str) -> None:
+        """Wait for progress (lock held); a stall of STALL_SECONDS is an error naming `what`, not a hang."""
+        if condition.wait(WAIT_SECONDS):
+            self.waited = 0.0
+            return
+        self.waited += WAIT_SECONDS
+        if self.waited >= STALL_SECONDS:
+            state = ", ".join(f"{g.start}-{g.end - 1}@{g.depth}{' busy' if g.busy else ''}" for g in self.groups)
+            raise SchedulerStallError(
+                f"the ParaDecode scheduler made no progress for {STALL_SECONDS:g} s while lane 0 waited for "
+                f"{what} (groups: {state or 'none'}; side-lane calls in flight: {self.in_flight}). This is a bug: "
+                "please report it with the settings used."
+            )
 
     def publish(self) -> None:
         """On a GPU, wait for this lane's stream so another lane may read what it computed."""
@@ -127,7 +179,7 @@ class ParaDecoder:
             torch.cuda.current_stream().synchronize()
 
     def start_frontier(self, position: int, token: int) -> None:
-        """Start a new frontier at `position` unless no more output is needed (or it follows an EOS)."""
+        """Start a new frontier at `position` unless no more output is needed (or it follows an EOS). Lock held."""
         if position <= self.last_position and token not in self.eos:
             self.frontier = Group(position, position + 1, -1)
             self.groups.append(self.frontier)
@@ -141,7 +193,7 @@ class ParaDecoder:
         deeper, side lanes never touch the frontier, and a claimed group is busy to them. So those
         layers run in one loop without the lock, and the result is published once.
         """
-        with self.cond:
+        with self.lock:
             self.raise_side_error()
             group = self.frontier
             if group is not None and group.depth >= 0 and not self.ready(group):
@@ -149,27 +201,29 @@ class ParaDecoder:
             if group is None:
                 group = self.claim(order="latest")  # help complete pending groups rather than idle
                 if group is None:
-                    self.wait(self.cond)
+                    self.wait(self.cond, "a pending group to be computed by a side lane")
                     return
             index = self.groups.index(group)
             stop = self.groups[index - 1].depth if index else self.L
+            hidden, depth, start, end = group.hidden, group.depth, group.start, group.end
         frontier = group is self.frontier
         if frontier:
-            stop = min([stop] + [e for e in self.thresholds if e > group.depth])
-        hidden, depth, final, early = group.hidden, group.depth, None, None
+            stop = min([stop] + [e for e in self.thresholds if e > depth])
+        first, final, early = depth + 1, None, None
         if depth == -1:
-            hidden, depth = self.ctx.embed(MAIN, self.tokens[group.start : group.end], group.start), 0
+            hidden, depth, first = self.ctx.embed(MAIN, self.tokens[start:end], start), 0, 1
         while depth < stop:
             depth += 1
-            if depth in self.fused and frontier and self.may_exit(group):
-                hidden, early = self.ctx.layer_exit(MAIN, depth, hidden, group.start)
+            if depth in self.fused and frontier and self.may_exit(end):
+                hidden, early = self.ctx.layer_exit(MAIN, depth, hidden, start)
             else:
-                hidden = self.ctx.layer(MAIN, depth, hidden, group.start)
-            self.ctx.cache.written(depth, group.end)
+                hidden = self.ctx.layer(MAIN, depth, hidden, start)
         if depth == self.L:
-            final = self.ctx.head(MAIN, "final", hidden, group.start)
+            final = self.ctx.head(MAIN, "final", hidden, start)
         self.publish()
-        with self.cond:
+        with self.lock:
+            for layer in range(first, depth + 1):
+                self.ctx.cache.written(layer, end)
             group.hidden, group.depth, group.final, group.busy = hidden, depth, final, False
             self.progress()
         if final is None and frontier and depth in self.thresholds:
@@ -206,17 +260,18 @@ class ParaDecoder:
                 return group
         return None
 
-    def may_exit(self, group: Group) -> bool:
-        """Whether the frontier's newest token may be emitted early now (fewer than K unverified, and useful)."""
-        return not self.frontier_needs_no_successor(group) and len(self.tokens) - self.verified < self.K
+    def may_exit(self, end: int) -> bool:
+        """Whether the frontier's newest token (at end - 1) may be emitted early now: fewer than K tokens are
+        unverified, and a successor is needed (past the last needed position the group must finish anyway)."""
+        return end <= self.last_position and len(self.tokens) - self.verified < self.K
 
-    def try_exit(self, group: Group, layer: int, out=None) -> None:
+    def try_exit(self, group: Group, layer: int, out: HeadOutput | None = None) -> None:
         """After an exit layer: emit the frontier's newest token early if its exit head is confident enough.
 
         `out` is the exit head's output when the fused layer_exit graph computed it already.
         """
         if out is None:
-            if not self.may_exit(group):
+            if not self.may_exit(group.end):
                 return
             out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
         if self.exit_policy is not None:
@@ -228,22 +283,18 @@ class ParaDecoder:
         else:
             token = out.token[0]
         stats = self.ctx.stats
-        with self.cond:
-            self.tokens.append(token)
-            self.exit_layer_of[group.end - 1] = layer
-            stats.exits_per_layer[layer] = stats.exits_per_layer.get(layer, 0) + 1
+        self.tokens.append(token)
+        self.exit_layer_of[group.end - 1] = layer
+        stats.exits_per_layer[layer] = stats.exits_per_layer.get(layer, 0) + 1
+        with self.lock:
             self.frontier = None
             self.start_frontier(group.end, token)
             self.progress()
 
-    def frontier_needs_no_successor(self, group: Group) -> bool:
-        """Past the last needed position an early token gains nothing: the group must finish anyway."""
-        return group.end > self.last_position
-
     # --- side lanes ---------------------------------------------------------------------------
     def side_worker(self, lane: str) -> None:
         while True:
-            with self.cond:
+            with self.lock:
                 group = None
                 while group is None:
                     if self.stopping:
@@ -261,7 +312,7 @@ class ParaDecoder:
                 self.publish()
             except BaseException as err:  # handed to lane 0, which raises it
                 error = err
-            with self.cond:
+            with self.lock:
                 self.in_flight -= 1
                 try:
                     if error is None and epoch == self.epoch:
@@ -276,6 +327,7 @@ class ParaDecoder:
                 return
 
     def raise_side_error(self) -> None:
+        """Raise a side lane's error in lane 0 (lock held)."""
         if self.error is not None:
             raise self.error
 
@@ -283,16 +335,13 @@ class ParaDecoder:
     def verify_finished(self) -> list[tuple[int, float]]:
         """Verify, in position order, every group that has its final head; roll back on a mismatch."""
         verified: list[tuple[int, float]] = []
-        if not self.groups or self.groups[0].final is None:
-            return verified  # nothing finished (a group finishing meanwhile is seen next time)
         stats = self.ctx.stats
-        with self.cond:
+        with self.lock:
             while self.groups and self.groups[0].final is not None:
                 group = self.groups.pop(0)
                 if self.ctx.annotate is not None:
-                    self.ctx.timeline.add(
-                        "phases", "verify", time.perf_counter(), time.perf_counter(), (group.start, group.end)
-                    )
+                    now = time.perf_counter()
+                    self.ctx.timeline.add("phases", "verify", now, now, (group.start, group.end))
                 for i, position in enumerate(range(group.start, group.end)):
                     token, margin = group.final.token[i], group.final.margin[i]
                     if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
@@ -321,7 +370,7 @@ class ParaDecoder:
         self.epoch += 1
         self.groups, self.frontier = [], None
         while self.in_flight:  # their writes must land before new ones to the same slots
-            self.wait(self.cond)
+            self.wait(self.cond, "side-lane calls of discarded positions to finish")
         self.raise_side_error()
         del self.tokens[position + 1 :]
         self.tokens.append(token)

@@ -39,13 +39,13 @@ def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports):
     folder, _ = exports["llama"]
     with load(folder) as model:
         snapshots = []
-        layer_call = model.backend.layer
+        run = model.backend.run
 
-        def recording(*args):  # the lengths as the scheduler leaves them before each layer call
+        def recording(name, feeds, lane="main"):  # the lengths as the scheduler leaves them before each call
             snapshots.append(list(model.cache.lengths))
-            return layer_call(*args)
+            return run(name, feeds, lane)
 
-        model.backend.layer = recording
+        model.backend.run = recording
         model.generate(
             prompt_ids=[5, 6, 7],
             max_new_tokens=30,
@@ -65,10 +65,13 @@ def test_stale_slots_after_a_rollback_do_not_matter(exports):
         backend, cache = model.backend, model.cache
 
         def run(tokens, start):
-            hidden = backend.embed(torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None])
+            positions = torch.arange(start, start + len(tokens))[None]
+            hidden = backend.run("embed", {"input_ids": torch.tensor([tokens])})["hidden"]
             for layer in range(1, model.manifest.spec.num_layers + 1):
-                hidden = backend.layer(layer, hidden, torch.arange(start, start + len(tokens))[None], cache)
-            return backend.head("final", hidden).token
+                key, value = cache.layer(layer)
+                feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
+                hidden = backend.run(f"layer_{layer}", feeds)["hidden_out"]
+            return backend.run("final", {"hidden": hidden})["token"].tolist()
 
         cache.reset()
         run([1, 2, 3, 4], 0)

@@ -78,19 +78,17 @@ def test_other_bad_settings():
 
 
 def test_a_failing_side_lane_raises_instead_of_hanging(model, monkeypatch):
-    real = model.backend.layer
+    real = model.backend.run
 
-    def flaky(layer, hidden, positions, cache):
-        import threading
-
-        if threading.current_thread().name.startswith("paradecode-lane"):
+    def flaky(name, feeds, lane="main"):
+        if lane != "main":
             raise RuntimeError("device lost")
-        return real(layer, hidden, positions, cache)
+        return real(name, feeds, lane)
 
-    monkeypatch.setattr(model.backend, "layer", flaky)
+    monkeypatch.setattr(model.backend, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):
         model.generate(prompt_ids=[1, 2], max_new_tokens=30, thresholds=0.0, overlap="streams", ignore_eos=True)
-    monkeypatch.setattr(model.backend, "layer", real)
+    monkeypatch.setattr(model.backend, "run", real)
     still_works(model)
 
 
@@ -194,7 +192,10 @@ def test_bindings_follow_the_cache_they_are_given(exports):
         backend = model.backend
         first, second = model.cache, backend.allocate_cache()
         hidden = torch.randn(1, 1, model.manifest.spec.hidden_size)
-        positions = torch.tensor([[0]])
-        backend.layer(1, hidden, positions, first)
-        backend.layer(1, hidden, positions, second)
+        for cache in (first, second):
+            key, value = cache.layer(1)
+            out = backend.run(
+                "layer_1", {"hidden": hidden, "positions": torch.tensor([[0]]), "past_key": key, "past_value": value}
+            )
+            assert out["present_key"] is key and out["present_value"] is value
         assert torch.count_nonzero(second.keys[0]) > 0, "the second cache was not written"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from paradecode.graphs.errors import MissingDependencyError, UserInputError
-from paradecode.runtime.backends.base import Backend, HeadOutput
+from paradecode.runtime.backends.base import Backend
 
 BACKENDS = {
     "torch": ("paradecode.runtime.backends.torch_backend", "TorchBackend", "torch is a dependency of paradecode"),
@@ -38,4 +38,4 @@ def backend_class(name: str) -> type[Backend]:
     return getattr(module, class_name)
 
 
-__all__ = ["BACKENDS", "Backend", "HeadOutput", "backend_class"]
+__all__ = ["BACKENDS", "Backend", "backend_class"]

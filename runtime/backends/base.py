@@ -1,36 +1,31 @@
-"""The interface every backend implements, and the checks they share.
+"""The interface every backend implements: one generic subgraph call driven by the contract.
 
-Lifecycle: construction loads and checks everything (manifest, tensor names, files) and fails with
-a clear error; the backend is then used by any number of lanes at once; `close()` (or leaving a
-`with` block) frees what it created.
+A backend runs the export's subgraphs by name: `run(name, feeds, lane) -> outputs`, where `feeds`
+holds every input of the subgraph's contract (`graphs.tensors`) by name and the result every output
+by name (Polygraphy's `infer(feed_dict)`, TensorRT-LLM's `Session.run(inputs, outputs, stream)`).
+Outputs are allocated from the manifest's tensor specs, except the in-place ones
+(`graphs.tensors.IN_PLACE`): a layer's `present_key` / `present_value` are the very buffers fed as
+`past_key` / `past_value`, so the KV cache is written in place. What differs between backends is
+only how they bind memory, never what they are asked.
+
+Lifecycle: construction loads and checks everything (manifest, tensor names, files) and fails with a
+clear error; then any number of lanes call `run` at once, each with its own `lane` name (a lane's
+per-call state, such as bindings or CUDA graphs, is keyed by it, so it is bounded by the number of
+lanes, not of calling threads); `close()` (or leaving a `with` block) frees what the backend created.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.manifest import Subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
+from paradecode.graphs.tensors import IN_PLACE, TensorSpec
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
-
-
-@dataclass
-class HeadOutput:
-    """Top-1 token, its probability and the top-1/top-2 logit margin per position, as Python lists
-    (the scheduler reads them one by one; lists are the cheapest form for that)."""
-
-    token: list[int]
-    prob: list[float]
-    margin: list[float]
-
-    @classmethod
-    def of(cls, token: torch.Tensor, prob: torch.Tensor, margin: torch.Tensor) -> HeadOutput:
-        """From [1, T] (or [T]) tensors on any device."""
-        return cls(token.reshape(-1).tolist(), prob.reshape(-1).tolist(), margin.reshape(-1).tolist())
 
 
 class Backend:
@@ -42,7 +37,11 @@ class Backend:
         self.spec = export.manifest.spec
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.manifest.dtype]
-        self.subgraph_names = {sub.io.name for sub in self.manifest.subgraphs}
+        self.subgraphs = {sub.io.name: sub for sub in self.manifest.subgraphs}
+
+    @property
+    def subgraph_names(self) -> set[str]:
+        return set(self.subgraphs)
 
     # lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -63,23 +62,22 @@ class Backend:
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""
         return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    # subgraph calls (implemented by each backend) --------------------------------------------
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """ids, positions [1, T] -> hidden [1, T, D] on the backend's device."""
-        raise NotImplementedError
+    def allocate(self, spec: TensorSpec, batch: int, tokens: int) -> torch.Tensor:
+        """An output buffer for `spec` at this call's batch and token count, on the backend's device."""
+        return torch.empty(spec.concrete(batch, tokens), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
 
-    def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run decoder layer `layer` (1-based), writing its keys and values into `cache` in place."""
-        raise NotImplementedError
+    def allocate_outputs(self, name: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every output of subgraph `name`: the in-place ones are the fed buffers, the rest are new."""
+        io = self.subgraphs[name].io
+        batch, tokens = feeds[io.inputs[0].name].shape[:2]
+        return {
+            t.name: feeds[IN_PLACE[t.name]] if t.name in IN_PLACE else self.allocate(t, batch, tokens)
+            for t in io.outputs
+        }
 
-    def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
-        """Run head `name` ("exit_{e}" or "final") on hidden [1, T, D]."""
-        raise NotImplementedError
-
-    def layer_exit(
-        self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache
-    ) -> tuple[torch.Tensor, HeadOutput]:
-        """Layer `layer` and its exit head on the last position, in one call (`layer_exit_{layer}`)."""
+    # the one call ----------------------------------------------------------------------------
+    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
+        """Run subgraph `name` on `feeds` (every input by name) for `lane`; return every output by name."""
         raise NotImplementedError
 
     # checks --------------------------------------------------------------------------------

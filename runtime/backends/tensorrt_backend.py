@@ -9,24 +9,12 @@ address (TensorRT's KV-cache update writes in place), and every enqueue's result
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
-from paradecode.graphs.tensors import (
-    HIDDEN,
-    HIDDEN_OUT,
-    INPUT_IDS,
-    MARGIN,
-    PAST_KEY,
-    PAST_VALUE,
-    POSITIONS,
-    PRESENT_KEY,
-    PRESENT_VALUE,
-    PROB,
-    TOKEN,
-)
-from paradecode.runtime.backends.base import Backend, HeadOutput
-from paradecode.runtime.kvcache import KVCache
+from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.loader import ExportFolder
 
 try:
@@ -57,7 +45,7 @@ class TensorRTBackend(Backend):
         self.runtime = trt.Runtime(self.logger)
         self.engines = {}
         for sub in self.manifest.subgraphs:
-            engine = self.runtime.deserialize_cuda_engine((export.path / sub.engine).read_bytes())
+            engine = self.runtime.deserialize_cuda_engine(export.file(sub.engine).read_bytes())
             if engine is None:
                 raise ManifestError(f"TensorRT could not deserialize {sub.engine}; re-export with --engine tensorrt.")
             names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
@@ -65,7 +53,7 @@ class TensorRTBackend(Backend):
             outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
             self.check_names(sub, inputs, outputs, f"the TensorRT engine {sub.engine}")
             self.engines[sub.io.name] = engine
-        self.contexts: dict[tuple[str, int, int], object] = {}
+        self.contexts: dict[tuple[str, str, int], object] = {}  # (subgraph, lane, profile)
 
     def close(self) -> None:
         self.contexts.clear()
@@ -77,86 +65,29 @@ class TensorRTBackend(Backend):
                 return index
         raise UserInputError(f"a call of {tokens} tokens is outside every engine profile {self.token_ranges}.")
 
-    def _execute(self, name: str, tensors: dict[str, torch.Tensor], tokens: int) -> None:
+    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
+        """Enqueue subgraph `name` on the lane's current CUDA stream, every tensor bound by address."""
+        feeds = {k: v.to(self.device).contiguous() for k, v in feeds.items()}
+        outputs = self.allocate_outputs(name, feeds)
+        tokens = next(iter(feeds.values())).shape[1]
         stream = torch.cuda.current_stream(self.device)
         profile = self._profile(tokens)
-        key = (name, stream.cuda_stream, profile)
+        key = (name, lane, profile)
         context = self.contexts.get(key)
         if context is None:
             context = self.engines[name].create_execution_context()
             if not context.set_optimization_profile_async(profile, stream.cuda_stream):
                 raise MissingDependencyError(f"TensorRT refused optimization profile {profile} for {name}.")
             self.contexts[key] = context
-        engine = self.engines[name]
-        for tensor_name, tensor in tensors.items():
-            is_input = engine.get_tensor_mode(tensor_name) == trt.TensorIOMode.INPUT
-            if is_input and not context.set_input_shape(tensor_name, tuple(tensor.shape)):
+        for tensor_name, tensor in feeds.items():
+            if not context.set_input_shape(tensor_name, tuple(tensor.shape)):
                 raise UserInputError(
                     f"{name}: input {tensor_name} shape {tuple(tensor.shape)} is outside "
                     f"the engine's profile {profile} {self.token_ranges[profile]}."
                 )
             context.set_tensor_address(tensor_name, tensor.data_ptr())
+        for tensor_name, tensor in outputs.items():
+            context.set_tensor_address(tensor_name, tensor.data_ptr())
         if not context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError(f"TensorRT failed to enqueue {name} ({tokens} tokens)")
-
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ids = ids.to(self.device).contiguous()
-        hidden = torch.empty((*ids.shape, self.spec.hidden_size), dtype=self.dtype, device=self.device)
-        tensors = {INPUT_IDS: ids, HIDDEN: hidden}
-        if self.spec.positions == "learned":
-            tensors[POSITIONS] = positions.to(self.device).contiguous()
-        self._execute("embed", tensors, ids.shape[1])
-        return hidden
-
-    def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        key, value = cache.layer(layer)
-        out = torch.empty_like(hidden)
-        self._execute(
-            f"layer_{layer}",
-            {
-                HIDDEN: hidden.contiguous(),
-                POSITIONS: positions.to(self.device).contiguous(),
-                PAST_KEY: key,
-                PAST_VALUE: value,
-                HIDDEN_OUT: out,
-                PRESENT_KEY: key,
-                PRESENT_VALUE: value,
-            },
-            hidden.shape[1],
-        )
-        return out
-
-    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
-        key, value = cache.layer(layer)
-        out = torch.empty_like(hidden)
-        shape = (hidden.shape[0], 1)
-        heads = {
-            TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
-            PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
-            MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device),
-        }
-        self._execute(
-            f"layer_exit_{layer}",
-            {
-                HIDDEN: hidden.contiguous(),
-                POSITIONS: positions.to(self.device).contiguous(),
-                PAST_KEY: key,
-                PAST_VALUE: value,
-                HIDDEN_OUT: out,
-                PRESENT_KEY: key,
-                PRESENT_VALUE: value,
-                **heads,
-            },
-            hidden.shape[1],
-        )
-        return out, HeadOutput.of(heads[TOKEN], heads[PROB], heads[MARGIN])
-
-    def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
-        shape = hidden.shape[:2]
-        outputs = {
-            TOKEN: torch.empty(shape, dtype=torch.int64, device=self.device),
-            PROB: torch.empty(shape, dtype=torch.float32, device=self.device),
-            MARGIN: torch.empty(shape, dtype=torch.float32, device=self.device),
-        }
-        self._execute(name, {HIDDEN: hidden.contiguous(), **outputs}, shape[1])
-        return HeadOutput.of(outputs[TOKEN], outputs[PROB], outputs[MARGIN])
+        return outputs

@@ -3,23 +3,26 @@
 It is the reference the other backends are compared with, and the GPU path where TensorRT is
 absent. Weights come from the export's `weights.safetensors`, under the canonical names.
 
-On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count,
-lane stream) is captured at its first use, from that very call's inputs (so the warm-up runs
-before the capture write exactly the cache values the call itself writes), then replayed with
-its inputs copied into static buffers. The KV cache has fixed addresses, which is what makes the
-captured layer graphs valid for every later call. Each lane stream has its own memory pool, so
-graphs replaying concurrently on two lanes never share intermediate buffers.
+On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count, lane)
+is captured at its first use, from that very call's inputs (so the warm-up runs before the capture
+write exactly the cache values the call itself writes), then replayed with its inputs copied into
+static buffers. The KV cache has fixed addresses, which is what makes the captured layer graphs
+valid for every later call. Each lane has its own memory pool, so graphs replaying concurrently on
+two lanes never share intermediate buffers; captures are serialised by a lock (a capture must not
+overlap another lane's capture).
 """
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
 
 import torch
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.modules import build_subgraph
-from paradecode.graphs.tensors import LOGITS, subgraph_io
-from paradecode.runtime.backends.base import Backend, HeadOutput
-from paradecode.runtime.kvcache import KVCache
+from paradecode.graphs.tensors import IN_PLACE, LOGITS, subgraph_io
+from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.loader import ExportFolder
 
 GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
@@ -28,7 +31,7 @@ GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
 class GraphedCall:
     """One subgraph call captured as a CUDA graph, for fixed input shapes."""
 
-    def __init__(self, fn, inputs: list[torch.Tensor], pool):
+    def __init__(self, fn: Callable, inputs: list[torch.Tensor], pool):
         self.inputs = [x.clone() for x in inputs]
         stream = torch.cuda.current_stream()
         warmup = torch.cuda.Stream(device=stream.device)
@@ -38,9 +41,8 @@ class GraphedCall:
                 fn(*self.inputs)
         stream.wait_stream(warmup)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            out = fn(*self.inputs)
-        self.outputs = out if isinstance(out, tuple) else (out,)
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.outputs = fn(*self.inputs)
 
     def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         for static, value in zip(self.inputs, inputs):
@@ -58,7 +60,7 @@ class TorchBackend(Backend):
             raise UserInputError("device 'cuda' was asked for, but torch sees no CUDA GPU. Use --device cpu.")
         from safetensors.torch import load_file
 
-        path = export.path / self.manifest.weights
+        path = export.file(self.manifest.weights)
         try:
             weights = load_file(str(path), device=str(self.device))
         except Exception as err:  # safetensors raises its own error type for a damaged file
@@ -77,68 +79,52 @@ class TorchBackend(Backend):
                 with_logits=with_logits,
             )
             self.check_names(sub, contract.input_names, contract.output_names, "the torch module")
-            self.modules[sub.io.name] = build_subgraph(
-                self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits
-            ).to(self.device)
-        self.layers = [self.modules[f"layer_{i}"] for i in range(1, self.spec.num_layers + 1)]
+            module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)
+            self.modules[sub.io.name] = module.to(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple, GraphedCall] = {}
-        self.pools: dict[int, object] = {}
+        self.graphs: dict[tuple[str, int, str], GraphedCall] = {}  # (subgraph, tokens, lane)
+        self.pools: dict[str, object] = {}  # lane -> CUDA graph memory pool
+        self._capture = threading.Lock()
 
     def close(self) -> None:
         self.graphs.clear()
         self.pools.clear()
         self.modules.clear()
-        self.layers = []
 
-    def allocate_cache(self) -> KVCache:
+    def allocate_cache(self):
         self.graphs.clear()  # captured layers point at the old buffers
         return super().allocate_cache()
 
-    def _call(self, key: str, fn, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run `fn(*inputs)`: as a CUDA graph where enabled and the call is small, else directly."""
+    @torch.inference_mode()
+    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
+        io = self.subgraphs[name].io
+        module = self.modules[name]
+        in_place = {k: feeds[v] for k, v in IN_PLACE.items() if v in feeds}  # the caches, bound by the module
+        names = [n for n in io.input_names if n not in in_place.values() and n not in IN_PLACE.values()]
+        args = [feeds[n].to(self.device, non_blocking=True) for n in names]
+        cached = [feeds[IN_PLACE[k]] for k in in_place]  # fixed buffers: closed over, never copied
+
+        def call(*inputs):
+            full = dict(zip(names, inputs))
+            full.update(zip([IN_PLACE[k] for k in in_place], cached))
+            out = module(*[full[n] for n in io.input_names])
+            out = out if isinstance(out, tuple) else (out,)
+            return tuple(t for n, t in zip(io.output_names, out) if n not in in_place)
+
+        outputs = self._call(name, lane, call, args)
+        result = dict(zip([n for n in io.output_names if n not in in_place], outputs))
+        result.update(in_place)
+        return result
+
+    def _call(self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """`fn(*inputs)`: as a CUDA graph where enabled and the call is small, else directly."""
         tokens = inputs[0].shape[1]
         if not self.cuda_graphs or tokens > GRAPH_TOKENS:
-            out = fn(*inputs)
-            return out if isinstance(out, tuple) else (out,)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        graph = self.graphs.get((key, tokens, stream))
+            return fn(*inputs)
+        key = (name, tokens, lane)
+        graph = self.graphs.get(key)
         if graph is None:
-            pool = self.pools.setdefault(stream, torch.cuda.graph_pool_handle())
-            graph = self.graphs[(key, tokens, stream)] = GraphedCall(fn, inputs, pool)
+            with self._capture:
+                pool = self.pools.setdefault(lane, torch.cuda.graph_pool_handle())
+                graph = self.graphs[key] = GraphedCall(fn, inputs, pool)
         return graph(inputs)
-
-    @torch.inference_mode()
-    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        ids = ids.to(self.device, non_blocking=True)
-        if self.spec.positions == "learned":
-            return self._call("embed", self.modules["embed"], [ids, positions.to(self.device, non_blocking=True)])[0]
-        return self._call("embed", self.modules["embed"], [ids])[0]
-
-    @torch.inference_mode()
-    def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        key, value = cache.layer(layer)
-        module = self.layers[layer - 1]
-        return self._call(
-            f"layer_{layer}",
-            lambda h, p: module(h, p, key, value)[0],
-            [hidden, positions.to(self.device, non_blocking=True)],
-        )[0]
-
-    @torch.inference_mode()
-    def layer_exit(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache):
-        key, value = cache.layer(layer)
-        name = f"layer_exit_{layer}"
-        module = self.modules[name]
-
-        def run(h, p):
-            out = module(h, p, key, value)
-            return out[0], out[3], out[4], out[5]
-
-        hidden, token, prob, margin = self._call(name, run, [hidden, positions.to(self.device, non_blocking=True)])
-        return hidden, HeadOutput.of(token, prob, margin)
-
-    @torch.inference_mode()
-    def head(self, name: str, hidden: torch.Tensor) -> HeadOutput:
-        token, prob, margin = self._call(name, lambda h: self.modules[name](h)[:3], [hidden])
-        return HeadOutput.of(token, prob, margin)
