@@ -1,11 +1,15 @@
-"""Benchmark, profile and characterisation tools: their outputs' formats and arithmetic, not timings."""
+"""The measuring tools, their harness and prompt files: formats, arithmetic and errors, not timings."""
 
+import argparse
+import itertools
 import json
+import typing
 
 import pytest
 
+from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.lanes import Span
-from paradecode.tools import bench, characterise, profiler
+from paradecode.tools import bench, characterise, harness, options, profiler, prompts, train_heads
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +171,284 @@ def test_characterise_runs_with_parity(tmp_path, capsys):
     assert all(r["exit_share"] > 0.5 for r in full), full  # the oracle made most tokens exit (K caps the rest)
     assert all(r["exit_share"] == 0.0 for r in data["results"] if r["acceptance"] == 0.0)
     assert (tmp_path / "c.png").is_file()
+
+
+# --- the measurement harness, on fake modes (no model) -------------------------------------------------------
+
+
+def fake_mode(name, kind, rates, calls=None, tokens=(1, 2, 3), fail=None):
+    """A mode returning canned samples: `rates[(prompt_ids[0], call)]` tokens/s, logging each call."""
+    count = {"n": 0}
+
+    def run(prompt_ids, max_new_tokens):
+        if calls is not None:
+            calls.append((name, prompt_ids[0], max_new_tokens))
+        if fail is not None:
+            raise fail
+        rate = rates(prompt_ids[0], count["n"]) if callable(rates) else rates
+        count["n"] += 1
+        return harness.Sample(
+            token_ids=list(tokens), tokens_per_second=rate, exits={2: 3, 1: 1}, accepted={2: 2}, rollbacks=1
+        )
+
+    return harness.Mode(name, kind, run, {"mode": kind})
+
+
+PROMPTS = [[10], [20], [30]]
+
+
+def test_harness_warms_up_then_interleaves_every_mode_on_a_prompt_before_the_next():
+    calls = []
+    modes = [fake_mode(n, "ar", 1.0, calls) for n in ("a", "b", "c")]
+    results = harness.measure(modes, PROMPTS, max_new_tokens=7, repeat=2, warmup_tokens=3)
+    warmup = [("a", 10, 3), ("b", 10, 3), ("c", 10, 3)]
+    measured = [(m, p, 7) for _ in range(2) for p in (10, 20, 30) for m in ("a", "b", "c")]
+    assert calls == warmup + measured
+    assert [(s.mode, s.prompt, s.repeat) for s in results.samples] == [
+        (m, p, r) for r in range(2) for p in range(3) for m in ("a", "b", "c")
+    ]
+    assert all(s.peak_rss_mb is None or s.peak_rss_mb >= 0 for s in results.samples)
+
+
+def test_harness_baseline_is_the_faster_ar_and_ratios_pair_runs():
+    # Runs are counted per mode from 0 (the warm-up), so call n >= 1 is repeat (n - 1) // 3.
+    slow_rates = {10: 10.0, 20: 10.0, 30: 40.0}  # fastest on one prompt, slower in the median
+    modes = [
+        fake_mode("ar slow", "ar", lambda p, n: slow_rates[p]),
+        fake_mode("ar fast", "ar", 20.0),
+        fake_mode("hf", "hf", 100.0),  # fastest of all, but not plain decoding
+        fake_mode("pd", "paradecode", lambda p, n: {10: 20.0, 20: 30.0, 30: 40.0}[p] * (1 + (n - 1) // 3)),
+    ]
+    results = harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=2)
+    assert results.baseline == "ar fast"
+    assert results.tokens_per_second("ar slow") == harness.Spread(10.0, 10.0, 40.0)
+    # per repeat: median over the prompts (30 in repeat 1, 60 in repeat 2) over the baseline's 20
+    assert results.speedup("pd", "ar fast") == harness.Spread(2.25, 1.5, 3.0)
+    # per run: 20/20, 30/20, 40/20, then twice each
+    assert results.speedup("pd", "ar fast", per="run") == harness.Spread(2.0, 1.0, 4.0)
+    assert results.speedup("pd", None) is None
+    assert results.speedup("pd", "ar fast").as_dict() == {"median": 2.25, "min": 1.5, "max": 3.0}
+    with pytest.raises(ValueError, match="per must be"):
+        results.speedup("pd", "ar fast", per="prompt")
+    assert results.exits("pd") == {"1": 6, "2": 18} and list(results.exits("pd")) == ["1", "2"]
+    assert results.accepted("pd") == {"2": 12} and results.rollbacks("pd") == 6
+    assert results.matches("pd", "ar fast") == 6
+
+
+def test_harness_counts_differing_outputs():
+    modes = [fake_mode("ar", "ar", 1.0), fake_mode("pd", "paradecode", 1.0, tokens=(1, 2, 4))]
+    results = harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=1)
+    assert results.matches("pd", "ar") == 0 and results.matches("ar", "ar") == 3
+    assert results.matches("pd", None) == 0
+
+
+def test_harness_latency_percentiles_are_nearest_rank():
+    import random
+
+    rng = random.Random(1)
+    for n in (1, 2, 3, 10, 11, 20, 101, 250):
+        gaps = [rng.random() for _ in range(n)]
+        stamps = [sum(gaps[:i]) for i in range(n + 1)]
+        mode = harness.Mode("m", "ar", lambda p, t, s=stamps: harness.Sample.from_stamps([0] * len(s), -1.0, s))
+        results = harness.measure([mode], [[1]], max_new_tokens=4, repeat=1)
+        ordered = sorted(b - a for a, b in itertools.pairwise(stamps))
+        expected = [1e3 * ordered[round(q * (n - 1))] for q in (0.5, 0.95)]  # the nearest-rank rule
+        assert results.latency_ms("m", (50, 95)) == pytest.approx(expected, rel=1e-12), n
+    no_stamps = harness.measure([fake_mode("g", "ar", 1.0)], [[1]], max_new_tokens=4, repeat=1)
+    assert all(x != x for x in no_stamps.latency_ms("g", (50, 95)))  # NaN: nothing to measure
+
+
+def test_sample_from_stamps():
+    s = harness.Sample.from_stamps([5, 6, 7], 1.0, [1.5, 2.0, 3.0])
+    assert s.first_token_seconds == 0.5 and s.tokens_per_second == pytest.approx(2 / 1.5)
+    assert s.latencies == [0.5, 1.0]
+    assert harness.Sample.from_stamps([5], 1.0, [1.5]).tokens_per_second == 0.0
+    assert harness.Sample.from_stamps([], 1.0, []).first_token_seconds == 0.0
+
+
+class RecordingBar(harness.tqdm):
+    bars: typing.ClassVar[list] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.postfixes = []
+        self.totals = [self.total]
+        RecordingBar.bars.append(self)
+
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        self.postfixes.append(dict(kwargs))
+        super().set_postfix(ordered_dict, refresh, **kwargs)
+
+    def update(self, n=1):
+        self.totals.append(self.total)
+        return super().update(n)
+
+
+def test_harness_shows_one_tqdm_bar_and_skips_failing_modes(monkeypatch, caplog):
+    monkeypatch.setattr(harness, "tqdm", RecordingBar)
+    RecordingBar.bars = []
+    modes = [fake_mode("ok", "ar", 1.0), fake_mode("broken", "hf", 1.0, fail=RuntimeError("not supported\nmore"))]
+    with caplog.at_level("INFO"):
+        results = harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=2, skip_failing=True)
+    (bar,) = RecordingBar.bars
+    assert bar.totals[0] == 2 * (1 + 2 * 3)  # warm-ups and runs of every mode
+    assert bar.n == bar.total == 2 + 2 * 3  # the broken mode's runs left the total
+    assert bar.postfixes[:2] == [{"mode": "ok", "prompt": "warm-up"}, {"mode": "broken", "prompt": "warm-up"}]
+    assert bar.postfixes[2] == {"mode": "ok", "prompt": "1/3", "repeat": "1/2"}
+    assert bar.postfixes[-1] == {"mode": "ok", "prompt": "3/3", "repeat": "2/2"}
+    assert results.skipped == {"broken": "RuntimeError: not supported"}
+    assert "skipping broken" in caplog.text and not results.runs("broken")
+    with pytest.raises(RuntimeError, match="not supported"):  # without skip_failing the error propagates
+        harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=2)
+
+
+def test_harness_refuses_duplicate_names_and_nothing_to_run():
+    modes = [fake_mode("a", "ar", 1.0), fake_mode("a", "paradecode", 1.0)]
+    with pytest.raises(UserInputError, match=r"\['a'\] appear more than once"):
+        harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=1)
+    with pytest.raises(UserInputError, match="repeat >= 1"):
+        harness.measure(modes[:1], PROMPTS, max_new_tokens=4, repeat=0)
+    with pytest.raises(UserInputError, match="need modes, prompts"):
+        harness.measure(modes[:1], [], max_new_tokens=4, repeat=1)
+
+
+def test_bench_summary_from_fake_modes():
+    from paradecode.tools import benchmarking
+
+    modes = [
+        fake_mode("ar", "ar", 10.0),
+        fake_mode("pd", "paradecode", 15.0),
+        fake_mode("hf", "hf", 5.0),
+        fake_mode("gone", "hf", 1.0, fail=ValueError("no")),
+    ]
+    results = harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=2, skip_failing=True)
+    summary = benchmarking.summarize(results)
+    assert summary["_baseline"] == {"ar": "ar", "hf": "hf"}
+    assert summary["gone"] == {"kind": "hf", "skipped": "ValueError: no"}
+    row = summary["pd"]
+    assert row["speedup_vs_ar"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert row["speedup_vs_hf"] == {"median": 3.0, "min": 3.0, "max": 3.0}
+    assert row["tokens_per_second"] == 15.0 and row["exact_match_vs_ar"] == 1.0 and row["new_tokens"] == 3
+    assert row["exits_per_layer"] == {"1": 6, "2": 18} and row["rollback_rate"] == pytest.approx(6 / 24)
+    rows = benchmarking.samples_as_dicts(results.samples)
+    assert len(rows) == 3 * 3 * 2 and "timestamps" not in rows[0] and rows[0]["tokens_per_second"] == 10.0
+
+
+# --- prompt files -------------------------------------------------------------------------------------------
+
+
+def test_prompts_text_file(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("def f():\\n    return 1\n\n   \nOnce upon a time\n")
+    assert prompts.read_prompts(path) == ["def f():\n    return 1", "Once upon a time"]
+    assert prompts.read_text_prompts(path) == ["def f():\n    return 1", "Once upon a time"]
+
+
+def test_prompts_jsonl_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    path.write_text(
+        json.dumps({"prompt": "a\nb", "id": 7}) + "\n\n" + json.dumps({"messages": chat}) + "\n",
+    )
+    assert prompts.read_prompts(path) == ["a\nb", chat]
+    with pytest.raises(UserInputError, match=r"prompt 2 \(of 2\) is a chat.*chat prompts need a chat template"):
+        prompts.read_text_prompts(path)
+    only_text = tmp_path / "t.jsonl"
+    only_text.write_text('{"prompt": "x\\\\ny"}\n')  # JSON has its own escapes: no \n unescaping on top
+    assert prompts.read_text_prompts(only_text) == ["x\\ny"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", r"line 2 is not JSON \(.* at column 2\); expected one JSON object per line"),
+        ('["a list"]', r"line 2: got list \[\"a list\"\]; expected one JSON object"),
+        ('{"text": "x"}', r"line 2: got an object with keys \['text'\]; expected"),
+        ('{"prompt": "x", "messages": []}', r"line 2: got an object with keys \['messages', 'prompt'\]"),
+        ('{"prompt": 3}', r'line 2: "prompt" is int 3; expected a non-empty string'),
+        ('{"prompt": "  "}', r'line 2: "prompt" is str "  "; expected a non-empty string'),
+        ('{"messages": "hi"}', r'line 2: "messages" is str "hi"; expected a non-empty list of messages'),
+        ('{"messages": [{"role": "user"}]}', r"line 2: message 0 is an object with keys \['role'\]; expected"),
+    ],
+)
+def test_prompts_jsonl_refuses_a_malformed_line(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(UserInputError, match=message) as err:
+        prompts.read_prompts(path)
+    assert str(path) in str(err.value)
+
+
+def test_prompts_refuse_missing_empty_and_binary_files(tmp_path):
+    with pytest.raises(UserInputError, match=r"none.txt: no such file \(expected one prompt per line"):
+        prompts.read_prompts(tmp_path / "none.txt")
+    with pytest.raises(UserInputError, match="no such file"):
+        prompts.read_prompts(tmp_path)  # a folder
+    for name in ("empty.txt", "empty.jsonl"):
+        (tmp_path / name).write_text("\n  \n")
+        with pytest.raises(UserInputError, match=f"{name} has no prompts: expected"):
+            prompts.read_prompts(tmp_path / name)
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00x")
+    with pytest.raises(UserInputError, match="is not UTF-8 text"):
+        prompts.read_prompts(tmp_path / "binary.txt")
+
+
+def test_prompts_refuse_a_huge_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "MAX_FILE_BYTES", 10)
+    (tmp_path / "big.txt").write_text("x" * 11)
+    with pytest.raises(UserInputError, match="has 11 bytes, more than"):
+        prompts.read_prompts(tmp_path / "big.txt")
+
+
+def test_bench_and_train_heads_refuse_chat_prompts(stories_export, stories_dir, tmp_path, capsys):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    assert bench.main([str(stories_export), "--prompts", str(chat)]) == 2
+    assert "chat prompts need a chat template" in capsys.readouterr().err
+    out = tmp_path / "heads.safetensors"
+    assert train_heads.main([str(stories_dir / "hf"), "-o", str(out), "--prompts", str(chat)]) == 2
+    assert "chat prompts need a chat template" in capsys.readouterr().err and not out.exists()
+
+
+# --- command lines: choices come from the runtime's constants ----------------------------------------------
+
+
+def option(parser, flag):
+    return next(a for a in parser._actions if flag in a.option_strings)
+
+
+def test_cli_choices_come_from_the_constants():
+    from paradecode.runtime.backends import BACKENDS
+    from paradecode.runtime.config import OVERLAPS
+
+    assert option(bench.build_parser(), "--backend").choices == tuple(BACKENDS)
+    assert option(profiler.build_parser(), "--backend").choices == tuple(BACKENDS)
+    assert option(profiler.build_parser(), "--overlap").choices == OVERLAPS
+    assert option(characterise.build_parser(), "--backend").choices == tuple(b for b in BACKENDS if b != "tensorrt")
+    assert bench.build_parser().parse_args(["x"]).overlaps == ("batched", "streams", "both")
+    assert bench.build_parser().parse_args(["x", "--overlaps", " auto,streams "]).overlaps == ("auto", "streams")
+    assert characterise.build_parser().parse_args([]).overlaps == ("batched", "streams", "both")
+
+
+@pytest.mark.parametrize(
+    ("parser", "argv"),
+    [
+        (bench.build_parser, ["x", "--overlaps", "batched,sideways"]),
+        (bench.build_parser, ["x", "--overlaps", ","]),
+        (characterise.build_parser, ["--overlaps", "auto"]),  # auto has no bound to compare with
+    ],
+)
+def test_cli_refuses_an_unknown_overlap(parser, argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert "--overlaps" in capsys.readouterr().err
+
+
+def test_choice_list_message():
+    parse = options.choice_list(("a", "b"), "--things")
+    assert parse("b, a") == ("b", "a")
+    with pytest.raises(
+        argparse.ArgumentTypeError, match=r"--things 'a,c': expected comma-separated values from a, b; not 'c'"
+    ):
+        parse("a,c")

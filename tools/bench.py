@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError, run_command
+from paradecode.runtime.backends import BACKENDS
+from paradecode.runtime.config import OVERLAPS
+from paradecode.tools.options import choice_list
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -24,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         type=Path,
         metavar="FILE",
-        help="one prompt per line (\\n for a newline); default: built-in code and prose prompts",
+        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} lines; '
+        "default: built-in code and prose prompts",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
@@ -40,9 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="default,0.5,0.75,0.9",
         help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones",
     )
-    parser.add_argument("--overlaps", default="batched,streams,both", help="overlap modes to try")
+    parser.add_argument(
+        "--overlaps",
+        type=choice_list(OVERLAPS, "--overlaps"),
+        default="batched,streams,both",
+        help=f"comma-separated overlap modes to try, from {', '.join(OVERLAPS)} (default batched,streams,both)",
+    )
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
-    parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure and sample as JSON")
@@ -70,31 +79,29 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 
 def run(args) -> str:
-    from paradecode.tools import benchmarking as bm
+    from paradecode.tools.benchmarking import DEFAULT_PROMPTS, opened_with_ar_baselines
+    from paradecode.tools.prompts import read_text_prompts
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
-    overlaps = [o.strip() for o in args.overlaps.split(",") if o.strip()]
-    main_model, ar_models = bm.load_with_ar_baselines(args.export, backend=args.backend, device=args.device)
-    try:
-        return measure(args, thresholds, overlaps, main_model, ar_models)
-    finally:
-        bm.close_all(main_model, ar_models)
+    texts = read_text_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
+        return measure(args, texts, thresholds, main_model, ar_models)
 
 
-def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
+def measure(args, texts: list[str], thresholds, main_model, ar_models) -> str:
     from paradecode.tools import benchmarking as bm
+    from paradecode.tools import harness
     from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
 
     manifest = main_model.manifest
-    texts = read_prompts(args.prompts) if args.prompts else list(bm.DEFAULT_PROMPTS)
     if main_model.tokenizer is None:
         raise UserInputError(f"{args.export} has no tokenizer: the benchmark needs text prompts.")
     prompts = [main_model.tokenizer.encode(t) for t in texts]
     ignore = args.ignore_eos
-    modes = [bm.paradecode_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
-    for overlap in overlaps:
+    modes = [bm.stream_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
+    for overlap in args.overlaps:
         for threshold in thresholds:
             label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
             settings = {
@@ -103,7 +110,7 @@ def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
                 "thresholds": threshold,
                 "max_unverified": args.max_unverified,
             }
-            modes.append(bm.paradecode_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
+            modes.append(bm.stream_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
         modes += hf_modes(hf_path, manifest, ignore)
@@ -114,8 +121,8 @@ def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
         args.repeat,
         args.max_new_tokens,
     )
-    samples = bm.run_benchmark(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat)
-    summary = bm.summarize(modes, samples)
+    results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
+    summary = bm.summarize(results)
     table = markdown_table(summary)
     if args.json:
         save_json(
@@ -124,10 +131,10 @@ def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
                 "export": str(Path(args.export).resolve()),
                 "model": manifest.model,
                 "machine": bm.machine(),
-                "settings": {k: str(v) for k, v in vars(args).items()},
+                "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
                 "summary": summary,
-                "samples": bm.samples_as_dicts(samples),
+                "samples": bm.samples_as_dicts(results.samples),
             },
         )
         logger.info("wrote %s", args.json)
@@ -135,15 +142,6 @@ def measure(args, thresholds, overlaps, main_model, ar_models) -> str:
         save_figure(args.plot, benchmark_figure(summary, f"{Path(args.export).name}: {args.backend} on {args.device}"))
         logger.info("wrote %s", args.plot)
     return table
-
-
-def read_prompts(path: Path) -> list[str]:
-    if not path.is_file():
-        raise UserInputError(f"--prompts {path}: no such file.")
-    prompts = [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise UserInputError(f"--prompts {path} has no prompts (one per line).")
-    return prompts
 
 
 def local_source(manifest) -> str | None:

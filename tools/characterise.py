@@ -24,9 +24,19 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from paradecode.graphs.errors import ParadecodeError, UserInputError, run_command
+from paradecode.runtime.backends import BACKENDS
+from paradecode.runtime.config import OVERLAPS
+from paradecode.tools.harness import Mode, Sample
+from paradecode.tools.options import choice_list
+
+# Overlaps with a bound (`bounds`); `auto` picks one of them per device. The export is ONNX only,
+# so every backend but TensorRT (which needs engines) can run it.
+BOUNDED_OVERLAPS = tuple(o for o in OVERLAPS if o != "auto")
+ONNX_BACKENDS = tuple(b for b in BACKENDS if b != "tensorrt")
 
 logger = logging.getLogger("paradecode.characterise")
 
@@ -45,11 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--acceptance", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--depths", type=floats, default=[0.25, 0.5], help="exit depths as shares of the layers")
-    parser.add_argument("--overlaps", default="batched,streams,both")
+    parser.add_argument(
+        "--overlaps",
+        type=choice_list(BOUNDED_OVERLAPS, "--overlaps"),
+        default="batched,streams,both",
+        help=f"comma-separated, from {', '.join(BOUNDED_OVERLAPS)} (default batched,streams,both)",
+    )
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--backend", choices=("torch", "onnxruntime"), default="onnxruntime")
+    parser.add_argument("--backend", choices=ONNX_BACKENDS, default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
@@ -153,11 +168,10 @@ def build_model(args, folder: Path) -> Path:
 def run(args) -> str:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.tools.benchmarking import close_all, load_with_ar_baselines
+    from paradecode.tools.benchmarking import opened_with_ar_baselines
     from paradecode.tools.reporting import save_figure, save_json
 
     depths = sorted({max(1, min(args.layers - 1, round(d * args.layers))) for d in args.depths})
-    overlaps = [o.strip() for o in args.overlaps.split(",") if o.strip()]
     if any(not 0 <= a <= 1 for a in args.acceptance):
         raise UserInputError(f"acceptance rates must be in [0, 1], got {args.acceptance}.")
     with tempfile.TemporaryDirectory(prefix="paradecode-char-") as tmp:
@@ -181,69 +195,22 @@ def run(args) -> str:
                     force=True,
                 )
             )
-        pd_model, ar_models = load_with_ar_baselines(export_dir, backend=args.backend, device=args.device)
-        try:
-            prompt = [(17 * i + 5) % args.vocab for i in range(16)]
-            common = dict(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True)
-            reference = prompt + pd_model.generate(mode="ar", **common).token_ids
-            cases = [(e, a, o) for e in depths for a in args.acceptance for o in overlaps]
-            rows = {("ar", name): [] for name in ar_models} | {case: [] for case in cases}
-            exits: dict[tuple, list[float]] = {case: [] for case in cases}
-            started = time.perf_counter()
-            for rep in range(args.repeat + 1):  # the first pass is a warm-up
-                for key in rows:
-                    if key[0] == "ar":
-                        result = ar_models[key[1]].generate(mode="ar", **common)
-                    else:
-                        e, a, o = key
-                        result = pd_model.generate(
-                            overlap=o,
-                            thresholds={d: (0.0 if d == e else float("inf")) for d in depths},
-                            max_unverified=args.max_unverified,
-                            exit_policy=oracle(reference, e, a),
-                            **common,
-                        )
-                        if result.token_ids != reference[len(prompt) :]:
-                            raise ParadecodeError(f"parity lost at {key}: the scheduler changed the output")
-                        if rep:
-                            exits[key].append(sum(result.stats.accepted_per_layer.values()) / len(result.token_ids))
-                    if rep:
-                        rows[key].append(result.stats.tokens_per_second)
-                logger.info("pass %d/%d done (%.0f s)", rep, args.repeat, time.perf_counter() - started)
-            ar_name = max(ar_models, key=lambda n: statistics.median(rows[("ar", n)]))
-            ar_runs = rows[("ar", ar_name)]
-            results = []
-            for e, a, o in cases:
-                ratios = [x / y for x, y in zip(rows[(e, a, o)], ar_runs)]
-                share = statistics.median(exits[(e, a, o)])
-                results.append(
-                    {
-                        "exit_layer": e,
-                        "acceptance": a,
-                        "exit_share": share,
-                        "overlap": o,
-                        "tokens_per_second": statistics.median(rows[(e, a, o)]),
-                        "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-                        "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o],
-                    }
-                )
-        finally:
-            close_all(pd_model, ar_models)
+        with opened_with_ar_baselines(export_dir, backend=args.backend, device=args.device) as (pd_model, ar_models):
+            measured = measure(args, depths, pd_model, ar_models)
         bandwidth = copy_bandwidth(args.device)
         weight_bytes = weight_bytes_per_token(export_dir)
-    shape = {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")}
     payload = {
-        "shape": shape,
-        "baseline": ar_name,
-        "ar_tokens_per_second": statistics.median(ar_runs),
+        "shape": {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")},
+        "baseline": measured["baseline"],
+        "ar_tokens_per_second": measured["ar_tokens_per_second"],
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes_per_token": weight_bytes,
         "ar_bandwidth_bound_tokens_per_second": bandwidth / weight_bytes,
-        "ar_variants": {n: statistics.median(rows[("ar", n)]) for n in ar_models},
+        "ar_variants": measured["ar_variants"],
         "max_unverified": args.max_unverified,
         "max_new_tokens": args.max_new_tokens,
         "repeat": args.repeat,
-        "results": results,
+        "results": measured["results"],
     }
     if args.json:
         from paradecode.tools.benchmarking import machine
@@ -252,6 +219,72 @@ def run(args) -> str:
     if args.plot:
         save_figure(args.plot, figure(payload))
     return table(payload)
+
+
+def measure(args, depths: list[int], pd_model, ar_models: dict) -> dict:
+    """ar (each baseline) and every (exit layer, acceptance, overlap) case, interleaved, after a warm-up
+    pass at full length; every case must reproduce ar's tokens. Returns the baseline and the rows."""
+    from paradecode.tools import harness
+    from paradecode.tools.benchmarking import generate_mode
+
+    prompt = [(17 * i + 5) % args.vocab for i in range(16)]
+    reference = (
+        prompt
+        + pd_model.generate(prompt_ids=prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True, mode="ar").token_ids
+    )
+    modes = [generate_mode(name, m, {"mode": "ar", "ignore_eos": True}) for name, m in ar_models.items()]
+    cases = {}
+    for e in depths:
+        for a in args.acceptance:
+            for o in args.overlaps:
+                settings = {
+                    "overlap": o,
+                    "thresholds": {d: (0.0 if d == e else float("inf")) for d in depths},
+                    "max_unverified": args.max_unverified,
+                    "exit_policy": oracle(reference, e, a),
+                    "ignore_eos": True,
+                }
+                mode = checked(
+                    generate_mode(f"exit {e} acceptance {a:g} {o}", pd_model, settings), reference[len(prompt) :]
+                )
+                cases[mode.name] = (e, a, o)
+                modes.append(mode)
+    results = harness.measure(
+        modes, [prompt], max_new_tokens=args.max_new_tokens, repeat=args.repeat, warmup_tokens=args.max_new_tokens
+    )
+    ar_name = results.baseline
+    rows = []
+    for name, (e, a, o) in cases.items():
+        share = statistics.median(sum(s.accepted.values()) / len(s.token_ids) for s in results.runs(name))
+        rows.append(
+            {
+                "exit_layer": e,
+                "acceptance": a,
+                "exit_share": share,
+                "overlap": o,
+                "tokens_per_second": results.tokens_per_second(name).median,
+                "speedup": results.speedup(name, ar_name).as_dict(),
+                "bound": bounds(share, e, args.layers, args.max_unverified + 1)[o],
+            }
+        )
+    return {
+        "baseline": ar_name,
+        "ar_tokens_per_second": results.tokens_per_second(ar_name).median,
+        "ar_variants": {n: results.tokens_per_second(n).median for n in ar_models},
+        "results": rows,
+    }
+
+
+def checked(mode: Mode, expected: list[int]) -> Mode:
+    """`mode`, raising when its tokens differ from `expected` (ar's): every exit the oracle makes is correct."""
+
+    def run(prompt_ids: list[int], max_new_tokens: int) -> Sample:
+        sample = mode.run(prompt_ids, max_new_tokens)
+        if sample.token_ids != expected:
+            raise ParadecodeError(f"parity lost at {mode.name}: the scheduler changed the output")
+        return sample
+
+    return replace(mode, run=run)
 
 
 def table(payload: dict) -> str:

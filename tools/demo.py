@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> None:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.tools.benchmarking import close_all, load_with_ar_baselines
+    from paradecode.tools.benchmarking import opened_with_ar_baselines
 
+    if args.repeat < 1 or args.max_new_tokens < 2:
+        raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     heads = DEMO_MODEL / "heads.safetensors"
     if not (DEMO_MODEL / "model.safetensors").is_file() or not heads.is_file():
         raise UserInputError(
@@ -61,8 +62,7 @@ def run(args) -> None:
         f"   {len(result.manifest.subgraphs)} subgraphs validated against PyTorch in {result.seconds:.0f} s",
         file=sys.stderr,
     )
-    model, ar_models = load_with_ar_baselines(args.output)
-    try:
+    with opened_with_ar_baselines(args.output) as (model, ar_models):
         thresholds = {e: t for e, t in model.manifest.thresholds.items() if t <= 1}
         print(
             f"\n== ParaDecode, exit layers {sorted(thresholds)} at thresholds "
@@ -75,51 +75,30 @@ def run(args) -> None:
             sys.stdout.flush()
         print("\n")
         print(measure(model, ar_models, args.max_new_tokens, args.repeat))
-    finally:
-        close_all(model, ar_models)
 
 
 def measure(model, ar_models: dict, max_new_tokens: int, repeat: int) -> str:
     """Interleaved ar / ParaDecode runs on every prompt; the faster ar thread setting is the baseline."""
+    from paradecode.tools import harness
+    from paradecode.tools.benchmarking import generate_mode
+
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
-    rates: dict[str, list[float]] = {name: [] for name in [*ar_models, "paradecode"]}
-    exits: dict[int, int] = {}
-    accepted: dict[int, int] = {}
-    rollbacks, matched, runs = 0, 0, 0
-    for ids in prompts[:1]:  # warm-up
-        for m in ar_models.values():
-            m.generate(prompt_ids=ids, max_new_tokens=16, mode="ar")
-        model.generate(prompt_ids=ids, max_new_tokens=16)
-    for r in range(repeat):
-        for ids in prompts:
-            reference = None
-            for name, m in ar_models.items():
-                out = m.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, mode="ar")
-                rates[name].append(out.stats.tokens_per_second)
-                reference = out.token_ids
-            out = model.generate(prompt_ids=ids, max_new_tokens=max_new_tokens)
-            rates["paradecode"].append(out.stats.tokens_per_second)
-            runs += 1
-            matched += out.token_ids == reference
-            rollbacks += out.stats.rollbacks
-            for e, n in out.stats.exits_per_layer.items():
-                exits[e] = exits.get(e, 0) + n
-            for e, n in out.stats.accepted_per_layer.items():
-                accepted[e] = accepted.get(e, 0) + n
-        print(f"   measured repeat {r + 1}/{repeat}", file=sys.stderr)
-    baseline = max(ar_models, key=lambda n: statistics.median(rates[n]))
-    per_run = [p / a for p, a in zip(rates["paradecode"], rates[baseline])]
+    modes = [generate_mode(name, m, {"mode": "ar"}) for name, m in ar_models.items()]
+    modes.append(generate_mode("paradecode", model, {}))
+    results = harness.measure(modes, prompts, max_new_tokens=max_new_tokens, repeat=repeat)
+    baseline = results.baseline
+    speedup = results.speedup("paradecode", baseline, per="run")
+    exits, accepted = results.exits("paradecode"), results.accepted("paradecode")
+    runs = len(results.runs("paradecode"))
+    matched = results.matches("paradecode", baseline)
     lines = [f"== side by side, {len(prompts)} prompts x {repeat} repeats, {max_new_tokens} new tokens, interleaved:"]
-    for name, values in rates.items():
-        lines.append(f"   {name:24} {statistics.median(values):7.1f} tokens/s (median)")
-    lines.append(
-        f"   speedup over {baseline}: {statistics.median(per_run):.2f}x (min {min(per_run):.2f}, "
-        f"max {max(per_run):.2f})"
-    )
+    for mode in modes:
+        lines.append(f"   {mode.name:24} {results.tokens_per_second(mode.name).median:7.1f} tokens/s (median)")
+    lines.append(f"   speedup over {baseline}: {speedup.median:.2f}x (min {speedup.min:.2f}, max {speedup.max:.2f})")
     lines.append(
         "   early exits per layer (accepted / proposed): "
-        + ", ".join(f"layer {e}: {accepted.get(e, 0)}/{n}" for e, n in sorted(exits.items()))
-        + f"; rollbacks {rollbacks}"
+        + ", ".join(f"layer {e}: {accepted.get(e, 0)}/{n}" for e, n in exits.items())
+        + f"; rollbacks {results.rollbacks('paradecode')}"
     )
     lines.append(
         f"   output identical to ar token for token: {matched}/{runs} runs"

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 from paradecode.graphs.errors import run_command
+from paradecode.runtime.backends import BACKENDS
+from paradecode.runtime.config import OVERLAPS
 
 logger = logging.getLogger("paradecode.profile")
 NSYS = (
@@ -38,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a line of code)")
     parser.add_argument("--prompt-ids", help="prompt as comma-separated ids (for exports without a tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--overlap", choices=("auto", "streams", "batched", "both"), default="both")
+    parser.add_argument("--overlap", choices=OVERLAPS, default="both")
     parser.add_argument("--threshold", help="threshold for every exit layer (default: the export's)")
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
-    parser.add_argument("--backend", choices=("torch", "onnxruntime", "tensorrt"), default="onnxruntime")
+    parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--trace", type=Path, default=Path("paradecode-trace.json"), metavar="OUT.json")

@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         type=Path,
         metavar="FILE",
-        help="one prompt per line; the model continues each greedily (default: a built-in set of code "
-        "and prose prompts)",
+        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} lines; the model '
+        "continues each greedily (default: a built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
@@ -61,12 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_lines(path: Path, what: str) -> list[str]:
-    if not path.is_file():
-        raise UserInputError(f"{what} {path}: no such file.")
-    return [line.rstrip("\n").replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -96,6 +90,7 @@ def run(args: argparse.Namespace):
     from paradecode.export.heads import save_heads
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
+    from paradecode.tools.prompts import read_text_prompts
 
     hf_logging.disable_progress_bar()
     if args.output.exists() and not args.force:
@@ -126,7 +121,7 @@ def run(args: argparse.Namespace):
         if args.prompts is not None:
             if tokenizer is None:
                 raise UserInputError(f"{args.model} has no tokenizer to read --prompts with.")
-            texts = read_lines(args.prompts, "--prompts")
+            texts = read_text_prompts(args.prompts)
         else:
             texts = list(DEFAULT_PROMPTS)
         if tokenizer is not None:
