@@ -1,9 +1,10 @@
 """`export_model`: a Hugging Face causal LM -> a validated paradecode export folder.
 
 Order of work: every check that can refuse the request runs before anything is written (output
-folder, TensorRT availability, model folder, family, limits, exit layers, heads). The export is then
-staged in a temporary folder beside the output and renamed into place only when every subgraph has
-been written and validated, so an interrupted or failed export leaves nothing behind.
+folder and that it can be created, TensorRT availability, model folder with its weight files and
+tokenizer, family, checkpoint shapes, limits, exit layers, heads). The export is then staged in a
+temporary folder beside the output and renamed into place only when every subgraph has been written
+and validated, so an interrupted or failed export, or one that fills the disk, leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import torch
 from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
-from paradecode.export.files import file_hashes, package_version, save_weights, staged_folder
+from paradecode.export.files import (
+    check_writable,
+    export_bytes,
+    file_hashes,
+    package_version,
+    save_weights,
+    staged_folder,
+)
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
 from paradecode.export.source import ModelSource, resolve_model
@@ -90,7 +98,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         "trained" if transforms else "identity",
     )
 
-    with staged_folder(config.output, config.force) as folder:
+    with staged_folder(config.output, config.force, export_bytes(spec, plan, weights, config.dtype)) as folder:
         tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
         checklist, onnx_files = write_subgraphs(
             folder,
@@ -150,6 +158,7 @@ def check_output(config: ExportConfig) -> None:
         raise UserInputError(
             f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
         )
+    check_writable(output)
 
 
 def check_output_is_not_source(output: Path, source: ModelSource) -> None:

@@ -6,6 +6,7 @@ a regression here tends to hang (a signal that is not handled) rather than fail.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -195,3 +196,162 @@ def test_sigterm_during_an_export_cleans_up_and_exits_143(stories_dir, tmp_path)
     assert "wrote" not in stdout
     assert_nothing_written(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- an output folder that cannot be written -----------------------------------------------------
+
+
+def refuse_model_work(monkeypatch):
+    """The writability check must come before any work on the model."""
+    from paradecode.export import pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model was touched before the output folder was checked")
+
+    monkeypatch.setattr(pipeline, "resolve_model", too_late)
+    monkeypatch.setattr(pipeline, "load_hf_model", too_late)
+
+
+def chmod_is_ignored(folder: Path) -> bool:
+    """True when files can be created in `folder` despite its mode (root, with CAP_DAC_OVERRIDE)."""
+    try:
+        (folder / "probe").touch()
+    except PermissionError:
+        return False
+    (folder / "probe").unlink()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_read_only_parent_is_refused_before_any_work(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        if chmod_is_ignored(parent):
+            pytest.skip(
+                "this process bypasses file modes (root): a chmod 0o555 folder stays writable; "
+                "test_output_under_proc_is_refused_before_any_work covers the refusal with a folder root cannot write"
+            )
+        code, out = run_export([model_dirs["gpt2"], "-o", parent / "deeper" / "out"], capsys)
+    finally:
+        parent.chmod(0o755)
+    assert code == 2, out
+    assert f"{parent} is not writable (Permission denied)" in out and "-o" in out
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    not Path("/proc/self").is_dir(), reason="needs Linux /proc, a folder no user, root included, can create files in"
+)
+def test_output_under_proc_is_refused_before_any_work(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    code, out = run_export([model_dirs["gpt2"], "-o", "/proc/paradecode-test-export/out"], capsys)
+    assert code == 2, out
+    assert "cannot create the output folder /proc/paradecode-test-export/out: /proc is not writable" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.timeout(60)
+def test_output_below_a_file_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    (tmp_path / "a-file").write_text("x")
+    code, out = run_export([model_dirs["gpt2"], "-o", tmp_path / "a-file" / "out"], capsys)
+    assert code == 2 and f"{tmp_path / 'a-file'} is a file, not a folder" in out
+
+
+# --- the disk fills up while writing -------------------------------------------------------------
+
+
+def fail_onnx_save(code):
+    def install(monkeypatch):
+        from paradecode.export import pipeline
+
+        def full(model, path):
+            raise OSError(code, os.strerror(code), str(path))
+
+        monkeypatch.setattr(pipeline, "save_onnx", full)
+
+    return install
+
+
+def fail_weights_save(monkeypatch):
+    """safetensors (Rust) reports the OS error as text; this is its message on a full tmpfs."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("install", "reason"),
+    [
+        (fail_onnx_save(errno.ENOSPC), "no space left on device"),
+        (fail_onnx_save(errno.EDQUOT), "disk quota exceeded"),
+        (fail_weights_save, "no space left on device"),
+    ],
+    ids=["onnx-enospc", "onnx-edquot", "weights-enospc"],
+)
+def test_a_full_disk_is_reported_and_leaves_nothing(model_dirs, tmp_path, capsys, monkeypatch, install, reason):
+    install(monkeypatch)
+    out = tmp_path / "deep" / "out"
+    code, message = run_export([model_dirs["gpt2"], "-o", out, *SMALL_EXPORT], capsys)
+    assert code == 1, message
+    assert f"paradecode-export: error: {reason} while writing {out}: the export needs at least " in message
+    assert " MB; free space or choose another -o. Nothing was written." in message
+    assert "Traceback" not in message
+    assert list(tmp_path.iterdir()) == [], "the export left files or the parent folder it created"
+
+
+@pytest.mark.timeout(30)
+def test_other_write_errors_are_not_disguised(tmp_path):
+    from paradecode.export.files import staged_folder
+
+    with pytest.raises(OSError) as raised, staged_folder(tmp_path / "out", force=False) as folder:
+        (folder / "half").write_text("x")
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    assert raised.type is OSError and raised.value.errno == errno.EIO
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_a_safetensors_error_without_an_os_error_passes_through(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from paradecode.export.files import save_weights
+
+    def broken(*args, **kwargs):
+        raise SafetensorError("Error while serializing: tensor invalid")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(SafetensorError, match="tensor invalid"):
+        save_weights(tmp_path / "w.safetensors", {"w": torch.zeros(2)}, "float32")
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_while_replacing_puts_the_old_output_back(tmp_path, monkeypatch):
+    from paradecode.export.files import staged_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    real_rename = Path.rename
+
+    def interrupted_publish(self, target):
+        if ".partial-" in self.name:
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted_publish)
+    with pytest.raises(KeyboardInterrupt), staged_folder(out, force=True) as folder:
+        (folder / "new.txt").write_text("new")
+    assert (out / "mine.txt").read_text() == "keep me" and not (out / "new.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
