@@ -168,13 +168,38 @@ def check_output_is_not_source(output: Path, source: ModelSource) -> None:
 
 
 def load_hf_model(source: ModelSource) -> torch.nn.Module:
+    """The model in float32, refused when a checkpoint tensor's shape does not fit its config.
+
+    Mismatched sizes are collected rather than raised by transformers, whose own error refers to a
+    report it logs (and the CLI keeps transformers' logs quiet), so the message can name them.
+    """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as err:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(source.path), dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise UserInputError(f"transformers could not load {source.reference}: {str(err).splitlines()[0]}") from err
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        files = ", ".join(f.name for f in source.weight_files)
+        raise UserInputError(
+            f"the weights in {source.path} ({files}) do not fit its config.json: "
+            + "; ".join(sorted(mismatch_line(m) for m in mismatched))
+            + ". The checkpoint and config.json come from different models or the checkpoint was altered: "
+            "save the model again with `model.save_pretrained(folder)`."
+        )
     return model.eval()
+
+
+def mismatch_line(mismatch) -> str:
+    """transformers reports a mismatch as (key, checkpoint shape, model shape)."""
+    if isinstance(mismatch, (tuple, list)) and len(mismatch) == 3:
+        key, got, expected = mismatch
+        return f"{key} has shape {tuple(got)}, the config expects {tuple(expected)}"
+    return str(mismatch)
 
 
 def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:

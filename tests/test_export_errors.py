@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -355,3 +356,79 @@ def test_an_interrupt_while_replacing_puts_the_old_output_back(tmp_path, monkeyp
         (folder / "new.txt").write_text("new")
     assert (out / "mine.txt").read_text() == "keep me" and not (out / "new.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --- a broken model folder -----------------------------------------------------------------------
+
+
+def truncate_weights(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+
+
+def reshape_a_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight"
+    weights[key] = weights[key][:-3].clone()  # 80 rows in the config's intermediate_size -> 77
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def garble_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+
+
+BROKEN_MODELS = [
+    pytest.param(
+        truncate_weights,
+        ["model.safetensors is not a readable safetensors file", "truncated", "download or save the model again"],
+        id="truncated-safetensors",
+    ),
+    pytest.param(
+        reshape_a_tensor,
+        [
+            "do not fit its config.json",
+            "model.layers.0.mlp.up_proj.weight has shape (77, 48), the config expects (80, 48)",
+            "save_pretrained",
+        ],
+        id="wrong-tensor-shape",
+    ),
+    pytest.param(
+        garble_tokenizer,
+        ["tokenizer.json is not a usable tokenizer file: the tokenizers library cannot read it", "delete it"],
+        id="garbage-tokenizer",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("damage", "fragments"), BROKEN_MODELS)
+def test_a_broken_model_folder_is_a_user_error(model_dirs, tmp_path, capsys, damage, fragments):
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    damage(model)
+    code, out = run_export([model, "-o", tmp_path / "out", *SMALL_EXPORT], capsys)
+    assert code == 2, out
+    assert f"paradecode-export: error: {model}" in out or f"the weights in {model}" in out
+    for fragment in fragments:
+        assert fragment in out, out
+    assert "Traceback" not in out
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("damage", "fragments"), BROKEN_MODELS)
+def test_train_heads_refuses_a_broken_model_folder(model_dirs, tmp_path, capsys, damage, fragments):
+    from paradecode.tools import train_heads
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    damage(model)
+    code = train_heads.main([str(model), "-o", str(tmp_path / "heads.safetensors"), "--steps", "1"])
+    out = capsys.readouterr().err
+    assert code == 2, out
+    for fragment in fragments:
+        assert fragment in out, out
+    assert not (tmp_path / "heads.safetensors").exists()
