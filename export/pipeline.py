@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +55,6 @@ class ExportResult:
     manifest: Manifest
     checklist: validate.Checklist
     seconds: float
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def export_model(config: ExportConfig) -> ExportResult:
