@@ -1,7 +1,9 @@
 """`paradecode-export MODEL -o DIR`: the command line over `export_model`.
 
-Exit codes: 0 done; 1 the export failed validation (nothing written); 2 bad input (nothing
-written); 3 a missing dependency or device, e.g. TensorRT (nothing written); 130 interrupted.
+Exit codes: 0 done; 1 the export failed validation, or the disk filled up while writing (nothing
+written); 2 bad input, e.g. an unwritable -o, a truncated checkpoint or a garbled tokenizer.json
+(nothing written); 3 a missing dependency or device, e.g. TensorRT (nothing written); 130
+interrupted by Ctrl-C, 143 by SIGTERM (128 + the signal number; nothing written).
 """
 
 from __future__ import annotations
@@ -130,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         format="%(message)s",
         stream=sys.stderr,
     )
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-
-    quiet_dependency_logs()
 
     def work():
+        # Imported here, inside run_command, so that Ctrl-C or SIGTERM during the slow imports
+        # (torch, transformers) ends as an interrupt too.
+        from paradecode.export.config import ExportConfig
+        from paradecode.export.pipeline import export_model
+
+        quiet_dependency_logs()
         config = ExportConfig(
             model=args.model,
             output=args.output,

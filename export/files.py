@@ -1,8 +1,14 @@
-"""Writing an export: a staged folder renamed into place at the end, file modes, weights, hashes."""
+"""Writing an export: a staged folder renamed into place at the end, file modes, weights, hashes.
+
+Failures while writing leave nothing behind, and a full disk (ENOSPC) or a reached quota (EDQUOT)
+becomes an `OutOfSpaceError` that says how much the export needs, wherever in the writing it struck.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -10,18 +16,51 @@ from pathlib import Path
 
 import torch
 
-from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain
 from paradecode.graphs.manifest import MANIFEST_NAME, sha256_of
+from paradecode.graphs.modules import subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
+from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import SubgraphIO
+
+OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports an OS error
+
+
+def check_writable(output: Path) -> None:
+    """Refuse early when `output` cannot be created: probe its nearest existing ancestor with a file.
+
+    The ancestor is where `staged_folder` creates the first missing folder (or the staged folder).
+    A probe file, not `os.access`, so read-only mounts, ACLs and full inode tables are caught too.
+    """
+    parent = next(p for p in output.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise UserInputError(
+            f"cannot create the output folder {output}: {parent} is a file, not a folder. Choose another -o path."
+        )
+    try:
+        handle, probe = tempfile.mkstemp(prefix=f".{output.name}.probe-", dir=parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise UserInputError(
+            f"cannot create the output folder {output}: {parent} is not writable ({err.strerror}). "
+            f"Choose another -o path, or make {parent} writable."
+        ) from err
 
 
 @contextmanager
-def staged_folder(output: Path, force: bool):
-    """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds."""
+def staged_folder(output: Path, force: bool, needed_bytes: int = 0):
+    """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds.
+
+    On any failure or interrupt the temporary folder and the parents created for it are removed, and
+    a replaced `output` is put back. `needed_bytes` (an estimate) goes into the out-of-space message.
+    """
     created = [p for p in reversed(output.parents) if not p.exists()]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    tmp = old = None
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
         yield tmp
         publishable(tmp)
         if output.exists():
@@ -33,12 +72,43 @@ def staged_folder(output: Path, force: bool):
             shutil.rmtree(old)
         else:
             tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            if (old / output.name).exists() and not output.exists():
+                (old / output.name).rename(output)
+            shutil.rmtree(old, ignore_errors=True)
         for path in reversed(created):
             if path.is_dir() and not any(path.iterdir()):
                 path.rmdir()
+        code = out_of_space_errno(err) if isinstance(err, Exception) else None  # an interrupt stays one
+        if code is not None:
+            raise OutOfSpaceError(
+                f"{os.strerror(code).lower()} while writing {output}: the export needs at least "
+                f"{megabytes(needed_bytes)}; free space or choose another -o. Nothing was written."
+            ) from err
         raise
+
+
+def out_of_space_errno(err: BaseException) -> int | None:
+    """ENOSPC or EDQUOT when an OSError with one of them is `err` or in its chain of causes and contexts."""
+    return next((e.errno for e in exception_chain(err) if isinstance(e, OSError) and e.errno in OUT_OF_SPACE), None)
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB"
+
+
+def export_bytes(spec: ModelSpec, plan: list[SubgraphIO], weights: dict[str, torch.Tensor], dtype: str) -> int:
+    """About how many bytes an export takes: each subgraph's ONNX file holds its own weights, and the
+    torch backend's weights file holds them all once more (TensorRT engines come on top)."""
+    itemsize = TORCH_DTYPES[dtype].itemsize
+
+    def size(tensors) -> int:
+        return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
+
+    return size(weights.values()) + sum(size(subgraph_state(spec, io, weights).values()) for io in plan)
 
 
 def publishable(folder: Path) -> None:
@@ -51,13 +121,21 @@ def publishable(folder: Path) -> None:
 
 def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> None:
     """Canonical weights for the torch backend, in the export dtype (rotary frequencies stay float32)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     cast = {
         k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
         for k, v in weights.items()
     }
-    save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
+    try:
+        save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
+    except SafetensorError as err:  # Rust's I/O errors arrive as text: give OS errors back their errno
+        match = RUST_OS_ERROR.search(str(err))
+        if match is None:
+            raise
+        code = int(match.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

@@ -1,16 +1,17 @@
 """`export_model`: a Hugging Face causal LM -> a validated paradecode export folder.
 
 Order of work: every check that can refuse the request runs before anything is written (output
-folder, TensorRT availability, model folder, family, limits, exit layers, heads). The export is then
-staged in a temporary folder beside the output and renamed into place only when every subgraph has
-been written and validated, so an interrupted or failed export leaves nothing behind.
+folder and that it can be created, TensorRT availability, model folder with its weight files and
+tokenizer, family, checkpoint shapes, limits, exit layers, heads). The export is then staged in a
+temporary folder beside the output and renamed into place only when every subgraph has been written
+and validated, so an interrupted or failed export, or one that fills the disk, leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +19,14 @@ import torch
 from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
-from paradecode.export.files import file_hashes, package_version, save_weights, staged_folder
+from paradecode.export.files import (
+    check_writable,
+    export_bytes,
+    file_hashes,
+    package_version,
+    save_weights,
+    staged_folder,
+)
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
 from paradecode.export.source import ModelSource, resolve_model
@@ -47,7 +55,6 @@ class ExportResult:
     manifest: Manifest
     checklist: validate.Checklist
     seconds: float
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def export_model(config: ExportConfig) -> ExportResult:
@@ -90,7 +97,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         "trained" if transforms else "identity",
     )
 
-    with staged_folder(config.output, config.force) as folder:
+    with staged_folder(config.output, config.force, export_bytes(spec, plan, weights, config.dtype)) as folder:
         tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
         checklist, onnx_files = write_subgraphs(
             folder,
@@ -150,6 +157,7 @@ def check_output(config: ExportConfig) -> None:
         raise UserInputError(
             f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
         )
+    check_writable(output)
 
 
 def check_output_is_not_source(output: Path, source: ModelSource) -> None:
@@ -159,13 +167,38 @@ def check_output_is_not_source(output: Path, source: ModelSource) -> None:
 
 
 def load_hf_model(source: ModelSource) -> torch.nn.Module:
+    """The model in float32, refused when a checkpoint tensor's shape does not fit its config.
+
+    Mismatched sizes are collected rather than raised by transformers, whose own error refers to a
+    report it logs (and the CLI keeps transformers' logs quiet), so the message can name them.
+    """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as err:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(source.path), dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
         raise UserInputError(f"transformers could not load {source.reference}: {str(err).splitlines()[0]}") from err
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        files = ", ".join(f.name for f in source.weight_files)
+        raise UserInputError(
+            f"the weights in {source.path} ({files}) do not fit its config.json: "
+            + "; ".join(sorted(mismatch_line(m) for m in mismatched))
+            + ". The checkpoint and config.json come from different models or the checkpoint was altered: "
+            "save the model again with `model.save_pretrained(folder)`."
+        )
     return model.eval()
+
+
+def mismatch_line(mismatch) -> str:
+    """transformers reports a mismatch as (key, checkpoint shape, model shape)."""
+    if isinstance(mismatch, (tuple, list)) and len(mismatch) == 3:
+        key, got, expected = mismatch
+        return f"{key} has shape {tuple(got)}, the config expects {tuple(expected)}"
+    return str(mismatch)
 
 
 def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:

@@ -102,6 +102,48 @@ def check_model_folder(source: ModelSource) -> None:
             "model-*-of-*.safetensors) or pytorch_model*.bin "
             "next to it. Save the model with `model.save_pretrained(folder)`."
         )
+    for weights in source.weight_files:
+        check_safetensors_file(weights)
+    check_tokenizer_json(path / "tokenizer.json")
+
+
+def check_safetensors_file(path: Path) -> None:
+    """Refuse a .safetensors file whose header does not parse or does not cover the file (a truncated copy)."""
+    if path.suffix != ".safetensors":
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise UserInputError(
+            f"{path} is not a readable safetensors file: {err}. It is probably truncated (an interrupted download "
+            "or copy): download or save the model again."
+        ) from err
+
+
+def tokenizer_json_problem(path: Path) -> str | None:
+    """What is wrong with a tokenizer.json for the `tokenizers` library, or None when it loads with a vocabulary."""
+    from tokenizers import Tokenizer
+
+    try:
+        size = Tokenizer.from_file(str(path)).get_vocab_size()
+    except Exception as err:  # tokenizers raises a bare Exception for malformed files
+        return f"the tokenizers library cannot read it: {err}"
+    return None if size > 0 else "its vocabulary is empty"
+
+
+def check_tokenizer_json(path: Path) -> None:
+    """Refuse a model folder whose tokenizer.json is present but unusable (absent is fine)."""
+    if not path.exists():
+        return
+    problem = tokenizer_json_problem(path) if path.is_file() else "it is not a file"
+    if problem is not None:
+        raise UserInputError(
+            f"{path} is not a usable tokenizer file: {problem}. Replace it with the model's own tokenizer.json "
+            "(`tokenizer.save_pretrained(folder)`), or delete it to export without a tokenizer."
+        )
 
 
 def download(hub_id: str) -> Path:

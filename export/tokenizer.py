@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from paradecode.export.source import TOKENIZER_FILES
+from paradecode.export.source import TOKENIZER_FILES, tokenizer_json_problem
 
 logger = logging.getLogger(__name__)
 
@@ -49,20 +49,10 @@ def convert_to_tokenizer_json(model_path: Path, target: Path) -> bool:
     with tempfile.TemporaryDirectory(prefix="paradecode-tok-") as tmp:
         tokenizer.save_pretrained(tmp)
         converted = Path(tmp) / "tokenizer.json"
-        if not converted.is_file() or not usable(converted):
+        if not converted.is_file() or tokenizer_json_problem(converted) is not None:
             logger.warning(
                 "transformers wrote no usable tokenizer.json for %s: the runtime will take token ids only", model_path
             )
             return False
         shutil.copyfile(converted, target)
     return True
-
-
-def usable(path: Path) -> bool:
-    """A tokenizer.json that the `tokenizers` library loads, with a non-empty vocabulary."""
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path)).get_vocab_size() > 0
-    except Exception:  # tokenizers raises a bare Exception for malformed files
-        return False

@@ -1,9 +1,23 @@
-"""One exception tree for the whole project.
+"""One exception tree for the whole project, and the one path from an error to a CLI's exit code.
 
 Every error raised on purpose derives from `ParadecodeError`. Each class carries the process exit
 code the command-line tools use for it, so a CLI maps an error to an exit code in one place.
 A user's mistake gets a message that says what was given, what was expected and how to fix it.
+
+Interrupts are not errors: Ctrl-C (SIGINT) and SIGTERM unwind the stack as a `KeyboardInterrupt`
+(`Terminated` for SIGTERM), so every `finally` and staged-folder cleanup runs, and `run_command`
+exits with the shell's convention, 128 + the signal number: 130 for SIGINT, 143 for SIGTERM.
 """
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class ParadecodeError(Exception):
@@ -46,19 +60,99 @@ class SchedulerStallError(ParadecodeError):
     """The ParaDecode scheduler made no progress for too long (a bug: the message names what it waited for)."""
 
 
-def run_command(prog: str, work, interrupted: str = "interrupted") -> tuple[int, object]:
+class OutOfSpaceError(ParadecodeError):
+    """The disk filled up (ENOSPC) or a quota was reached (EDQUOT) while writing; nothing was left behind."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a command ran.
+
+    A `KeyboardInterrupt`, not a `ParadecodeError`, on purpose: like Ctrl-C it must unwind through
+    every cleanup and must not be caught by an `except Exception`.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_command(prog: str, work: Callable[[], object], interrupted: str = "interrupted") -> tuple[int, object]:
     """Run a command's `work()`; map paradecode errors to their exit codes with one message on stderr.
 
     Returns (exit code, what `work` returned or None). Every command-line tool goes through here,
     so they all report a user's mistake the same way: "PROG: error: MESSAGE" and exit code 2.
+    An interrupt (see `interrupt_signal`) prints "PROG: INTERRUPTED" and returns 128 + the signal
+    number, whatever exception it surfaced as.
     """
-    import sys
+    with interrupts_raised() as received:
+        try:
+            return 0, work()
+        except BaseException as err:
+            signum = interrupt_signal(err, received)
+            if signum is not None:
+                note = "" if signum == signal.SIGINT else f" (received {signal.Signals(signum).name})"
+                print(f"{prog}: {interrupted}{note}", file=sys.stderr)
+                return 128 + signum, None
+            if isinstance(err, ParadecodeError):
+                print(f"{prog}: error: {err}", file=sys.stderr)
+                return err.exit_code, None
+            raise
 
+
+def interrupt_signal(err: BaseException, received: list[int]) -> int | None:
+    """The signal that `err` stands for, or None when it is a plain error.
+
+    An interrupt can surface as another exception: a Ctrl-C inside an import can leave a module half
+    initialised, and the next import of it raises ImportError (which a library may turn into "X is
+    needed"). So an error counts as an interrupt when a signal arrived during the command, or when a
+    `KeyboardInterrupt` is anywhere in its chain of causes and contexts.
+    """
+    if received:
+        return received[0]
+    for link in exception_chain(err):
+        if isinstance(link, Terminated):
+            return link.signum
+        if isinstance(link, KeyboardInterrupt):
+            return signal.SIGINT
+    return None
+
+
+def exception_chain(err: BaseException) -> Iterator[BaseException]:
+    """`err`, then every exception in its chain of causes and contexts, each once."""
+    pending, seen = [err], set()
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        pending += [link.__context__, link.__cause__]
+
+
+@contextmanager
+def interrupts_raised() -> Iterator[list[int]]:
+    """While the block runs, SIGINT raises KeyboardInterrupt and SIGTERM raises `Terminated`.
+
+    Yields the list of signal numbers received, in order. Handlers can only be set in the main
+    thread; elsewhere, and for a signal the process was told to ignore (a shell's background job
+    ignores SIGINT), the current handling is left alone. The previous handlers come back afterwards.
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+    previous = {s: signal.getsignal(s) for s in INTERRUPT_SIGNALS}
+    for s, old in previous.items():
+        if old is not signal.SIG_IGN:
+            signal.signal(s, handler)
     try:
-        return 0, work()
-    except ParadecodeError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return err.exit_code, None
-    except KeyboardInterrupt:
-        print(f"{prog}: {interrupted}", file=sys.stderr)
-        return 130, None
+        yield received
+    finally:
+        for s, old in previous.items():
+            if old is not signal.SIG_IGN:
+                signal.signal(s, signal.SIG_DFL if old is None else old)

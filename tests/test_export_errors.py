@@ -1,0 +1,434 @@
+"""The exporter under misuse: signals, interrupts inside imports, an unwritable or full disk, a broken model folder.
+
+Every case ends with a clear message and exit code and leaves nothing behind. Each test has a timeout:
+a regression here tends to hang (a signal that is not handled) rather than fail.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from paradecode.export import cli
+from paradecode.graphs.errors import MissingDependencyError, Terminated, UserInputError, run_command
+
+SMALL_EXPORT = ["--max-seq-len", "16", "--exit-layers", "1", "--no-fused-exits", "-q"]
+
+
+def run_export(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def assert_nothing_written(parent: Path, name: str = "out") -> None:
+    assert not (parent / name).exists(), f"{parent / name} was written"
+    leftovers = [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.")]
+    assert not leftovers, f"staging folders left behind: {leftovers}"
+
+
+# --- run_command: every interrupt is an interrupt, whatever it surfaced as ------------------------
+
+
+def import_error_caused_by_interrupt():
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as interrupt:
+        import_error = ImportError("partially initialized module 'onnxruntime'")
+        import_error.__context__ = interrupt
+    raise MissingDependencyError("onnxruntime is needed to validate the exported graphs") from import_error
+
+
+def import_error_inside_interrupt_handling():
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise ImportError("cannot import name 'InferenceSession'") from None  # the context stays recorded
+
+
+def error_after_a_swallowed_sigint():
+    try:
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass  # as a library's import machinery might
+    raise MissingDependencyError("onnxruntime is needed to validate the exported graphs")
+
+
+def sigterm_to_self():
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100):
+        time.sleep(0.05)
+    return "SIGTERM did not interrupt"
+
+
+def raise_(err):
+    def work():
+        raise err
+
+    return work
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("work", "code", "message"),
+    [
+        (raise_(KeyboardInterrupt()), 130, "prog: stopped\n"),
+        (import_error_caused_by_interrupt, 130, "prog: stopped\n"),
+        (import_error_inside_interrupt_handling, 130, "prog: stopped\n"),
+        (error_after_a_swallowed_sigint, 130, "prog: stopped\n"),
+        (raise_(Terminated()), 143, "prog: stopped (received SIGTERM)\n"),
+        (sigterm_to_self, 143, "prog: stopped (received SIGTERM)\n"),
+        (raise_(UserInputError("bad -o")), 2, "prog: error: bad -o\n"),
+        (raise_(MissingDependencyError("onnxruntime is needed")), 3, "prog: error: onnxruntime is needed\n"),
+    ],
+    ids=[
+        "keyboard-interrupt",
+        "missing-dependency-caused-by-interrupt",
+        "import-error-in-interrupt-context",
+        "error-after-swallowed-sigint",
+        "terminated",
+        "real-sigterm",
+        "user-input-error",
+        "missing-dependency",
+    ],
+)
+def test_run_command_maps_interrupts_and_errors(work, code, message, capsys):
+    fallback = []  # a SIGTERM that reaches this handler was not caught by run_command (and kills no pytest)
+
+    def record(signum, frame):
+        fallback.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, record)
+    try:
+        assert run_command("prog", work, "stopped") == (code, None)
+        assert signal.getsignal(signal.SIGTERM) is record, "run_command did not restore the SIGTERM handler"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not fallback, "the signal reached the handler run_command should have replaced"
+    assert capsys.readouterr().err == message
+
+
+@pytest.mark.timeout(30)
+def test_run_command_restores_the_handlers():
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    seen = {}
+
+    def work():
+        seen.update({s: signal.getsignal(s) for s in before})
+        return "done"
+
+    assert run_command("prog", work) == (0, "done")
+    assert all(seen[s] is not before[s] for s in before), "no handler was installed while the work ran"
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.timeout(30)
+def test_run_command_leaves_an_ignored_sigint_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a shell does for a background job
+    try:
+
+        def work():
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.1)
+            return "finished"
+
+        assert run_command("prog", work) == (0, "finished")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(30)
+def test_run_command_off_the_main_thread(capsys):
+    results = []
+    thread = threading.Thread(target=lambda: results.append(run_command("prog", raise_(KeyboardInterrupt()))))
+    thread.start()
+    thread.join()
+    assert results == [(130, None)]
+    assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+@pytest.mark.timeout(30)
+def test_run_command_never_swallows_an_unexpected_error():
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_command("prog", raise_(RuntimeError("a bug")))
+
+
+# --- SIGTERM during a real export ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_an_export_cleans_up_and_exits_143(stories_dir, tmp_path):
+    script = Path(sys.executable).parent / "paradecode-export"
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [str(script), str(stories_dir / "hf"), "-o", str(out), "--max-seq-len", "32", "-q"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(tmp_path.glob(".out.partial-*")):
+            assert process.poll() is None, (
+                f"the export ended before its staged folder appeared: {process.stderr.read()}"
+            )
+            assert time.monotonic() < deadline, "the staged folder never appeared"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 143, stderr
+    assert "paradecode-export: interrupted; nothing was written (received SIGTERM)" in stderr
+    assert "Traceback" not in stderr
+    assert "wrote" not in stdout
+    assert_nothing_written(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- an output folder that cannot be written -----------------------------------------------------
+
+
+def refuse_model_work(monkeypatch):
+    """The writability check must come before any work on the model."""
+    from paradecode.export import pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model was touched before the output folder was checked")
+
+    monkeypatch.setattr(pipeline, "resolve_model", too_late)
+    monkeypatch.setattr(pipeline, "load_hf_model", too_late)
+
+
+def chmod_is_ignored(folder: Path) -> bool:
+    """True when files can be created in `folder` despite its mode (root, with CAP_DAC_OVERRIDE)."""
+    try:
+        (folder / "probe").touch()
+    except PermissionError:
+        return False
+    (folder / "probe").unlink()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_read_only_parent_is_refused_before_any_work(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        if chmod_is_ignored(parent):
+            pytest.skip(
+                "this process bypasses file modes (root): a chmod 0o555 folder stays writable; "
+                "test_output_under_proc_is_refused_before_any_work covers the refusal with a folder root cannot write"
+            )
+        code, out = run_export([model_dirs["gpt2"], "-o", parent / "deeper" / "out"], capsys)
+    finally:
+        parent.chmod(0o755)
+    assert code == 2, out
+    assert f"{parent} is not writable (Permission denied)" in out and "-o" in out
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    not Path("/proc/self").is_dir(), reason="needs Linux /proc, a folder no user, root included, can create files in"
+)
+def test_output_under_proc_is_refused_before_any_work(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    code, out = run_export([model_dirs["gpt2"], "-o", "/proc/paradecode-test-export/out"], capsys)
+    assert code == 2, out
+    assert "cannot create the output folder /proc/paradecode-test-export/out: /proc is not writable" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.timeout(60)
+def test_output_below_a_file_is_refused(model_dirs, tmp_path, capsys, monkeypatch):
+    refuse_model_work(monkeypatch)
+    (tmp_path / "a-file").write_text("x")
+    code, out = run_export([model_dirs["gpt2"], "-o", tmp_path / "a-file" / "out"], capsys)
+    assert code == 2 and f"{tmp_path / 'a-file'} is a file, not a folder" in out
+
+
+# --- the disk fills up while writing -------------------------------------------------------------
+
+
+def fail_onnx_save(code):
+    def install(monkeypatch):
+        from paradecode.export import pipeline
+
+        def full(model, path):
+            raise OSError(code, os.strerror(code), str(path))
+
+        monkeypatch.setattr(pipeline, "save_onnx", full)
+
+    return install
+
+
+def fail_weights_save(monkeypatch):
+    """safetensors (Rust) reports the OS error as text; this is its message on a full tmpfs."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("install", "reason"),
+    [
+        (fail_onnx_save(errno.ENOSPC), "no space left on device"),
+        (fail_onnx_save(errno.EDQUOT), "disk quota exceeded"),
+        (fail_weights_save, "no space left on device"),
+    ],
+    ids=["onnx-enospc", "onnx-edquot", "weights-enospc"],
+)
+def test_a_full_disk_is_reported_and_leaves_nothing(model_dirs, tmp_path, capsys, monkeypatch, install, reason):
+    install(monkeypatch)
+    out = tmp_path / "deep" / "out"
+    code, message = run_export([model_dirs["gpt2"], "-o", out, *SMALL_EXPORT], capsys)
+    assert code == 1, message
+    assert f"paradecode-export: error: {reason} while writing {out}: the export needs at least " in message
+    assert " MB; free space or choose another -o. Nothing was written." in message
+    assert "Traceback" not in message
+    assert list(tmp_path.iterdir()) == [], "the export left files or the parent folder it created"
+
+
+@pytest.mark.timeout(30)
+def test_other_write_errors_are_not_disguised(tmp_path):
+    from paradecode.export.files import staged_folder
+
+    with pytest.raises(OSError) as raised, staged_folder(tmp_path / "out", force=False) as folder:
+        (folder / "half").write_text("x")
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    assert raised.type is OSError and raised.value.errno == errno.EIO
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(30)
+def test_a_safetensors_error_without_an_os_error_passes_through(tmp_path, monkeypatch):
+    import safetensors.torch
+    import torch
+    from safetensors import SafetensorError
+
+    from paradecode.export.files import save_weights
+
+    def broken(*args, **kwargs):
+        raise SafetensorError("Error while serializing: tensor invalid")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(SafetensorError, match="tensor invalid"):
+        save_weights(tmp_path / "w.safetensors", {"w": torch.zeros(2)}, "float32")
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_while_replacing_puts_the_old_output_back(tmp_path, monkeypatch):
+    from paradecode.export.files import staged_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    real_rename = Path.rename
+
+    def interrupted_publish(self, target):
+        if ".partial-" in self.name:
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted_publish)
+    with pytest.raises(KeyboardInterrupt), staged_folder(out, force=True) as folder:
+        (folder / "new.txt").write_text("new")
+    assert (out / "mine.txt").read_text() == "keep me" and not (out / "new.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --- a broken model folder -----------------------------------------------------------------------
+
+
+def truncate_weights(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+
+
+def reshape_a_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight"
+    weights[key] = weights[key][:-3].clone()  # 80 rows in the config's intermediate_size -> 77
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def garble_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+
+
+BROKEN_MODELS = [
+    pytest.param(
+        truncate_weights,
+        ["model.safetensors is not a readable safetensors file", "truncated", "download or save the model again"],
+        id="truncated-safetensors",
+    ),
+    pytest.param(
+        reshape_a_tensor,
+        [
+            "do not fit its config.json",
+            "model.layers.0.mlp.up_proj.weight has shape (77, 48), the config expects (80, 48)",
+            "save_pretrained",
+        ],
+        id="wrong-tensor-shape",
+    ),
+    pytest.param(
+        garble_tokenizer,
+        ["tokenizer.json is not a usable tokenizer file: the tokenizers library cannot read it", "delete it"],
+        id="garbage-tokenizer",
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("damage", "fragments"), BROKEN_MODELS)
+def test_a_broken_model_folder_is_a_user_error(model_dirs, tmp_path, capsys, damage, fragments):
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    damage(model)
+    code, out = run_export([model, "-o", tmp_path / "out", *SMALL_EXPORT], capsys)
+    assert code == 2, out
+    assert f"paradecode-export: error: {model}" in out or f"the weights in {model}" in out
+    for fragment in fragments:
+        assert fragment in out, out
+    assert "Traceback" not in out
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("damage", "fragments"), BROKEN_MODELS)
+def test_train_heads_refuses_a_broken_model_folder(model_dirs, tmp_path, capsys, damage, fragments):
+    from paradecode.tools import train_heads
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], model)
+    damage(model)
+    code = train_heads.main([str(model), "-o", str(tmp_path / "heads.safetensors"), "--steps", "1"])
+    out = capsys.readouterr().err
+    assert code == 2, out
+    for fragment in fragments:
+        assert fragment in out, out
+    assert not (tmp_path / "heads.safetensors").exists()
