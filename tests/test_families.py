@@ -66,3 +66,22 @@ def test_weight_mapper_checks_shapes():
     mapper = WeightMapper({"a": torch.zeros(2, 3)}, "test")
     with pytest.raises(UnsupportedModelError, match=r"shape \(2, 3\).*expected \(3, 3\)"):
         mapper.take("a", (3, 3))
+
+
+def test_final_norm_and_lm_head_are_the_models_own(family):
+    """The family's final norm makes the model's last hidden state, and its LM head the model's logits."""
+    model = tiny_model(family)
+    adapter = family_for(model.config.model_type)
+    norm, lm_head = adapter.final_norm(model), adapter.lm_head(model)
+    calls = []
+    hook = norm.register_forward_hook(lambda module, args, output: calls.append((args[0], output)))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([[3, 1, 4, 1, 5, 9]]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    assert len(calls) == 1, f"{family}: the module given as the final norm ran {len(calls)} times in a forward pass"
+    before, after = calls[0]
+    torch.testing.assert_close(after, out.hidden_states[-1])
+    with torch.no_grad():
+        torch.testing.assert_close(lm_head(norm(before)), out.logits)

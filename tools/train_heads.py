@@ -75,21 +75,14 @@ def run(args: argparse.Namespace):
     from transformers.utils import logging as hf_logging
 
     from paradecode.export.config import default_exit_layers
-    from paradecode.export.distill import (
-        DEFAULT_PROMPTS,
-        CostModel,
-        HeadsTraining,
-        calibrate,
-        collect,
-        evaluate_heads,
-        greedy_sequences,
-        split_held_out,
-        train_heads,
-    )
     from paradecode.export.families import family_for
     from paradecode.export.heads import save_heads
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
+    from paradecode.tools.heads.calibration import calibrate
+    from paradecode.tools.heads.cost import CostModel
+    from paradecode.tools.heads.data import DEFAULT_PROMPTS, collect, greedy_sequences, split_held_out
+    from paradecode.tools.heads.training import HeadsTraining, Unembedding, evaluate_heads, train_heads
     from paradecode.tools.prompts import read_text_prompts
 
     hf_logging.disable_progress_bar()
@@ -107,6 +100,9 @@ def run(args: argparse.Namespace):
     bad = [e for e in exit_layers if not 1 <= e < spec.num_layers]
     if bad:
         raise UserInputError(f"exit layers {bad} are out of range: choose layers within 1..{spec.num_layers - 1}.")
+    cost = None
+    if not args.use_all_exits:
+        cost = CostModel.estimate(spec) if args.head_cost is None else CostModel(spec.num_layers, args.head_cost)
     tokenizer = load_tokenizer(source.path)
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -149,11 +145,12 @@ def run(args: argparse.Namespace):
         args.steps,
     )
 
-    before = evaluate_heads(model, features, held_out, dict.fromkeys(exit_layers))
+    unembedding = Unembedding.of(model, family)
+    before = evaluate_heads(unembedding, features, held_out, dict.fromkeys(exit_layers))
     transforms, history = train_heads(
-        model, features, held_out, steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed
+        unembedding, features, held_out, steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed
     )
-    after = evaluate_heads(model, features, held_out, transforms)
+    after = evaluate_heads(unembedding, features, held_out, transforms)
     table = {
         e: {
             "untrained": round(float(before[1][e].float().mean()), 4),
@@ -161,11 +158,6 @@ def run(args: argparse.Namespace):
         }
         for e in exit_layers
     }
-    cost = None
-    if not args.use_all_exits:
-        cost = CostModel.estimate(spec)
-        if args.head_cost is not None:
-            cost = CostModel(spec.num_layers, args.head_cost)
     calibration = calibrate(after[0], after[1], args.target_agreement, cost)
     result = HeadsTraining(transforms, table, calibration, data, history)
     metadata = {
@@ -236,12 +228,13 @@ def report(table: dict, calibration: dict) -> None:
     if calibration["cost_model"] is not None:
         best = ", ".join(f"{s['layers']}: {s['speedup']:.2f}x" for s in calibration["subsets"][:4])
         logger.info(
-            "cost model (layer units: head %.2f, merge %.2f): expected speedup by exit layers used: %s",
+            "cost model (layer units: head %.2f, merge %.2f): expected speedup of the best exit-layer sets "
+            "searched: %s",
             calibration["cost_model"]["head"],
             calibration["cost_model"]["merge"],
             best,
         )
-        logger.info("using exit layers %s", calibration["selected_layers"] or "none (no subset is expected to help)")
+        logger.info("using exit layers %s", calibration["selected_layers"] or "none (no set is expected to help)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Architecture families: one small module each, registered by decorator.
 
 A family turns a Hugging Face config and state dict into a `ModelSpec` and the canonical weights
-of `paradecode.graphs.modules`. Adding a family is one file here plus its tiny model in the tests.
+of `paradecode.graphs.modules`, and names the model's final norm and LM head (which trained exit
+heads reuse). Adding a family is one file here plus its tiny model in the tests.
 """
 
 from paradecode.export.families import gpt2, llama, mistral, qwen2, qwen3  # noqa: F401  (registration)

@@ -38,6 +38,20 @@ class Family:
         """The model's weights under the canonical names of `paradecode.graphs.modules`."""
         raise NotImplementedError
 
+    def final_norm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model's final norm, the module between the last decoder layer and the LM head."""
+        raise NotImplementedError
+
+    def lm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model's LM head (the unembedding), which exit heads share with the final head."""
+        head = model.get_output_embeddings()
+        if head is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None); "
+                "exit heads need a causal LM with an LM head (an ...ForCausalLM class)."
+            )
+        return head
+
 
 def register(cls: type[Family]) -> type[Family]:
     """Class decorator: make a family available under its name and its Hugging Face model types."""

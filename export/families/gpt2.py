@@ -47,6 +47,9 @@ class GPT2(Family):
             tie_word_embeddings=bool(config.tie_word_embeddings),
         )
 
+    def final_norm(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.transformer.ln_f
+
     def weights(self, model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
         state = model.state_dict()
         d, ffn = spec.hidden_size, spec.intermediate_size

@@ -47,6 +47,9 @@ class Llama(Family):
     def windows(self, config: Any) -> tuple[int | None, ...]:
         return ()
 
+    def final_norm(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.model.norm
+
     def spec(self, config: Any, model: torch.nn.Module) -> ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         _, rope_scaling = rope_of(model, head_dim)
