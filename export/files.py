@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.graphs.manifest import MANIFEST_NAME, sha256_of
+from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
 from paradecode.graphs.ops import TORCH_DTYPES
 
 
@@ -60,9 +60,10 @@ def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> No
     save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
 
 
-def file_hashes(folder: Path) -> dict[str, str]:
+def file_hashes(folder: Path) -> dict[str, FileRecord]:
+    """The sha256 and size of every file in `folder` but the manifest, by relative POSIX path."""
     return {
-        p.relative_to(folder).as_posix(): sha256_of(p)
+        p.relative_to(folder).as_posix(): FileRecord.of(p)
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST_NAME
     }
