@@ -119,7 +119,7 @@ class OnnxRuntimeBackend(Backend):
             self.sessions[sub.io.name] = session
 
     def _create_session(self, relative: str, stream: int | None = None):
-        path = self.export.path / relative
+        path = self.export.file(relative)
         providers: list = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
             cuda = {"device_id": self.device.index or 0}

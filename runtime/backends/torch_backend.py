@@ -58,7 +58,7 @@ class TorchBackend(Backend):
             raise UserInputError("device 'cuda' was asked for, but torch sees no CUDA GPU. Use --device cpu.")
         from safetensors.torch import load_file
 
-        path = export.path / self.manifest.weights
+        path = export.file(self.manifest.weights)
         try:
             weights = load_file(str(path), device=str(self.device))
         except Exception as err:  # safetensors raises its own error type for a damaged file
