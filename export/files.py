@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain
-from paradecode.graphs.manifest import MANIFEST_NAME, sha256_of
+from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
 from paradecode.graphs.modules import subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.spec import ModelSpec
@@ -138,9 +138,10 @@ def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> No
         raise OSError(code, os.strerror(code), str(path)) from err
 
 
-def file_hashes(folder: Path) -> dict[str, str]:
+def file_hashes(folder: Path) -> dict[str, FileRecord]:
+    """The sha256 and size of every file in `folder` but the manifest, by relative POSIX path."""
     return {
-        p.relative_to(folder).as_posix(): sha256_of(p)
+        p.relative_to(folder).as_posix(): FileRecord.of(p)
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST_NAME
     }

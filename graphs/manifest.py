@@ -2,37 +2,128 @@
 
 `manifest.json` records the model's identity and spec, the export settings (dtype, limits, exit
 layers, head kind, default thresholds), every subgraph with its tensor contract and files, and
-the sha256 of every file in the folder. Readers refuse a manifest of another major format version
-with a message that says how to re-export.
+the sha256 and size of every file in the folder. Readers refuse a manifest of another format
+version with a message that says how to re-export.
+
+A manifest is untrusted input (DESIGN.md §7): reading one checks every field's type, checks the
+subgraphs against the contract `graphs.tensors.export_plan` gives for the recorded settings, checks
+that each subgraph's files are at their canonical paths, and that every path it names is a
+relative path listed in `files` (so every file the runtime opens is hash-checked). Errors name the
+field, what arrived and what was expected.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paradecode.graphs.errors import ManifestError
+from paradecode.graphs.errors import ManifestError, UnsupportedModelError
 from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import SubgraphIO, TensorSpec
+from paradecode.graphs.tensors import BATCH, DTYPES, KINDS, LOGITS, TOKENS, SubgraphIO, TensorSpec, export_plan
+from paradecode.graphs.untrusted import (
+    REEXPORT,
+    FileRecord,
+    check_files,
+    check_relative,
+    json_array,
+    json_field,
+    json_integer,
+    json_number,
+    json_object,
+    json_string,
+    read_bounded,
+    resolve_inside,
+    sha256_of,
+    show,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEAD_KINDS",
+    "MANIFEST_NAME",
+    "NEVER_EXIT",
+    "TOKENIZER_DIR",
+    "WEIGHTS_NAME",
+    "FileRecord",
+    "Manifest",
+    "Subgraph",
+    "engine_path",
+    "onnx_path",
+    "read_manifest",
+    "sha256_of",
+    "verify_files",
+]
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files record {"sha256", "bytes"}; the structure is checked against the contract
+MAX_MANIFEST_BYTES = 16 << 20  # a manifest of a 100-layer model is well under 1 MiB
 WEIGHTS_NAME = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
 NEVER_EXIT = math.inf  # no token ever exits (the overhead test of DESIGN.md §3); stored as null in JSON
 
 
-def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def onnx_path(name: str) -> str:
+    """Where an export keeps subgraph `name`'s ONNX graph."""
+    return f"onnx/{name}.onnx"
+
+
+def engine_path(name: str) -> str:
+    """Where an export keeps subgraph `name`'s TensorRT engine."""
+    return f"engines/{name}.engine"
+
+
+# --- typed reading of the parts ---------------------------------------------------------------
+
+
+def _spec(value: Any) -> ModelSpec:
+    data = json_object(value, "spec")
+    for f in dataclasses.fields(ModelSpec):
+        if f.name not in data:
+            continue
+        item, where = data[f.name], f"spec.{f.name}"
+        if f.name == "sliding_windows":
+            for i, w in enumerate(json_array(item, where)):
+                if w is not None:
+                    json_integer(w, f"{where}[{i}]")
+        elif f.name == "attention_scale":
+            if item is not None:
+                json_number(item, where)
+        elif isinstance(f.default, bool):
+            if not isinstance(item, bool):
+                raise ManifestError(f"{where} is {show(item)}; expected true or false.")
+        elif isinstance(f.default, float):
+            json_number(item, where)
+        elif isinstance(f.default, str) or f.name == "family":
+            json_string(item, where)
+        else:
+            json_integer(item, where)
+    try:
+        return ModelSpec.from_dict(data)
+    except (UnsupportedModelError, TypeError) as err:
+        raise ManifestError(f"spec: {err}") from err
+
+
+def _tensor(value: Any, where: str) -> TensorSpec:
+    data = json_object(value, where)
+    shape = json_array(json_field(data, "shape", f"{where}."), f"{where}.shape")
+    for i, dim in enumerate(shape):
+        if not isinstance(dim, str):
+            json_integer(dim, f"{where}.shape[{i}]")
+        elif dim not in (BATCH, TOKENS):
+            raise ManifestError(f"{where}.shape[{i}] is {show(dim)}; expected an integer, {BATCH!r} or {TOKENS!r}.")
+    return TensorSpec(
+        json_string(json_field(data, "name", f"{where}."), f"{where}.name"),
+        tuple(shape),
+        json_string(json_field(data, "dtype", f"{where}."), f"{where}.dtype"),
+    )
+
+
+# --- the manifest -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -55,15 +146,25 @@ class Subgraph:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Subgraph:
+    def from_dict(cls, value: Any, where: str = "subgraph") -> Subgraph:
+        data = json_object(value, where)
+        layer = json_field(data, "layer", f"{where}.")
+        engine = data.get("engine")
         io = SubgraphIO(
-            data["name"],
-            data["kind"],
-            data["layer"],
-            tuple(TensorSpec.from_dict(t) for t in data["inputs"]),
-            tuple(TensorSpec.from_dict(t) for t in data["outputs"]),
+            json_string(json_field(data, "name", f"{where}."), f"{where}.name"),
+            json_string(json_field(data, "kind", f"{where}."), f"{where}.kind", KINDS),
+            None if layer is None else json_integer(layer, f"{where}.layer"),
+            tuple(
+                _tensor(t, f"{where}.inputs[{i}]")
+                for i, t in enumerate(json_array(json_field(data, "inputs", f"{where}."), f"{where}.inputs"))
+            ),
+            tuple(
+                _tensor(t, f"{where}.outputs[{i}]")
+                for i, t in enumerate(json_array(json_field(data, "outputs", f"{where}."), f"{where}.outputs"))
+            ),
         )
-        return cls(io, data["onnx"], data.get("engine"))
+        onnx = check_relative(json_field(data, "onnx", f"{where}."), f"{where}.onnx")
+        return cls(io, onnx, None if engine is None else check_relative(engine, f"{where}.engine"))
 
 
 @dataclass(frozen=True)
@@ -79,7 +180,7 @@ class Manifest:
     head_kind: str
     thresholds: dict[int, float]
     subgraphs: tuple[Subgraph, ...]
-    files: dict[str, str] = field(default_factory=dict)
+    files: dict[str, FileRecord] = field(default_factory=dict)
     tokenizer: tuple[str, ...] = ()
     weights: str = WEIGHTS_NAME
     tensorrt: dict[str, Any] | None = None
@@ -92,6 +193,16 @@ class Manifest:
             if sub.io.name == name:
                 return sub
         raise ManifestError(f"the manifest has no subgraph {name!r}; it has {[s.io.name for s in self.subgraphs]}")
+
+    @property
+    def with_logits(self) -> bool:
+        """Whether the heads also output full logits (the final head's outputs say)."""
+        return any(s.io.kind == "final" and LOGITS in s.io.output_names for s in self.subgraphs)
+
+    @property
+    def fused_exits(self) -> bool:
+        """Whether the export has fused layer + exit head graphs (`layer_exit_e`)."""
+        return any(s.io.kind == "layer_exit" for s in self.subgraphs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,37 +225,185 @@ class Manifest:
             "weights": self.weights,
             "tokenizer": list(self.tokenizer),
             "tensorrt": self.tensorrt,
-            "files": dict(sorted(self.files.items())),
+            "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        limits = data["limits"]
-        return cls(
-            model=data["model"],
-            spec=ModelSpec.from_dict(data["spec"]),
-            dtype=data["dtype"],
-            max_seq_len=limits["max_seq_len"],
-            max_batch=limits["max_batch"],
-            max_unverified=limits["max_unverified"],
-            opset=data["opset"],
-            exit_layers=tuple(data["exit_layers"]),
-            head_kind=data["head_kind"],
-            thresholds={int(k): (NEVER_EXIT if v is None else float(v)) for k, v in data["thresholds"].items()},
-            subgraphs=tuple(Subgraph.from_dict(s) for s in data["subgraphs"]),
-            files=dict(data.get("files", {})),
-            tokenizer=tuple(data.get("tokenizer", ())),
-            weights=data.get("weights", WEIGHTS_NAME),
-            tensorrt=data.get("tensorrt"),
-            calibration=data.get("calibration"),
-            paradecode_version=data.get("paradecode_version", "unknown"),
-            format_version=data["format_version"],
+    def from_dict(cls, value: Any) -> Manifest:
+        """Read a manifest's JSON object, checking every field's type and the whole against the contract."""
+        data = json_object(value, "the manifest")
+        limits = json_object(json_field(data, "limits", ""), "limits")
+        model = json_object(json_field(data, "model", ""), "model")
+        spec = _spec(json_field(data, "spec", ""))
+        exit_layers = tuple(
+            json_integer(e, f"exit_layers[{i}]")
+            for i, e in enumerate(json_array(json_field(data, "exit_layers", ""), "exit_layers"))
         )
+        manifest = cls(
+            model=model,
+            spec=spec,
+            dtype=json_string(json_field(data, "dtype", ""), "dtype", DTYPES),
+            max_seq_len=json_integer(json_field(limits, "max_seq_len", "limits."), "limits.max_seq_len"),
+            max_batch=json_integer(json_field(limits, "max_batch", "limits."), "limits.max_batch"),
+            max_unverified=json_integer(json_field(limits, "max_unverified", "limits."), "limits.max_unverified"),
+            opset=json_integer(json_field(data, "opset", ""), "opset"),
+            exit_layers=exit_layers,
+            head_kind=json_string(json_field(data, "head_kind", ""), "head_kind", HEAD_KINDS),
+            thresholds=_thresholds(json_field(data, "thresholds", "")),
+            subgraphs=tuple(
+                Subgraph.from_dict(s, f"subgraphs[{i}]")
+                for i, s in enumerate(json_array(json_field(data, "subgraphs", ""), "subgraphs"))
+            ),
+            files={
+                check_relative(name, "a files key"): FileRecord.from_dict(record, f"files[{name!r}]")
+                for name, record in json_object(json_field(data, "files", ""), "files").items()
+            },
+            tokenizer=tuple(
+                check_relative(p, f"tokenizer[{i}]")
+                for i, p in enumerate(json_array(data.get("tokenizer", []), "tokenizer"))
+            ),
+            weights=check_relative(data.get("weights", WEIGHTS_NAME), "weights"),
+            tensorrt=_tensorrt(data.get("tensorrt")),
+            calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
+            paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
+            format_version=json_integer(json_field(data, "format_version", ""), "format_version"),
+        )
+        manifest.check_contract()
+        return manifest
+
+    def check_contract(self) -> None:
+        """Check the settings, the subgraph list and the named files against the contract (DESIGN.md §4)."""
+        spec, last = self.spec, self.spec.num_layers
+        if self.max_seq_len > spec.max_position_embeddings:
+            raise ManifestError(
+                f"limits.max_seq_len is {self.max_seq_len}; expected at most the model's "
+                f"max_position_embeddings ({spec.max_position_embeddings}, from spec)."
+            )
+        if not self.exit_layers or list(self.exit_layers) != sorted(set(self.exit_layers)):
+            raise ManifestError(
+                f"exit_layers is {list(self.exit_layers)}; expected distinct layers in increasing order, at least one."
+            )
+        outside = [e for e in self.exit_layers if not 1 <= e < last]
+        if outside:
+            raise ManifestError(
+                f"exit_layers has {outside}, outside 1..{last - 1}: an exit head sits after a layer below the "
+                f"last of the model's {last} layers."
+            )
+        if set(self.thresholds) != set(self.exit_layers):
+            raise ManifestError(
+                f"thresholds has layers {sorted(self.thresholds)}; expected one per exit layer "
+                f"{list(self.exit_layers)}."
+            )
+        eos = self.model.get("eos_token_id")
+        if isinstance(eos, list):
+            for i, token in enumerate(eos):
+                json_integer(token, f"model.eos_token_id[{i}]", minimum=0)
+        elif eos is not None:
+            json_integer(eos, "model.eos_token_id", minimum=0)
+        self._check_subgraphs()
+        self._check_named_files()
+
+    def _check_subgraphs(self) -> None:
+        settings = dict(
+            dtype=self.dtype,
+            max_seq_len=self.max_seq_len,
+            max_batch=self.max_batch,
+            with_logits=self.with_logits,
+            fused_exits=self.fused_exits,
+        )
+        plan = export_plan(self.spec, self.exit_layers, **settings)
+        contract = (
+            f"the contract for {self.spec.num_layers} layers, exit layers {list(self.exit_layers)}, "
+            + ", ".join(f"{k} {v}" for k, v in settings.items())
+        )
+        expected, listed = [io.name for io in plan], [s.io.name for s in self.subgraphs]
+        if listed != expected:
+            missing = [n for n in expected if n not in listed]
+            unexpected = [n for n in listed if n not in expected]
+            repeated = sorted({n for n in listed if listed.count(n) > 1})
+            if missing or unexpected:
+                detail = f"missing {missing}, unexpected {unexpected}"
+            else:
+                detail = f"repeated {repeated}" if repeated else "in another order"
+            raise ManifestError(f"subgraphs lists {listed}; {contract} has {expected} ({detail}).")
+        for i, (io, sub) in enumerate(zip(plan, self.subgraphs)):
+            where = f"subgraphs[{i}] ({io.name})"
+            difference = _difference(io, sub.io)
+            if difference:
+                raise ManifestError(f"{where}: {difference}; {contract}.")
+            if sub.onnx != onnx_path(io.name):
+                raise ManifestError(f"{where}.onnx is {show(sub.onnx)}; expected {onnx_path(io.name)!r}.")
+            if sub.engine is not None and sub.engine != engine_path(io.name):
+                raise ManifestError(f"{where}.engine is {show(sub.engine)}; expected {engine_path(io.name)!r}.")
+
+    def _check_named_files(self) -> None:
+        named = [("weights", self.weights)]
+        named += [(f"tokenizer[{i}]", p) for i, p in enumerate(self.tokenizer)]
+        for i, sub in enumerate(self.subgraphs):
+            named.append((f"subgraphs[{i}].onnx", sub.onnx))
+            if sub.engine is not None:
+                named.append((f"subgraphs[{i}].engine", sub.engine))
+        for where, path in named:
+            if where.startswith("tokenizer") and not path.startswith(f"{TOKENIZER_DIR}/"):
+                raise ManifestError(f"{where} is {show(path)}; expected a file in {TOKENIZER_DIR}/.")
+            if path not in self.files:
+                raise ManifestError(
+                    f"{where} is {show(path)}, which files does not list: every file the runtime opens must have "
+                    "its sha256 and size in files."
+                )
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_NAME
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
+
+
+def _thresholds(value: Any) -> dict[int, float]:
+    thresholds = {}
+    for key, item in json_object(value, "thresholds").items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ManifestError(f"thresholds has the key {show(key)}; expected exit layer numbers.")
+        if item is None:
+            thresholds[int(key)] = NEVER_EXIT
+            continue
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0.0 <= item <= 1.0:
+            raise ManifestError(f"thresholds[{key!r}] is {show(item)}; expected a number in [0, 1] or null (never).")
+        thresholds[int(key)] = float(item)
+    return thresholds
+
+
+def _tensorrt(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    data = json_object(value, "tensorrt")
+    json_string(json_field(data, "version", "tensorrt."), "tensorrt.version")
+    json_string(json_field(data, "gpu", "tensorrt."), "tensorrt.gpu")
+    for i, item in enumerate(json_array(json_field(data, "token_ranges", "tensorrt."), "tensorrt.token_ranges")):
+        where = f"tensorrt.token_ranges[{i}]"
+        bounds = [json_integer(b, f"{where}[{j}]") for j, b in enumerate(json_array(item, where))]
+        if len(bounds) != 3 or not bounds[0] <= bounds[1] <= bounds[2]:
+            raise ManifestError(f"{where} is {show(item)}; expected [min, opt, max] with min <= opt <= max.")
+    return data
+
+
+def _difference(expected: SubgraphIO, actual: SubgraphIO) -> str | None:
+    """The first way `actual` differs from the contract `expected`, in words; None if it does not."""
+    for attr in ("kind", "layer"):
+        if getattr(actual, attr) != getattr(expected, attr):
+            return f"{attr} is {show(getattr(actual, attr))}, the contract has {getattr(expected, attr)!r}"
+    for side in ("inputs", "outputs"):
+        ours, theirs = getattr(expected, side), getattr(actual, side)
+        if [t.name for t in theirs] != [t.name for t in ours]:
+            return f"{side} are {[t.name for t in theirs]}, the contract has {[t.name for t in ours]}"
+        for want, got in zip(ours, theirs):
+            if got.shape != want.shape:
+                return f"{side[:-1]} {got.name} has shape {list(got.shape)}, the contract has {list(want.shape)}"
+            if got.dtype != want.dtype:
+                return f"{side[:-1]} {got.name} has dtype {show(got.dtype)}, the contract has {want.dtype!r}"
+    return None
+
+
+# --- reading an export folder's manifest and files --------------------------------------------
 
 
 def read_manifest(folder: str | Path) -> Manifest:
@@ -156,34 +415,28 @@ def read_manifest(folder: str | Path) -> Manifest:
             f"{folder} is not a paradecode export: it has no {MANIFEST_NAME}. "
             "Create one with `paradecode-export MODEL -o DIR`."
         )
+    raw = read_bounded(resolve_inside(folder.resolve(), MANIFEST_NAME, MANIFEST_NAME), str(path), MAX_MANIFEST_BYTES)
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ManifestError(f"{path} is not valid JSON ({err}); re-export the model.") from err
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ManifestError(f"{path} is not valid JSON ({type(err).__name__}: {err}). {REEXPORT}") from err
     version = data.get("format_version") if isinstance(data, dict) else None
     if version != FORMAT_VERSION:
+        why = " (version 1 records no file sizes, which are needed to check files safely)" if version == 1 else ""
         raise ManifestError(
-            f"{path} has manifest format version {version!r}; this paradecode reads version "
-            f"{FORMAT_VERSION}. Re-export the model with this version: `paradecode-export MODEL -o DIR --force`."
+            f"{path} has manifest format version {show(version)}; this paradecode reads version "
+            f"{FORMAT_VERSION}{why}. Re-export the model with this version: `paradecode-export MODEL -o DIR --force`."
         )
     try:
         return Manifest.from_dict(data)
-    except (KeyError, TypeError, ValueError) as err:
+    except ManifestError as err:
         raise ManifestError(
-            f"{path} is incomplete or malformed ({type(err).__name__}: {err}); re-export the model."
+            f"{path} does not describe a valid export: {err} It was not written by this paradecode or was "
+            f"modified since. {REEXPORT}"
         ) from err
 
 
-def verify_files(folder: str | Path, manifest: Manifest) -> None:
-    """Check that every file the manifest lists exists and has its recorded sha256."""
-    folder = Path(folder)
-    missing = [name for name in manifest.files if not (folder / name).is_file()]
-    if missing:
-        raise ManifestError(f"{folder} is missing files the manifest lists: {missing}. Re-export the model.")
-    for name, digest in manifest.files.items():
-        actual = sha256_of(folder / name)
-        if actual != digest:
-            raise ManifestError(
-                f"{folder / name} is corrupt: sha256 {actual[:16]}... does not match the manifest's "
-                f"{digest[:16]}.... Re-export the model."
-            )
+def verify_files(folder: str | Path, manifest: Manifest, *, hashed: bool = True) -> None:
+    """Check that every file the manifest lists is inside `folder`, a regular file of its recorded
+    size and, with `hashed`, of its recorded sha256 (reading at most its size plus one block)."""
+    check_files(Path(folder), manifest.files, hashed=hashed)

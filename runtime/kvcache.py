@@ -32,9 +32,6 @@ class KVCache:
         """Key and value buffers of `layer` (1-based)."""
         return self.keys[layer - 1], self.values[layer - 1]
 
-    def length(self, layer: int) -> int:
-        return self.lengths[layer - 1]
-
     def written(self, layer: int, end: int) -> None:
         """Record that `layer` now holds positions 0 .. end-1."""
         if end > self.capacity:

@@ -1,4 +1,4 @@
-"""Lanes: ordered queues of calls, run concurrently, with events ordering calls across lanes.
+"""Lanes: ordered queues of calls, run concurrently.
 
 On a CPU a lane is a worker thread (onnxruntime and torch release the GIL while they compute, so
 two lanes are real parallelism); on a GPU a lane also owns a CUDA stream, and a call counts as done
@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +42,7 @@ class Future:
 
 
 class Lane:
-    """A worker thread running submitted calls in order; each call may first wait for other calls' futures."""
+    """A worker thread running submitted calls in order."""
 
     def __init__(self, name: str, stream: Any = None):
         self.name = name
@@ -52,9 +51,9 @@ class Lane:
         self._thread = threading.Thread(target=self._run, name=f"paradecode-lane-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, after: Iterable[Future] = ()) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         future = Future()
-        self._queue.put((fn, args, tuple(after), future))
+        self._queue.put((fn, args, future))
         return future
 
     def _run(self) -> None:
@@ -62,10 +61,8 @@ class Lane:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args, after, future = item
+            fn, args, future = item
             try:
-                for dependency in after:
-                    dependency.wait()
                 with self.context():
                     result = fn(*args)
                     self.synchronize()
@@ -114,11 +111,3 @@ class Timeline:
             self.busy[lane] = self.busy.get(lane, 0.0) + end - start
             if self.record_spans:
                 self.spans.append(Span(lane, name, start, end, positions))
-
-    @contextlib.contextmanager
-    def call(self, lane: str, name: str, positions: tuple[int, int]):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(lane, name, start, time.perf_counter(), positions)

@@ -1,4 +1,4 @@
-"""The lane and event machinery: order within a lane, events across lanes, real concurrency, errors."""
+"""The lane machinery: order within a lane, real concurrency, errors."""
 
 import threading
 
@@ -22,16 +22,6 @@ def test_calls_on_one_lane_run_in_order(lanes):
     assert seen == list(range(20))
 
 
-def test_an_event_orders_calls_across_lanes(lanes):
-    seen = []
-    gate = threading.Event()
-    first = lanes[0].submit(lambda: (gate.wait(5), seen.append("a")))
-    second = lanes[1].submit(seen.append, "b", after=[first])
-    gate.set()
-    second.wait(5)
-    assert seen == ["a", "b"]
-
-
 def test_lanes_run_concurrently(lanes):
     """Each call waits for the other to start: only possible if both lanes run at the same time."""
     started = [threading.Event(), threading.Event()]
@@ -52,9 +42,6 @@ def test_an_error_reaches_the_waiter_and_the_lane_keeps_working(lanes):
     with pytest.raises(ValueError, match="boom"):
         failed.wait(5)
     assert lanes[0].submit(lambda: 42).wait(5) == 42
-    dependent = lanes[1].submit(lambda: "never", after=[failed])
-    with pytest.raises(ValueError, match="boom"):
-        dependent.wait(5)
 
 
 def test_future_timeout():
@@ -66,8 +53,8 @@ def test_timeline_accounts_busy_time_per_lane():
     timeline = Timeline(record_spans=True)
     timeline.add("main", "layer_1", 1.0, 1.5, (0, 1))
     timeline.add("side1", "layer_2", 1.2, 1.4, (0, 1))
-    with timeline.call("main", "final", (0, 1)):
-        pass
-    assert timeline.calls == 3 and len(timeline.spans) == 3
+    timeline.add("main", "final", 1.5, 1.75, (0, 1))
+    timeline.add("phases", "prefill", 1.0, 1.75, (0, 1))  # a phase is recorded, not counted as a call
+    assert timeline.calls == 3 and len(timeline.spans) == 4
     assert timeline.busy["side1"] == pytest.approx(0.2)
-    assert timeline.busy["main"] >= 0.5
+    assert timeline.busy["main"] == pytest.approx(0.75)
