@@ -114,6 +114,12 @@ class OnnxRuntimeBackend(Backend):
                 [o.name for o in session.get_outputs()],
                 f"the ONNX graph {sub.onnx}",
             )
+            graph = session.get_modelmeta().graph_name
+            if graph != sub.io.name:  # another subgraph's file at this one's path, its hash updated
+                raise ManifestError(
+                    f"{sub.onnx} holds the graph {graph!r}, expected {sub.io.name!r}. The export is inconsistent: "
+                    "re-export the model."
+                )
             self.sessions[sub.io.name] = session
 
     def _create_session(self, relative: str, stream: int | None = None):
