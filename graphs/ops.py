@@ -86,7 +86,15 @@ def attention(
     Query heads are grouped by the key/value head they share, so the cache is never expanded or
     copied. Slot s is visible to the query at position p iff s <= p (and p - s < window for a
     sliding window); slots past the current length are masked whatever they hold.
+
+    Only the slots up to the highest position are read (in the exported graph a Slice whose end is
+    computed from the positions), so a call costs what the sequence so far needs, not what the
+    cache's fixed length would. On CUDA the eager path reads the whole cache instead: the slice's
+    length would need a device-to-host copy, which CUDA graphs cannot capture.
     """
+    if torch.onnx.is_in_onnx_export() or key_cache.device.type == "cpu":
+        span = positions.max() + 1
+        key_cache, value_cache = key_cache[:, :, :span], value_cache[:, :, :span]
     batch, heads, tokens, dim = q.shape
     kv_heads, slots = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads

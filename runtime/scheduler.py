@@ -22,7 +22,7 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
 - Lane 0 is the calling thread. It runs `run()`, makes every decision (exits, verification,
   rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
-- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `fused`, `K`,
+- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
   `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
 - Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `exit_layer_of`,
   `waited`.
@@ -87,8 +87,11 @@ class ParaDecoder:
         self.prompt = list(prompt)
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
+        names = ctx.backend.subgraph_names
+        # Each exit layer's head: its trained head, else the model's own final norm and unembedding (`final`).
+        self.exit_head = {e: f"exit_{e}" if f"exit_{e}" in names else "final" for e in self.thresholds}
         # Exit layers whose layer and head the export also fused into one graph (one call, not two).
-        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in ctx.backend.subgraph_names}
+        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in names}
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
@@ -273,7 +276,7 @@ class ParaDecoder:
         if out is None:
             if not self.may_exit(group.end):
                 return
-            out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
+            out = self.ctx.head(MAIN, self.exit_head[layer], group.hidden[:, -1:], group.end - 1)
         if self.exit_policy is not None:
             token = self.exit_policy(group.end - 1, layer, out)
             if token is None:
