@@ -305,6 +305,7 @@ class ParaDecodeModel:
                 side_lanes=self.side_lanes,
                 eos_token_ids=eos,
                 exit_policy=exit_policy,
+                lookup=config.lookup_config(),
             ).run()
         text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
         tokens, margins = [], []
