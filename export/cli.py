@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
     parser.add_argument(
-        "--no-fused-exits",
+        "--fused-exits",
         action="store_true",
-        help="do not write layer_exit_e graphs (layer e and its exit head in one call)",
+        help="also write layer_exit_e graphs (layer e and its trained exit head in one graph: one call instead "
+        "of two, worth it where per-call overhead rivals a layer's compute; holds a second copy of layer e)",
     )
     parser.add_argument(
         "--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)"
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             engine=args.engine,
             force=args.force,
             with_logits=args.with_logits,
-            fused_exits=not args.no_fused_exits,
+            fused_exits=args.fused_exits,
             cache_dir=args.cache_dir,
         )
         return export_model(config)
