@@ -100,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="onnx",
         help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)",
     )
-    parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
+    parser.add_argument(
+        "--no-logits",
+        action="store_true",
+        help="heads output no logits (top-1 token and probability only): such an export decodes greedily but "
+        "cannot sample",
+    )
     parser.add_argument(
         "--fused-exits",
         action="store_true",
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             opset=args.opset,
             engine=args.engine,
             force=args.force,
-            with_logits=args.with_logits,
+            with_logits=not args.no_logits,
             fused_exits=args.fused_exits,
             cache_dir=args.cache_dir,
         )
