@@ -24,7 +24,7 @@ import torch
 from paradecode.export import cli
 from paradecode.export.known_models import KNOWN_MODELS, KnownModel
 from paradecode.graphs.errors import MissingDependencyError, UserInputError
-from tests.parity import assert_same_tokens
+from tests.parity import assert_same_tokens, export_scorer, hf_scorer
 from tests.tiny_gguf import BOS_ID, CHAT_TEMPLATE, EOS_ID, TinyLlama, permute_for_gguf, write_tiny_gguf
 
 pytest.importorskip("gguf", reason="the gguf package is needed to write and read GGUF files (paradecode[gguf])")
@@ -132,11 +132,13 @@ def test_runtime_output_equals_transformers_generate_on_the_gguf_model(tiny, exp
     assert len(set(expected)) > 4, f"the tiny model's greedy output is too uniform to test parity: {expected}"
     with load(exported[0], backend="onnxruntime") as model:
         ar = model.generate(text, max_new_tokens=new_tokens, mode="ar", ignore_eos=True)
-        assert_same_tokens(ar.token_ids, expected, ar.margins, "gguf export ar vs transformers")
+        score = hf_scorer(reference_model)
+        assert_same_tokens(ar.token_ids, expected, "gguf export ar vs transformers", prompt=prompt, score=score)
         for threshold in (0.0, 0.5):
             settings = dict(mode="paradecode", thresholds=threshold, overlap="both", ignore_eos=True)
             result = model.generate(text, max_new_tokens=new_tokens, **settings)
-            assert_same_tokens(result.token_ids, ar.token_ids, result.margins, f"paradecode {threshold} vs ar")
+            what = f"paradecode {threshold} vs ar"
+            assert_same_tokens(result.token_ids, ar.token_ids, what, prompt=prompt, score=export_scorer(model))
 
 
 # --- (c) identity ------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ def test_heads_trained_on_the_gguf_model_match_its_export(tiny, exported, tmp_pa
         [str(path), "-o", str(heads), "--exit-layers", "1,2", "--new-tokens", "6", "--steps", "3", "--use-all-exits"]
     )
     assert code == 0
-    transforms, metadata = load_heads(heads)
+    transforms, metadata, _ = load_heads(heads)
     manifest = read_manifest(exported[0])
     assert metadata["base_weights_sha256"] == manifest.model["weights_sha256"]
     assert metadata["base_model"] == str(path)
