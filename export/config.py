@@ -29,7 +29,9 @@ class ExportConfig:
     engine: str = "onnx"
     force: bool = False
     with_logits: bool = False
-    fused_exits: bool = True  # also write layer_exit_e (layer e + exit head e in one graph)
+    # Also write layer_exit_e (layer e and its trained exit head in one graph): one call instead of two, for
+    # models whose per-call overhead rivals a layer's compute; it holds a second copy of layer e and the head.
+    fused_exits: bool = False
     cache_dir: Path | None = None  # TensorRT engine and timing caches; None: ~/.cache/paradecode
 
     def __post_init__(self) -> None:

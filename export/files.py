@@ -18,7 +18,6 @@ import torch
 
 from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain
 from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
-from paradecode.graphs.modules import subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO
@@ -101,14 +100,10 @@ def megabytes(size: int) -> str:
 
 
 def export_bytes(spec: ModelSpec, plan: list[SubgraphIO], weights: dict[str, torch.Tensor], dtype: str) -> int:
-    """About how many bytes an export takes: each subgraph's ONNX file holds its own weights, and the
-    torch backend's weights file holds them all once more (TensorRT engines come on top)."""
+    """About how many bytes an export takes: the weights file holds every weight once and the ONNX graphs
+    point into it (TensorRT engines, which hold their own weights, come on top)."""
     itemsize = TORCH_DTYPES[dtype].itemsize
-
-    def size(tensors) -> int:
-        return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
-
-    return size(weights.values()) + sum(size(subgraph_state(spec, io, weights).values()) for io in plan)
+    return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for t in weights.values())
 
 
 def publishable(folder: Path) -> None:
@@ -120,12 +115,16 @@ def publishable(folder: Path) -> None:
 
 
 def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> None:
-    """Canonical weights for the torch backend, in the export dtype (rotary frequencies stay float32)."""
+    """The export's one weights file: every canonical weight once, in the export dtype (rotary frequencies
+    stay float32, token ids int64). The torch backend loads it; every ONNX graph points into it."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     cast = {
-        k: (v if k == "rope.inv_freq" else v.to(TORCH_DTYPES[dtype])).detach().contiguous().clone()
+        k: (v if k == "rope.inv_freq" or not v.is_floating_point() else v.to(TORCH_DTYPES[dtype]))
+        .detach()
+        .contiguous()
+        .clone()
         for k, v in weights.items()
     }
     try:

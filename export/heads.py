@@ -1,9 +1,10 @@
 """The trained exit-heads file: one d x d transform per exit layer, plus where it came from.
 
 A heads file is a safetensors file with tensors ``exits.{e}.transform`` ([D, D], applied before the
-final norm and the frozen unembedding) and a JSON metadata entry naming the base model (its weights
-hash), the exit layers and how the heads were trained. `paradecode-export --heads` refuses heads
-made for another model.
+final norm and the frozen unembedding), optionally ``exits.vocab`` (int64 [N]: the token ids of the
+heads' reduced vocabulary; the export takes their rows of the unembedding), and a JSON metadata entry
+naming the base model (its weights hash), the exit layers and how the heads were trained.
+`paradecode-export --heads` refuses heads made for another model.
 """
 
 from __future__ import annotations
@@ -20,22 +21,31 @@ from paradecode.graphs.spec import ModelSpec
 
 FORMAT = "paradecode-heads/1"
 KEY = re.compile(r"^exits\.(\d+)\.transform$")
+VOCAB = "exits.vocab"
 
 
-def save_heads(path: str | Path, transforms: dict[int, torch.Tensor], metadata: dict[str, Any]) -> Path:
-    """Write heads atomically (a temporary name renamed at the end)."""
+def save_heads(
+    path: str | Path,
+    transforms: dict[int, torch.Tensor],
+    metadata: dict[str, Any],
+    vocab: torch.Tensor | None = None,
+) -> Path:
+    """Write heads atomically (a temporary name renamed at the end); `vocab`: a reduced vocabulary's token ids."""
     from safetensors.torch import save_file
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {f"exits.{e}.transform": t.detach().to(torch.float32).contiguous() for e, t in sorted(transforms.items())}
+    if vocab is not None:
+        tensors[VOCAB] = vocab.detach().to(torch.int64).contiguous()
     meta = dict(metadata, exit_layers=sorted(transforms))
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "metadata": json.dumps(meta)})
     tmp.replace(path)
     return path
 
 
-def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
+def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any], torch.Tensor | None]:
+    """(transforms by exit layer, metadata, the reduced vocabulary's token ids or None)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -51,13 +61,19 @@ def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any
         raise UserInputError(
             f"--heads {path} is not a paradecode heads file (format {header.get('format')!r}, expected {FORMAT!r})."
         )
+    vocab = tensors.pop(VOCAB, None)
+    if vocab is not None and (vocab.dtype != torch.int64 or vocab.dim() != 1 or len(vocab) < 2):
+        raise UserInputError(
+            f"--heads {path}: {VOCAB} must be a list of at least 2 int64 token ids, got {vocab.dtype} "
+            f"{list(vocab.shape)}."
+        )
     transforms = {}
     for key, tensor in tensors.items():
         match = KEY.match(key)
         if not match:
             raise UserInputError(f"--heads {path} has an unexpected tensor {key!r}.")
         transforms[int(match.group(1))] = tensor
-    return transforms, json.loads(header.get("metadata", "{}"))
+    return transforms, json.loads(header.get("metadata", "{}")), vocab
 
 
 def check_heads(

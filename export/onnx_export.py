@@ -4,14 +4,17 @@ Tracing a decoder layer costs seconds, and every layer of a model has the same g
 weights (and its sliding window). So each distinct structure is traced once, from a module with
 random weights, and becomes a `GraphTemplate`: its initializers are matched, by value, to the
 parameters they came from (as is, or transposed by the exporter's optimizer). Instantiating the
-template for a layer writes that layer's weights into those initializers. Every instantiated
-graph is then validated against its own PyTorch module like any other (see `validate.py`).
+template for a layer points those initializers at that layer's weights in the export's one weights
+file (ONNX external data): every weight is stored once on disk, however many graphs read it, and
+onnxruntime maps it from there. Every instantiated graph is then validated against its own PyTorch
+module like any other (see `validate.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io as _io
+import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -35,13 +38,13 @@ ONNX_DTYPES = {
     TensorProto.INT32: torch.int32,
     TensorProto.BOOL: torch.bool,
 }
+ONNX_ITEMSIZE = {code: dtype.itemsize for code, dtype in ONNX_DTYPES.items()}
 DTYPE_NAMES = {
     TensorProto.FLOAT: "float32",
     TensorProto.FLOAT16: "float16",
     TensorProto.BFLOAT16: "bfloat16",
     TensorProto.INT64: "int64",
 }
-EXTERNAL_DATA_BYTES = 1 << 30  # graphs above 1 GiB keep their weights in a side file (protobuf's limit is 2 GiB)
 SMALL_CONSTANT = 64  # unmatched float initializers up to this size are structural constants (scales, eps)
 
 
@@ -127,57 +130,119 @@ def tensor_of(init: TensorProto) -> torch.Tensor:
     return torch.from_numpy(numpy_helper.to_array(init).copy())
 
 
-def initializer_of(name: str, tensor: torch.Tensor, data_type: int) -> TensorProto:
-    tensor = tensor.detach().to(ONNX_DTYPES[data_type]).contiguous()
-    proto = TensorProto(name=name, data_type=data_type, dims=list(tensor.shape))
-    proto.raw_data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one canonical weight lies in the export's weights file (a safetensors file)."""
+
+    location: str  # the file's name, relative to the folder of the graphs that read it
+    offset: int  # of the tensor's first byte in the file
+    length: int  # bytes
+    shape: tuple[int, ...]
+
+
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors file with its byte range, from the file's header."""
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+    start = 8 + header_bytes
+    return {
+        name: StoredTensor(
+            path.name,
+            start + info["data_offsets"][0],
+            info["data_offsets"][1] - info["data_offsets"][0],
+            tuple(info["shape"]),
+        )
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def external_initializer(name: str, data_type: int, dims, stored: StoredTensor) -> TensorProto:
+    proto = TensorProto(name=name, data_type=data_type, dims=list(dims))
+    proto.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", stored.location), ("offset", str(stored.offset)), ("length", str(stored.length))):
+        entry = proto.external_data.add()
+        entry.key, entry.value = key, value
     return proto
 
 
 @dataclass
 class GraphTemplate:
-    """A traced graph whose weight initializers can be refilled from another module of the same structure."""
+    """A traced graph whose weight initializers are matched to the module parameters they came from.
+
+    `sources` maps an initializer to its parameter (or buffer) and whether the exporter transposed it.
+    `foreign` lists float initializers larger than SMALL_CONSTANT that match no parameter (folded from
+    weights, say): a graph with such initializers cannot serve other subgraphs as a template.
+    """
 
     model: onnx.ModelProto
     sources: dict[str, tuple[str, bool]]  # initializer name -> (parameter/buffer name, transposed)
+    foreign: list[str]
 
     @classmethod
-    def trace(cls, module: torch.nn.Module, io: SubgraphIO, **export_args) -> GraphTemplate | None:
-        """Trace `module` (random weights, so every parameter's values are unique) into a template.
+    def trace(cls, module: torch.nn.Module, io: SubgraphIO, **export_args) -> GraphTemplate:
+        """Trace `module` and match its initializers to its parameters by value.
 
-        Initializers that match no parameter must be structural constants, the same for every
-        subgraph of this structure: integer ones (shapes, slot indices) or small float ones (scales).
-        Returns None when a larger float initializer matches no parameter (it might have been folded
-        from weights): the structure is then traced for every subgraph instead.
+        Traced from random weights, every parameter's values are unique, so the match is exact and
+        the template serves every subgraph of the same structure. Initializers that match no parameter
+        must be structural constants, the same for every subgraph of the structure: integer ones
+        (shapes, slot indices) or small float ones (scales).
         """
         model = onnx_from_module(module, io, **export_args)
         state = {k: v.detach() for k, v in module.state_dict().items()}
         sources: dict[str, tuple[str, bool]] = {}
+        foreign = []
         for init in model.graph.initializer:
             value = tensor_of(init)
             match = _find_source(value, state)
             if match is not None:
                 sources[init.name] = match
             elif value.is_floating_point() and value.numel() > SMALL_CONSTANT:
-                logger.debug(
-                    "%s: initializer %s (%s) has no source parameter; not templating",
-                    io.name,
-                    init.name,
-                    tuple(value.shape),
-                )
-                return None
-        return cls(model, sources)
+                logger.debug("%s: initializer %s (%s) has no source parameter", io.name, init.name, tuple(value.shape))
+                foreign.append(init.name)
+        return cls(model, sources, foreign)
 
-    def instantiate(self, module: torch.nn.Module, io: SubgraphIO) -> onnx.ModelProto:
-        state = {k: v.detach() for k, v in module.state_dict().items()}
+    def instantiate(
+        self, io: SubgraphIO, canonical: dict[str, str], stored: dict[str, StoredTensor]
+    ) -> onnx.ModelProto:
+        """This graph for subgraph `io`, its weights read from the weights file.
+
+        `canonical` maps the module's parameter names to the canonical weight names (`graphs.modules`),
+        `stored` says where each canonical weight lies in the weights file. Every matched initializer
+        becomes an external reference into that file (one copy of each weight on disk, whichever graphs
+        read it); one the exporter had transposed reads the stored layout through a Transpose node, which
+        onnxruntime folds when it loads the graph.
+        """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
-        for init in model.graph.initializer:
-            if init.name in self.sources:
-                source, transposed = self.sources[init.name]
-                value = state[source].t() if transposed else state[source].reshape(tuple(init.dims))
-                init.CopyFrom(initializer_of(init.name, value, init.data_type))
-        model.graph.name = io.name
+        graph = model.graph
+        kept, transposes = [], []
+        for init in graph.initializer:
+            if init.name not in self.sources:
+                kept.append(init)
+                continue
+            source, transposed = self.sources[init.name]
+            weight = stored[canonical[source]]
+            itemsize = ONNX_ITEMSIZE[init.data_type]
+            numel = int(torch.tensor(list(init.dims)).prod()) if init.dims else 1
+            if weight.length != numel * itemsize:
+                raise ValidationError(
+                    f"{io.name}: initializer {init.name} ({numel} values) does not fit the stored weight "
+                    f"{canonical[source]} ({weight.length} bytes)."
+                )
+            if transposed:
+                stored_name = f"{init.name}__stored"
+                kept.append(external_initializer(stored_name, init.data_type, weight.shape, weight))
+                transposes.append(onnx.helper.make_node("Transpose", [stored_name], [init.name], perm=[1, 0]))
+            else:
+                kept.append(external_initializer(init.name, init.data_type, init.dims, weight))
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        nodes = transposes + list(graph.node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        graph.name = io.name
         check_contract(model, io)
         return model
 
@@ -195,20 +260,12 @@ def _find_source(value: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[s
     return None
 
 
-def save_onnx(model: onnx.ModelProto, path: Path) -> list[Path]:
-    """Write `model` to `path` (weights in `path.data` when large), check the written file with
-    `onnx.checker` (by path, so external data is checked too); return the files written."""
-    external = model.ByteSize() > EXTERNAL_DATA_BYTES
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=external,
-        all_tensors_to_one_file=True,
-        location=path.name + ".data",
-        size_threshold=1024,
-    )
+def save_onnx(model: onnx.ModelProto, path: Path) -> Path:
+    """Write `model` to `path` and check the written file with `onnx.checker` (by path, so its external
+    data references are checked too). Its weights are references into the weights file, not copies."""
+    onnx.save_model(model, str(path))
     try:
         onnx.checker.check_model(str(path), full_check=False)
     except onnx.checker.ValidationError as err:
         raise ValidationError(f"{path.name}: onnx.checker rejects the exported graph: {err}") from err
-    return [path, path.with_name(path.name + ".data")] if external else [path]
+    return path

@@ -28,7 +28,7 @@ from paradecode.export.files import (
     staged_folder,
 )
 from paradecode.export.heads import check_heads, load_heads
-from paradecode.export.onnx_export import GraphTemplate, onnx_from_module, save_onnx
+from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
 from paradecode.export.source import ModelSource, resolve_model
 from paradecode.export.tokenizer import save_tokenizer
 from paradecode.graphs.errors import UserInputError, ValidationError
@@ -38,8 +38,9 @@ from paradecode.graphs.manifest import (
     WEIGHTS_NAME,
     Manifest,
     Subgraph,
+    onnx_path,
 )
-from paradecode.graphs.modules import build_subgraph
+from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
@@ -72,9 +73,9 @@ def export_model(config: ExportConfig) -> ExportResult:
     spec = family.spec(hf_model.config, hf_model)
     max_seq_len = resolve_max_seq_len(config, spec)
     identity = source.identity()
-    exit_layers, transforms, heads_metadata = resolve_exit_layers(config, spec, identity)
+    exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
-    weights.update({f"exits.{e}.transform": t for e, t in transforms.items()})
+    weights.update(head_weights(spec, weights, transforms, vocab))
     plan = export_plan(
         spec,
         exit_layers,
@@ -82,7 +83,9 @@ def export_model(config: ExportConfig) -> ExportResult:
         max_seq_len=max_seq_len,
         max_batch=config.max_batch,
         with_logits=config.with_logits,
-        fused_exits=config.fused_exits,
+        exit_heads=bool(transforms),
+        head_vocab=None if vocab is None else len(vocab),
+        fused_exits=config.fused_exits and bool(transforms),
     )
     logger.info(
         "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
@@ -98,7 +101,9 @@ def export_model(config: ExportConfig) -> ExportResult:
     )
 
     with staged_folder(config.output, config.force, export_bytes(spec, plan, weights, config.dtype)) as folder:
-        tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
+        tokenizer_files = save_tokenizer(source, folder / TOKENIZER_DIR)
+        (folder / WEIGHTS_NAME).parent.mkdir(parents=True, exist_ok=True)
+        save_weights(folder / WEIGHTS_NAME, weights, config.dtype)  # first: the graphs point into it
         checklist, onnx_files = write_subgraphs(
             folder,
             hf_model,
@@ -122,7 +127,6 @@ def export_model(config: ExportConfig) -> ExportResult:
             cache_dir = config.cache_dir or Path.home() / ".cache" / "paradecode"
             engines = build_engines(folder, plan, onnx_files, settings, target, cache_dir)
             tensorrt = {"version": target.version, "gpu": target.gpu, "token_ranges": settings.token_ranges()}
-        save_weights(folder / WEIGHTS_NAME, weights, config.dtype)
         manifest = Manifest(
             model=identity,
             spec=spec,
@@ -133,7 +137,8 @@ def export_model(config: ExportConfig) -> ExportResult:
             opset=config.opset,
             exit_layers=exit_layers,
             head_kind="trained" if transforms else "identity",
-            thresholds=default_thresholds(exit_layers, heads_metadata),
+            thresholds=default_thresholds(exit_layers, heads_metadata, bool(transforms)),
+            head_vocab=None if vocab is None else len(vocab),
             calibration=calibration_of(heads_metadata),
             subgraphs=tuple(Subgraph(io, onnx_files[io.name], engines.get(io.name)) for io in plan),
             files=file_hashes(folder),
@@ -167,14 +172,19 @@ def check_output_is_not_source(output: Path, source: ModelSource) -> None:
 
 
 def load_hf_model(source: ModelSource) -> torch.nn.Module:
-    """The model in float32, refused when a checkpoint tensor's shape does not fit its config.
+    """The model in float32 and eval mode, refused when a checkpoint tensor's shape does not fit its config.
 
     Mismatched sizes are collected rather than raised by transformers, whose own error refers to a
     report it logs (and the CLI keeps transformers' logs quiet), so the message can name them.
+    A GGUF file is loaded and checked by `gguf_file.model_from_gguf`.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    if source.gguf_path is not None:
+        from paradecode.export.gguf_file import model_from_gguf
+
+        return model_from_gguf(source.gguf_path, source.reference)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(source.path), dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True
@@ -213,16 +223,24 @@ def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:
     return config.max_seq_len
 
 
-def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -> tuple[tuple[int, ...], dict, dict]:
-    """The exit layers, the trained transforms (if --heads) and the heads file's metadata."""
+def resolve_exit_layers(
+    config: ExportConfig, spec: ModelSpec, identity: dict
+) -> tuple[tuple[int, ...], dict, dict, torch.Tensor | None]:
+    """The exit layers, the trained transforms, the heads file's metadata and reduced vocabulary (if --heads)."""
     last = spec.num_layers
     if last < 2:
         raise UserInputError(f"the model has {last} layer: there is no intermediate layer to exit at.")
     transforms: dict[int, torch.Tensor] = {}
     metadata: dict = {}
+    vocab = None
     exit_layers = config.exit_layers
     if config.heads is not None:
-        transforms, metadata = load_heads(config.heads)
+        transforms, metadata, vocab = load_heads(config.heads)
+        if vocab is not None and (int(vocab.min()) < 0 or int(vocab.max()) >= spec.vocab_size):
+            raise UserInputError(
+                f"--heads {config.heads}: its vocabulary holds token ids outside 0..{spec.vocab_size - 1}: "
+                "it was made for another tokenizer."
+            )
         exit_layers = check_heads(
             config.heads, transforms, metadata, spec=spec, model=identity, exit_layers=exit_layers
         )
@@ -234,23 +252,36 @@ def resolve_exit_layers(config: ExportConfig, spec: ModelSpec, identity: dict) -
             f"exit layers {bad} are out of range: an exit head sits after a layer 1..{last - 1}, below the last "
             f"layer ({last}), whose output the final head reads. Choose --exit-layers within 1..{last - 1}."
         )
-    return tuple(exit_layers), transforms, metadata
+    return tuple(exit_layers), transforms, metadata, vocab
 
 
-def default_thresholds(exit_layers: tuple[int, ...], heads_metadata: dict) -> dict[int, float]:
-    """The runtime's default threshold per exit layer: calibrated with the heads, else DEFAULT_THRESHOLD.
+def head_weights(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], transforms: dict[int, torch.Tensor], vocab: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The exit heads' canonical weights: each layer's transform, and for a reduced vocabulary its token ids
+    and their rows of the unembedding (stored once, shared by every exit head)."""
+    heads = {f"exits.{e}.transform": t for e, t in transforms.items()}
+    if vocab is not None:
+        unembed = weights.get("unembed.weight", weights["embed.tokens.weight"])
+        heads["exits.vocab"] = vocab.to(torch.int64).contiguous()
+        heads["exits.unembed"] = unembed[vocab].contiguous()
+    return heads
 
-    A layer whose heads never reached the calibration target gets NEVER_EXIT.
+
+def default_thresholds(exit_layers: tuple[int, ...], heads_metadata: dict, trained: bool) -> dict[int, float]:
+    """The runtime's default threshold per exit layer: the calibrated ones for trained heads.
+
+    A layer the calibration did not select gets NEVER_EXIT, and so does every layer without trained heads:
+    the model's own head at an intermediate layer rarely agrees with the final one, so exiting by default
+    would make decoding slower than plain decoding (DESIGN.md §2). Heads without a calibration (an old or
+    hand-made heads file) get DEFAULT_THRESHOLD.
     """
-    calibrated = (heads_metadata.get("calibration") or {}).get("thresholds", {})
-    thresholds = {}
-    for e in exit_layers:
-        if str(e) in calibrated:
-            value = calibrated[str(e)]
-            thresholds[e] = NEVER_EXIT if value is None else float(value)
-        else:
-            thresholds[e] = DEFAULT_THRESHOLD
-    return thresholds
+    if not trained:
+        return dict.fromkeys(exit_layers, NEVER_EXIT)
+    calibrated = (heads_metadata.get("calibration") or {}).get("thresholds")
+    if calibrated is None:
+        return dict.fromkeys(exit_layers, DEFAULT_THRESHOLD)
+    return {e: NEVER_EXIT if calibrated.get(str(e)) is None else float(calibrated[str(e)]) for e in exit_layers}
 
 
 def calibration_of(heads_metadata: dict) -> dict | None:
@@ -271,9 +302,14 @@ def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     if io.kind == "layer":
         return ("layer", spec.window(io.layer))
     if io.kind == "layer_exit":
-        return ("layer_exit", spec.window(io.layer), f"exits.{io.layer}.transform" in weights)
+        return ("layer_exit", spec.window(io.layer), f"exits.{io.layer}.transform" in weights, "exits.vocab" in weights)
     if io.kind in ("exit", "final"):
-        return ("head", io.kind, io.kind == "exit" and f"exits.{io.layer}.transform" in weights)
+        return (
+            "head",
+            io.kind,
+            io.kind == "exit" and f"exits.{io.layer}.transform" in weights,
+            "exits.vocab" in weights,
+        )
     return (io.kind,)
 
 
@@ -301,10 +337,11 @@ def write_subgraphs(
     export_args = dict(
         vocab_size=spec.vocab_size, dtype=dtype, opset=config.opset, max_batch=config.max_batch, max_seq_len=max_seq_len
     )
-    templates: dict[tuple, GraphTemplate | None] = {}
+    templates: dict[tuple, GraphTemplate] = {}
     files: dict[str, str] = {}
     generator = torch.Generator().manual_seed(0)
-    (folder / "onnx").mkdir()
+    stored = stored_tensors(folder / WEIGHTS_NAME)
+    name_of = {id(tensor): name for name, tensor in weights.items()}
     for i, io in enumerate(plan, 1):
         started = time.perf_counter()
         key = structure_key(io, spec, weights)
@@ -317,13 +354,12 @@ def write_subgraphs(
         else:
             how = "from template"
         template = templates[key]
-        if template is not None:
-            model = template.instantiate(modules[io.name], io)
-        else:
-            model = onnx_from_module(modules[io.name], io, **export_args)
+        if template.foreign:  # not a template: trace this subgraph itself; what matches its weights is shared
+            template = GraphTemplate.trace(modules[io.name], io, **export_args)
             how = "traced"
-        relative = f"onnx/{io.name}.onnx"
-        save_onnx(model, folder / relative)
+        canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights).items()}
+        relative = onnx_path(io.name)
+        save_onnx(template.instantiate(io, canonical, stored), folder / relative)
         files[io.name] = relative
         cases = [
             (

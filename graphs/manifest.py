@@ -61,7 +61,7 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2  # 2: files record {"sha256", "bytes"}; the structure is checked against the contract
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest of a 100-layer model is well under 1 MiB
-WEIGHTS_NAME = "weights.safetensors"
+WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external data points into it
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
 NEVER_EXIT = math.inf  # no token ever exits (the overhead test of DESIGN.md §3); stored as null in JSON
@@ -185,6 +185,7 @@ class Manifest:
     weights: str = WEIGHTS_NAME
     tensorrt: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
+    head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
     paradecode_version: str = "unknown"
     format_version: int = FORMAT_VERSION
 
@@ -219,6 +220,7 @@ class Manifest:
             "opset": self.opset,
             "exit_layers": list(self.exit_layers),
             "head_kind": self.head_kind,
+            "head_vocab": self.head_vocab,
             "thresholds": {str(k): (None if v == NEVER_EXIT else v) for k, v in sorted(self.thresholds.items())},
             "calibration": self.calibration,
             "subgraphs": [s.to_dict() for s in self.subgraphs],
@@ -249,6 +251,9 @@ class Manifest:
             opset=json_integer(json_field(data, "opset", ""), "opset"),
             exit_layers=exit_layers,
             head_kind=json_string(json_field(data, "head_kind", ""), "head_kind", HEAD_KINDS),
+            head_vocab=None
+            if data.get("head_vocab") is None
+            else json_integer(data["head_vocab"], "head_vocab", minimum=2),
             thresholds=_thresholds(json_field(data, "thresholds", "")),
             subgraphs=tuple(
                 Subgraph.from_dict(s, f"subgraphs[{i}]")
@@ -309,6 +314,8 @@ class Manifest:
             max_seq_len=self.max_seq_len,
             max_batch=self.max_batch,
             with_logits=self.with_logits,
+            exit_heads=self.head_kind == "trained",
+            head_vocab=self.head_vocab,
             fused_exits=self.fused_exits,
         )
         plan = export_plan(self.spec, self.exit_layers, **settings)

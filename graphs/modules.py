@@ -12,6 +12,12 @@ Weights use one canonical naming, independent of the source framework:
     norm.{weight,bias}                                   (final norm)
     unembed.weight                                       (absent when tied to embed.tokens)
     exits.{e}.transform                                  (trained exit-head matrix [D, D])
+    exits.vocab, exits.unembed                           (the exit heads' reduced vocabulary: token ids
+                                                          [N] int64 and their unembedding rows [N, D])
+
+A module's parameters are the very tensors of the weights it was built from wherever the dtype
+allows (`build_subgraph`), so modules that read the same weight (a tied embedding and unembedding,
+a layer and its fused layer+exit graph) hold it once.
 """
 
 from __future__ import annotations
@@ -130,15 +136,23 @@ class HeadGraph(nn.Module):
     """hidden [B, T, D] -> top-1 token, its probability, the top-1/top-2 logit margin (+ logits).
 
     An exit head may carry a trained transform T (logits = E · norm(T · h)); without one it is the
-    model's own final norm and unembedding applied to an intermediate hidden state.
+    model's own final norm and unembedding applied to an intermediate hidden state. With a reduced
+    vocabulary of N token ids (`vocab`), E holds only their rows: the head's distribution is over
+    those N tokens (zero elsewhere), and its `token` is mapped back to a model token id.
     """
 
-    def __init__(self, spec: ModelSpec, *, transform: bool = False, with_logits: bool = False):
+    def __init__(
+        self, spec: ModelSpec, *, transform: bool = False, vocab: int | None = None, with_logits: bool = False
+    ):
         super().__init__()
         self.with_logits = with_logits
         self.transform = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False) if transform else None
         self.norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
-        self.unembed = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.unembed = nn.Linear(spec.hidden_size, vocab or spec.vocab_size, bias=False)
+        if vocab:
+            self.register_buffer("vocab", torch.zeros(vocab, dtype=torch.int64))
+        else:
+            self.vocab = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.transform is not None:
@@ -149,6 +163,8 @@ class HeadGraph(nn.Module):
         logits = self.logits(hidden)
         scores = logits.to(torch.float32)
         token = torch.argmax(scores, dim=-1)
+        if self.vocab is not None:
+            token = self.vocab[token]
         top2 = torch.topk(scores, 2, dim=-1).values
         prob = torch.exp(top2[..., 0] - torch.logsumexp(scores, dim=-1))
         margin = top2[..., 0] - top2[..., 1]
@@ -160,10 +176,10 @@ class HeadGraph(nn.Module):
 class LayerExitGraph(nn.Module):
     """Layer e and exit head e in one graph: the layer's outputs plus the head's on the last position."""
 
-    def __init__(self, spec: ModelSpec, layer: int, *, transform: bool):
+    def __init__(self, spec: ModelSpec, layer: int, *, transform: bool, vocab: int | None = None):
         super().__init__()
         self.layer = LayerGraph(spec, layer)
-        self.head = HeadGraph(spec, transform=transform)
+        self.head = HeadGraph(spec, transform=transform, vocab=vocab)
 
     def forward(self, hidden, positions, past_key, past_value):
         hidden, present_key, present_value = self.layer(hidden, positions, past_key, past_value)
@@ -194,11 +210,22 @@ def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Ten
         state["unembed.weight"] = weights["embed.tokens.weight"]
     if io.kind == "exit" and f"exits.{io.layer}.transform" in weights:
         state["transform.weight"] = weights[f"exits.{io.layer}.transform"]
+    if io.kind == "exit" and "exits.vocab" in weights:
+        state["unembed.weight"], state["vocab"] = weights["exits.unembed"], weights["exits.vocab"]
     return state
 
 
-def load_exact(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    """Load `state` into `module`, asserting every key and shape; name what is missing or extra."""
+def head_vocab(weights: dict[str, torch.Tensor]) -> int | None:
+    """The size of the exit heads' reduced vocabulary, None for the whole vocabulary."""
+    return len(weights["exits.vocab"]) if "exits.vocab" in weights else None
+
+
+def load_exact(module: nn.Module, state: dict[str, torch.Tensor], what: str, dtype: torch.dtype) -> None:
+    """Put `state`'s tensors into `module`, asserting every key and shape; name what is missing or extra.
+
+    Parameters become `state`'s tensors themselves, converted to `dtype` (no copy where they already
+    are); buffers (rotary frequencies, vocabulary ids) keep their dtype. Nothing is copied that need not be.
+    """
     expected = module.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = [
@@ -211,9 +238,14 @@ def load_exact(module: nn.Module, state: dict[str, torch.Tensor], what: str) -> 
             f"weights for {what} do not fit its module: missing {missing}, unexpected {unexpected}, "
             f"wrong shapes {wrong}."
         )
-    with torch.no_grad():
-        for key, tensor in expected.items():
-            tensor.copy_(state[key])
+    parameters = dict(module.named_parameters())
+    for key in expected:
+        owner, _, leaf = key.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        if key in parameters:
+            holder._parameters[leaf] = nn.Parameter(state[key].detach().to(dtype), requires_grad=False)
+        else:
+            holder._buffers[leaf] = state[key].detach()
 
 
 def build_subgraph(
@@ -233,12 +265,13 @@ def build_subgraph(
     elif io.kind == "layer":
         module = LayerGraph(spec, io.layer)
     elif io.kind == "layer_exit":
-        module = LayerExitGraph(spec, io.layer, transform=f"exits.{io.layer}.transform" in weights)
+        module = LayerExitGraph(
+            spec, io.layer, transform=f"exits.{io.layer}.transform" in weights, vocab=head_vocab(weights)
+        )
+    elif io.kind == "exit":
+        transform = f"exits.{io.layer}.transform" in weights
+        module = HeadGraph(spec, transform=transform, vocab=head_vocab(weights), with_logits=with_logits)
     else:
-        transform = io.kind == "exit" and f"exits.{io.layer}.transform" in weights
-        module = HeadGraph(spec, transform=transform, with_logits=with_logits)
-    load_exact(module, subgraph_state(spec, io, weights), io.name)
-    for param in module.parameters():
-        param.requires_grad_(False)
-        param.data = param.data.to(dtype)
+        module = HeadGraph(spec, with_logits=with_logits)
+    load_exact(module, subgraph_state(spec, io, weights), io.name, dtype)
     return module.eval()

@@ -10,7 +10,9 @@ Subgraphs (DESIGN.md §4), with layers numbered 1..L:
   derived from the positions inside the graph); the attention mask is built from the positions.
 - ``exit_e`` (after layer e) and ``final``: ``hidden`` [B, T, D] -> ``token`` [B, T] int64 (top-1),
   ``prob`` [B, T] float32 (its probability), ``margin`` [B, T] float32 (top-1 minus top-2 logit),
-  and optionally ``logits`` [B, T, V].
+  and optionally ``logits`` [B, T, V]. A trained exit head may predict over a reduced vocabulary of
+  N tokens (its ``token`` is still a model token id; its ``logits`` are [B, T, N]); exit layers without
+  trained heads have no graph of their own: their head is ``final``.
 - ``layer_exit_e``: layer e and exit head e fused, for the newest token's call at an exit layer: the
   inputs and outputs of ``layer_e`` plus ``token``, ``prob``, ``margin`` [B, 1] of the exit head on
   the last position. One call instead of two where per-call cost matters.
@@ -108,8 +110,13 @@ def subgraph_io(
     max_seq_len: int,
     max_batch: int = 1,
     with_logits: bool = False,
+    head_vocab: int | None = None,
 ) -> SubgraphIO:
-    """The tensor contract of one subgraph. `dtype` is the dtype of hidden states and caches."""
+    """The tensor contract of one subgraph. `dtype` is the dtype of hidden states and caches.
+
+    `head_vocab`: the size of the exit heads' reduced vocabulary (their logits' last dimension), None
+    when exit heads predict over the whole vocabulary.
+    """
     batch: int | str = 1 if max_batch == 1 else BATCH
     tokens = TOKENS
     hidden = TensorSpec(HIDDEN, (batch, tokens, spec.hidden_size), dtype)
@@ -147,7 +154,8 @@ def subgraph_io(
             TensorSpec(MARGIN, (batch, tokens), "float32"),
         ]
         if with_logits:
-            outputs.append(TensorSpec(LOGITS, (batch, tokens, spec.vocab_size), dtype))
+            vocab = head_vocab if kind == "exit" and head_vocab is not None else spec.vocab_size
+            outputs.append(TensorSpec(LOGITS, (batch, tokens, vocab), dtype))
     else:
         raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
     return SubgraphIO(
@@ -163,15 +171,23 @@ def export_plan(
     max_seq_len: int,
     max_batch: int = 1,
     with_logits: bool = False,
+    exit_heads: bool = True,
+    head_vocab: int | None = None,
     fused_exits: bool = False,
 ) -> list[SubgraphIO]:
-    """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final."""
+    """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final.
+
+    `exit_heads`: whether the exit layers have exit head graphs of their own (trained heads). Without
+    them an exit layer's head is the model's own final norm and unembedding, which is the `final`
+    graph itself, so no copy is written: the runtime runs `final` on the intermediate hidden state.
+    `fused_exits` adds `layer_exit_e` (layer e and its exit head in one graph) for trained heads.
+    """
     common = dict(dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch, with_logits=with_logits)
     plan = [subgraph_io(spec, "embed", **common)]
     for layer in range(1, spec.num_layers + 1):
         plan.append(subgraph_io(spec, "layer", layer, **common))
-        if layer in exit_layers:
-            plan.append(subgraph_io(spec, "exit", layer, **common))
+        if layer in exit_layers and exit_heads:
+            plan.append(subgraph_io(spec, "exit", layer, **common, head_vocab=head_vocab))
             if fused_exits:
                 plan.append(subgraph_io(spec, "layer_exit", layer, **common))
     plan.append(subgraph_io(spec, "final", **common))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.manifest import NEVER_EXIT as NEVER  # the documented "never exit" threshold (math.inf)
+from paradecode.runtime.lookup import LookupConfig
 
 MODES = ("ar", "paradecode")
 OVERLAPS = ("auto", "streams", "batched", "both")
@@ -70,6 +71,11 @@ class GenerationConfig:
     max_unverified: int = 5
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    # Prompt lookup (runtime/lookup.py): the most tokens proposed at once (0: off), and the longest and
+    # shortest suffix matched, longest first.
+    lookup_tokens: int = 0
+    lookup_max_ngram: int = 3
+    lookup_min_ngram: int = 2
 
     def __post_init__(self) -> None:
         positive_integer(self.max_new_tokens, "max_new_tokens")
@@ -88,12 +94,24 @@ class GenerationConfig:
         for name in ("ignore_eos",):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if not is_integer(self.lookup_tokens) or self.lookup_tokens < 0:
+            raise UserInputError(
+                f"lookup_tokens must be a non-negative integer (0 turns lookup off), got {self.lookup_tokens!r}."
+            )
+        self.lookup_config()  # validates the n-gram sizes
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop string
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
             raise UserInputError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         object.__setattr__(self, "stop", tuple(stop))
         if any(not s for s in self.stop):
             raise UserInputError("stop strings must not be empty.")
+
+    def lookup_config(self) -> LookupConfig | None:
+        """The prompt-lookup settings, None when lookup is off."""
+        config = LookupConfig(
+            max_ngram=self.lookup_max_ngram, min_ngram=self.lookup_min_ngram, max_tokens=max(1, self.lookup_tokens)
+        )
+        return config if self.lookup_tokens else None
 
     def resolve_thresholds(self, defaults: Mapping[int, float]) -> dict[int, float]:
         """Thresholds per exit layer: the export's defaults, overridden by this config."""

@@ -114,6 +114,7 @@ class ParaDecodeModel:
         self._closed = False
         self._active: GenerationStream | None = None
         self._warned_full = False
+        self._warned_untrained = False
 
     @property
     def manifest(self):
@@ -214,6 +215,8 @@ class ParaDecodeModel:
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids, messages)
         thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
+        if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
+            self._warn_untrained()
         self._refuse_reentry()
         stream = GenerationStream()
         stream._tokens = self._run(
@@ -222,6 +225,17 @@ class ParaDecodeModel:
         return stream
 
     # --- internals --------------------------------------------------------------------------
+    def _warn_untrained(self) -> None:
+        if not self._warned_untrained:  # once per model
+            self._warned_untrained = True
+            logger.warning(
+                "%s has no trained exit heads, so ParaDecode does not exit early by default and decodes like ar "
+                "(the model's own head at an intermediate layer rarely agrees with the last layer). Train heads "
+                "with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass "
+                "thresholds to exit with the model's own head anyway.",
+                self.export.path,
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise ModelClosedError("this model is closed: load the export again to decode with it.")
@@ -330,6 +344,7 @@ class ParaDecodeModel:
                 side_lanes=self.side_lanes,
                 eos_token_ids=eos,
                 exit_policy=exit_policy,
+                lookup=config.lookup_config(),
             ).run()
         text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
         tokens, margins = [], []

@@ -8,7 +8,10 @@ later one waits (`streams`). The last group is the *frontier*: the newest token,
 
 Flow. After each exit layer the frontier's exit head may emit its newest token early (top-1
 probability >= the layer's threshold, fewer than K unverified tokens): the frontier becomes a
-pending group and the next token starts at once. Pending groups are completed by side lanes right
+pending group and the next token starts at once. With lookup on, a new frontier also takes the
+tokens that followed an earlier occurrence of its newest tokens (`runtime.lookup`) as proposals
+pending at depth 0: they go up the layers in the frontier's own batched calls and the final layer
+verifies them like early tokens. Pending groups are completed by side lanes right
 away (`streams`, `both`), or batched into the frontier's calls when it reaches their depth
 (`batched`, `both`). A group that completes the last layer gets the final head; lane 0 verifies
 its positions in order and on the first mismatch rolls back: the correct token replaces the early
@@ -22,9 +25,9 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
 - Lane 0 is the calling thread. It runs `run()`, makes every decision (exits, verification,
   rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
-- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `fused`, `K`,
+- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
   `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
-- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `exit_layer_of`,
+- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `lookup`,
   `waited`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
   `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
@@ -50,7 +53,8 @@ import torch
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, prefill
 from paradecode.runtime.lanes import Future, Lane
-from paradecode.runtime.stats import Mismatch
+from paradecode.runtime.lookup import LookupConfig, NgramIndex
+from paradecode.runtime.stats import LOOKUP, Mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +85,18 @@ class ParaDecoder:
         side_lanes: list[Lane],
         eos_token_ids: tuple[int, ...] = (),
         exit_policy=None,
+        lookup: LookupConfig | None = None,
     ):
         # Settings: read-only after __init__.
         self.ctx = ctx
         self.prompt = list(prompt)
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
+        names = ctx.backend.subgraph_names
+        # Each exit layer's head: its trained head, else the model's own final norm and unembedding (`final`).
+        self.exit_head = {e: f"exit_{e}" if f"exit_{e}" in names else "final" for e in self.thresholds}
         # Exit layers whose layer and head the export also fused into one graph (one call, not two).
-        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in ctx.backend.subgraph_names}
+        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in names}
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
@@ -106,7 +114,8 @@ class ParaDecoder:
         # Owned by lane 0.
         self.tokens = list(prompt)
         self.verified = len(prompt)  # tokens[:verified] are verified
-        self.exit_layer_of: dict[int, int] = {}  # position q -> the exit layer that proposed tokens[q + 1]
+        self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
+        self.lookup = NgramIndex(lookup) if lookup is not None else None
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.
         self.groups: list[Group] = []
@@ -122,6 +131,8 @@ class ParaDecoder:
         token, margin = prefill(self.ctx, self.prompt)
         self.tokens.append(token)
         self.verified = n + 1
+        if self.lookup is not None:
+            self.lookup.extend(self.tokens, self.verified)
         yield token, margin
         with self.lock:
             self.start_frontier(n, token)
@@ -179,10 +190,33 @@ class ParaDecoder:
             torch.cuda.current_stream().synchronize()
 
     def start_frontier(self, position: int, token: int) -> None:
-        """Start a new frontier at `position` unless no more output is needed (or it follows an EOS). Lock held."""
-        if position <= self.last_position and token not in self.eos:
-            self.frontier = Group(position, position + 1, -1)
-            self.groups.append(self.frontier)
+        """Start a new frontier at `position` (tokens[position] is `token`) unless no more output is needed or
+        it follows an EOS; with lookup, the tokens it proposes join the frontier. Lock held."""
+        if position > self.last_position or token in self.eos:
+            return
+        proposals = self.propose(position)
+        self.tokens.extend(proposals)
+        for q in range(position, position + len(proposals)):
+            self.source_of[q] = LOOKUP
+        self.ctx.stats.lookup_proposed += len(proposals)
+        self.frontier = Group(position, position + 1 + len(proposals), -1)
+        self.groups.append(self.frontier)
+
+    def propose(self, position: int) -> list[int]:
+        """Lookup proposals to follow tokens[position]: within the unverified limit, the needed positions,
+        and up to the first EOS."""
+        if self.lookup is None:
+            return []
+        room = min(
+            self.lookup.config.max_tokens,
+            self.K - (len(self.tokens) - self.verified),
+            self.last_position - position,
+        )
+        proposals = self.lookup.propose(self.tokens, position + 1, room)
+        for i, token in enumerate(proposals):
+            if token in self.eos:
+                return proposals[: i + 1]
+        return proposals
 
     # --- lane 0: one step of work -----------------------------------------------------------
     def main_step(self) -> None:
@@ -273,7 +307,7 @@ class ParaDecoder:
         if out is None:
             if not self.may_exit(group.end):
                 return
-            out = self.ctx.head(MAIN, f"exit_{layer}", group.hidden[:, -1:], group.end - 1)
+            out = self.ctx.head(MAIN, self.exit_head[layer], group.hidden[:, -1:], group.end - 1)
         if self.exit_policy is not None:
             token = self.exit_policy(group.end - 1, layer, out)
             if token is None:
@@ -284,7 +318,7 @@ class ParaDecoder:
             token = out.token[0]
         stats = self.ctx.stats
         self.tokens.append(token)
-        self.exit_layer_of[group.end - 1] = layer
+        self.source_of[group.end - 1] = layer
         stats.exits_per_layer[layer] = stats.exits_per_layer.get(layer, 0) + 1
         with self.lock:
             self.frontier = None
@@ -344,25 +378,34 @@ class ParaDecoder:
                     self.ctx.timeline.add("phases", "verify", now, now, (group.start, group.end))
                 for i, position in enumerate(range(group.start, group.end)):
                     token, margin = group.final.token[i], group.final.margin[i]
-                    if position + 1 < len(self.tokens):  # an early token is waiting for this verdict
-                        layer = self.exit_layer_of.pop(position)
+                    if position + 1 < len(self.tokens):  # a proposed token is waiting for this verdict
+                        source = self.source_of.pop(position)
                         if token == self.tokens[position + 1]:
-                            stats.accepted_per_layer[layer] = stats.accepted_per_layer.get(layer, 0) + 1
+                            stats.accept(source)
                             self.verified = position + 2
                             verified.append((token, margin))
                             continue
-                        stats.mismatches.append(Mismatch(position + 1, layer, self.tokens[position + 1], token, margin))
+                        stats.mismatches.append(
+                            Mismatch(position + 1, source, self.tokens[position + 1], token, margin)
+                        )
                         with self.ctx.phase("rollback", (position + 1, len(self.tokens))):
                             self.rollback(position, token)
                         verified.append((token, margin))
+                        self.index_verified()
                         return verified
                     self.tokens.append(token)  # the newest position: its final output is the next token
                     self.verified = position + 2
                     verified.append((token, margin))
                     if group is self.frontier:
                         self.frontier = None
+                    self.index_verified()
                     self.start_frontier(position + 1, token)
+        self.index_verified()
         return verified
+
+    def index_verified(self) -> None:
+        if self.lookup is not None:
+            self.lookup.extend(self.tokens, self.verified)
 
     def rollback(self, position: int, token: int) -> None:
         """tokens[position + 1] was wrong: discard every later position's work, continue from `token` (lock held)."""
@@ -375,6 +418,6 @@ class ParaDecoder:
         del self.tokens[position + 1 :]
         self.tokens.append(token)
         self.verified = position + 2
-        self.exit_layer_of = {q: e for q, e in self.exit_layer_of.items() if q < position}
+        self.source_of = {q: e for q, e in self.source_of.items() if q < position}
         self.ctx.cache.rollback(position + 1)
         self.start_frontier(position + 1, token)

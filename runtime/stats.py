@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+LOOKUP = 0  # the source of a prompt-lookup proposal (exit layers are 1..L-1)
+
 
 @dataclass
 class Mismatch:
-    """An early token the final layer rejected: where, from which exit, and how close the final call was."""
+    """A proposed token the final layer rejected: where, who proposed it, and how close the final call was."""
 
     position: int  # the position of the rejected token in the sequence
-    exit_layer: int
+    source: int  # the exit layer that proposed it, or LOOKUP (0) for a prompt-lookup proposal
     early_token: int
     final_token: int
     final_margin: float  # top-1 minus top-2 logit of the final head at that position
@@ -27,11 +29,20 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     exits_per_layer: dict[int, int] = field(default_factory=dict)  # early tokens proposed at each exit layer
     accepted_per_layer: dict[int, int] = field(default_factory=dict)  # ... and verified by the final layer
+    lookup_proposed: int = 0  # tokens proposed by prompt lookup
+    lookup_accepted: int = 0  # ... and verified by the final layer
     rollbacks: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     lane_busy_seconds: dict[str, float] = field(default_factory=dict)
     calls: int = 0
     stop_reason: str = ""  # "max_new_tokens", "eos", "stop_string", "max_seq_len"
+
+    def accept(self, source: int) -> None:
+        """Count a proposed token the final layer verified."""
+        if source == LOOKUP:
+            self.lookup_accepted += 1
+        else:
+            self.accepted_per_layer[source] = self.accepted_per_layer.get(source, 0) + 1
 
     @property
     def decode_seconds(self) -> float:

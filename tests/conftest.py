@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import TINY_CONFIGS, save_tiny_model
+from tests.tiny_models import TINY_CONFIGS, save_random_heads, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("PARADECODE_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
@@ -69,16 +69,38 @@ def model_dirs(tmp_path_factory) -> Cache:
 
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory, model_dirs) -> Cache:
-    """family -> (export folder, ExportResult) of that family's tiny model, with logits."""
+    """family -> (export folder, ExportResult) of that family's tiny model with every kind of graph: random
+    trained exit heads over a reduced vocabulary at every intermediate layer, fused layer+exit graphs, logits."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
 
     def build(family: str):
-        out = tmp_path_factory.mktemp(f"export-{family}") / "export"
+        folder = tmp_path_factory.mktemp(f"export-{family}")
+        heads = save_random_heads(model_dirs[family], folder / "heads.safetensors")
         result = export_model(
-            ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN, with_logits=True)
+            ExportConfig(
+                model=str(model_dirs[family]),
+                output=folder / "export",
+                heads=heads,
+                max_seq_len=EXPORT_SEQ_LEN,
+                with_logits=True,
+                fused_exits=True,
+            )
         )
-        return out, result
+        return folder / "export", result
+
+    return Cache(build)
+
+
+@pytest.fixture(scope="session")
+def identity_exports(tmp_path_factory, model_dirs) -> Cache:
+    """family -> (export folder, ExportResult) without trained heads: exit layers use the final head."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    def build(family: str):
+        out = tmp_path_factory.mktemp(f"identity-{family}") / "export"
+        return out, export_model(ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN))
 
     return Cache(build)
 

@@ -44,12 +44,43 @@ def test_export_is_complete(family, exports):
     )
     assert sorted(names) == sorted(expected)
     assert manifest.exit_layers and all(1 <= e < spec.num_layers for e in manifest.exit_layers)
-    assert manifest.head_kind == "identity"
+    assert manifest.head_kind == "trained" and manifest.head_vocab == 2 * spec.vocab_size // 3
     for sub in manifest.subgraphs:
         assert (folder / sub.onnx).is_file()
     verify_files(folder, manifest)  # every file listed with its sha256
     assert all(c.status == "ok" for c in result.checklist.checks), result.checklist.lines()
     assert not list(folder.parent.glob(".*partial*")), "a staging folder was left behind"
+
+
+def test_every_weight_is_stored_once(family, exports):
+    """The graphs hold no weights of their own: every initializer of more than a few values is a reference
+    into the one weights file, and the export is the size of that file plus a little."""
+    import onnx
+
+    folder, _ = exports[family]
+    manifest = read_manifest(folder)
+    weights_bytes = (folder / manifest.weights).stat().st_size
+    for sub in manifest.subgraphs:
+        graph = onnx.load(str(folder / sub.onnx), load_external_data=False).graph
+        for init in graph.initializer:
+            external = init.data_location == onnx.TensorProto.EXTERNAL
+            values = int(np.prod(init.dims)) if init.dims else 1
+            assert external or values <= 64, f"{sub.onnx}: {init.name} ({values} values) is a copy"
+            if external:
+                location = {e.key: e.value for e in init.external_data}["location"]
+                assert (folder / "onnx" / location) == folder / manifest.weights
+    graphs_bytes = sum((folder / s.onnx).stat().st_size for s in manifest.subgraphs)
+    print(f"{family}: weights {weights_bytes} bytes, graphs {graphs_bytes} bytes")
+    assert graphs_bytes < 200_000 * len(manifest.subgraphs)
+
+
+def test_an_export_without_trained_heads_has_no_exit_graphs_and_never_exits_by_default(identity_exports):
+    folder, result = identity_exports["llama"]
+    manifest = read_manifest(folder)
+    assert manifest.head_kind == "identity" and manifest.head_vocab is None
+    assert not [s for s in manifest.subgraphs if s.io.kind in ("exit", "layer_exit")]
+    assert manifest.exit_layers and all(t == float("inf") for t in manifest.thresholds.values())
+    assert all(c.status == "ok" for c in result.checklist.checks), result.checklist.lines()
 
 
 def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_dirs):
@@ -58,9 +89,13 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
     manifest = read_manifest(folder)
     model = tiny_model(family)
     from paradecode.export.families import family_for
+    from paradecode.export.heads import load_heads
+    from paradecode.export.pipeline import head_weights
 
     adapter = family_for(model.config.model_type)
     weights = adapter.weights(model, manifest.spec)
+    transforms, _, vocab = load_heads(folder.parent / "heads.safetensors")
+    weights.update(head_weights(manifest.spec, weights, transforms, vocab))
     generator = torch.Generator().manual_seed(123)
     for sub in manifest.subgraphs:
         module = build_subgraph(manifest.spec, sub.io, weights, with_logits=True)

@@ -21,7 +21,7 @@ import pytest
 from paradecode.export import cli
 from paradecode.graphs.errors import MissingDependencyError, Terminated, UserInputError, run_command
 
-SMALL_EXPORT = ["--max-seq-len", "16", "--exit-layers", "1", "--no-fused-exits", "-q"]
+SMALL_EXPORT = ["--max-seq-len", "16", "--exit-layers", "1", "-q"]
 
 
 def run_export(argv, capsys):

@@ -26,6 +26,8 @@ from paradecode.runtime.loader import open_export
 
 HUGE = 10 << 30  # a 10 GiB sparse file: hashing it would take far longer than the tests' timeout
 
+WEIGHTS = "onnx/weights.safetensors"
+
 
 @pytest.fixture
 def folder(exports, tmp_path) -> Path:
@@ -121,17 +123,17 @@ def test_an_export_records_each_files_size_and_opens_through_checked_paths(folde
     assert all(isinstance(r, FileRecord) for r in export.manifest.files.values())
     for sub in export.manifest.subgraphs:
         assert export.file(sub.onnx) == (folder / f"onnx/{sub.io.name}.onnx").resolve()
-    assert export.file("weights.safetensors") == (folder / "weights.safetensors").resolve()
+    assert export.file(WEIGHTS) == (folder / WEIGHTS).resolve()
 
 
 @pytest.mark.timeout(60)
 def test_a_symlink_that_stays_inside_the_folder_is_followed(folder):
     blobs = folder / "blobs"
     blobs.mkdir()
-    (folder / "weights.safetensors").rename(blobs / "weights.bin")
-    (folder / "weights.safetensors").symlink_to(Path("blobs") / "weights.bin")
+    (folder / WEIGHTS).rename(blobs / "weights.bin")
+    (folder / WEIGHTS).symlink_to(Path("..") / "blobs" / "weights.bin")
     with load(folder, backend="torch") as model:
-        assert model.export.file("weights.safetensors") == (blobs / "weights.bin").resolve()
+        assert model.export.file(WEIGHTS) == (blobs / "weights.bin").resolve()
         result = model.generate(prompt_ids=[1, 2, 3], max_new_tokens=3, ignore_eos=True)
     assert len(result.token_ids) == 3
 
@@ -157,7 +159,7 @@ def windows_absolute_weights(data, folder):
 
 
 def dotdot_weights(data, folder):
-    target = outside(folder, "weights.safetensors", (folder / "weights.safetensors").read_bytes())
+    target = outside(folder, "weights.safetensors", (folder / WEIGHTS).read_bytes())
     data["weights"] = "../outside/weights.safetensors"
     return [target]
 
@@ -179,7 +181,7 @@ def path_missing_from_files(data, folder):
 
 
 def weights_missing_from_files(data, folder):
-    del data["files"]["weights.safetensors"]
+    del data["files"][WEIGHTS]
 
 
 def tokenizer_missing_from_files(data, folder):
@@ -281,11 +283,11 @@ def exit_layer_zero(data, folder):
 
 
 def file_record_of_version_1(data, folder):
-    data["files"]["weights.safetensors"] = data["files"]["weights.safetensors"]["sha256"]
+    data["files"][WEIGHTS] = data["files"][WEIGHTS]["sha256"]
 
 
 def negative_file_size(data, folder):
-    data["files"]["weights.safetensors"]["bytes"] = -1
+    data["files"][WEIGHTS]["bytes"] = -1
 
 
 def spec_field_of_the_wrong_type(data, folder):
@@ -304,7 +306,7 @@ TAMPERED = [
     (dotdot_inside_a_files_key, r"a files key is 'onnx/\.\./\.\./outside/secret\.txt', with an empty, '\.' or '\.\.'"),
     (dotdot_tokenizer, r"tokenizer\[0\] is 'tokenizer/\.\./\.\./outside/tokenizer\.json', with an empty"),
     (path_missing_from_files, r"subgraphs\[5\]\.onnx is 'onnx/exit_2\.onnx', which files does not list"),
-    (weights_missing_from_files, r"weights is 'weights\.safetensors', which files does not list"),
+    (weights_missing_from_files, r"weights is 'onnx/weights\.safetensors', which files does not list"),
     (tokenizer_missing_from_files, r"tokenizer\[0\] is 'tokenizer/tokenizer\.json', which files does not list"),
     (tokenizer_outside_its_folder, r"tokenizer\[0\] is 'onnx/embed\.onnx'; expected a file in tokenizer/"),
     (
@@ -348,8 +350,11 @@ TAMPERED = [
     ),
     (exit_layer_at_the_last_layer, r"exit_layers has \[4\], outside 1\.\.3"),
     (exit_layer_zero, r"exit_layers\[0\] is 0; expected an integer >= 1"),
-    (file_record_of_version_1, r"files\['weights\.safetensors'\] is a str; expected \{'sha256': HEX, 'bytes': N\}"),
-    (negative_file_size, r"files\['weights\.safetensors'\]\.bytes is -1; expected an integer >= 0"),
+    (
+        file_record_of_version_1,
+        r"files\['onnx/weights\.safetensors'\] is a str; expected \{'sha256': HEX, 'bytes': N\}",
+    ),
+    (negative_file_size, r"files\['onnx/weights\.safetensors'\]\.bytes is -1; expected an integer >= 0"),
     (spec_field_of_the_wrong_type, r"spec\.norm_eps is '1e-5'; expected a finite number"),
     (eos_token_of_the_wrong_type, r"model\.eos_token_id\[0\] is 'two'; expected an integer >= 0"),
 ]
@@ -368,10 +373,13 @@ def test_a_tampered_manifest_is_refused_naming_the_field(folder, tamper, pattern
 
 
 def weights_symlink_out(folder):
-    target = outside(folder, "weights.safetensors", (folder / "weights.safetensors").read_bytes())
-    (folder / "weights.safetensors").unlink()
-    (folder / "weights.safetensors").symlink_to(target)  # same bytes, same sha256: only the place is wrong
-    return r"files\['weights\.safetensors'\] is 'weights\.safetensors', which resolves through a symlink to \S*outside"
+    target = outside(folder, "weights.safetensors", (folder / WEIGHTS).read_bytes())
+    (folder / WEIGHTS).unlink()
+    (folder / WEIGHTS).symlink_to(target)  # same bytes, same sha256: only the place is wrong
+    return (
+        r"files\['onnx/weights\.safetensors'\] is 'onnx/weights\.safetensors', "
+        r"which resolves through a symlink to \S*outside"
+    )
 
 
 def onnx_folder_symlink_out(folder):
@@ -383,10 +391,10 @@ def onnx_folder_symlink_out(folder):
 
 
 def relative_symlink_out(folder):
-    target = outside(folder, "weights.safetensors", (folder / "weights.safetensors").read_bytes())
-    (folder / "weights.safetensors").unlink()
-    (folder / "weights.safetensors").symlink_to(Path("..") / "outside" / target.name)
-    return r"'weights\.safetensors', which resolves through a symlink to \S*outside/weights\.safetensors: outside"
+    target = outside(folder, "weights.safetensors", (folder / WEIGHTS).read_bytes())
+    (folder / WEIGHTS).unlink()
+    (folder / WEIGHTS).symlink_to(Path("..") / ".." / "outside" / target.name)
+    return r"'onnx/weights\.safetensors', which resolves through a symlink to \S*outside/weights\.safetensors: outside"
 
 
 def manifest_symlink_out(folder):
@@ -405,9 +413,9 @@ def huge_sparse_file_outside(folder):
 
 
 def huge_sparse_file_in_place_of_the_weights(folder):
-    size = (folder / "weights.safetensors").stat().st_size
-    sparse(folder / "weights.safetensors")
-    return rf"export/weights\.safetensors has {HUGE} bytes, the manifest records {size}\. Re-export"
+    size = (folder / WEIGHTS).stat().st_size
+    sparse(folder / WEIGHTS)
+    return rf"export/onnx/weights\.safetensors has {HUGE} bytes, the manifest records {size}\. Re-export"
 
 
 def huge_manifest(folder):
@@ -416,9 +424,9 @@ def huge_manifest(folder):
 
 
 def fifo_in_place_of_the_weights(folder):
-    (folder / "weights.safetensors").unlink()
-    os.mkfifo(folder / "weights.safetensors")  # opening it for reading would block without O_NONBLOCK
-    return r"export/weights\.safetensors is not a regular file; the export lists it as a file"
+    (folder / WEIGHTS).unlink()
+    os.mkfifo(folder / WEIGHTS)  # opening it for reading would block without O_NONBLOCK
+    return r"export/onnx/weights\.safetensors is not a regular file; the export lists it as a file"
 
 
 def directory_in_place_of_an_onnx_file(folder):
@@ -498,11 +506,11 @@ def test_export_file_refuses_what_the_manifest_does_not_list_or_what_changed_sin
     for relative in ("manifest.json", "extra.bin", "/etc/passwd", "../export/weights.safetensors", "onnx"):
         with pytest.raises(ManifestError, match=rf"{re.escape(repr(relative))} is not among the files the manifest"):
             export.file(relative)
-    target = outside(folder, "weights.safetensors", (folder / "weights.safetensors").read_bytes())
-    (folder / "weights.safetensors").unlink()
-    (folder / "weights.safetensors").symlink_to(target)  # swapped after the export was opened
+    target = outside(folder, "weights.safetensors", (folder / WEIGHTS).read_bytes())
+    (folder / WEIGHTS).unlink()
+    (folder / WEIGHTS).symlink_to(target)  # swapped after the export was opened
     with pytest.raises(ManifestError, match=r"which resolves through a symlink to \S*outside") as info:
-        export.file("weights.safetensors")
+        export.file(WEIGHTS)
     assert_no_hash_leak(str(info.value), [target])
     path = folder / "onnx" / "layer_1.onnx"
     size = path.stat().st_size
@@ -519,7 +527,7 @@ def test_backends_open_files_through_the_checked_path(folder, backend):
     from paradecode.runtime.backends import backend_class
 
     export = open_export(folder)
-    relative = "onnx/layer_2.onnx" if backend == "onnxruntime" else "weights.safetensors"
+    relative = "onnx/layer_2.onnx" if backend == "onnxruntime" else WEIGHTS
     target = outside(folder, Path(relative).name, (folder / relative).read_bytes())
     (folder / relative).unlink()
     (folder / relative).symlink_to(target)

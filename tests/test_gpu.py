@@ -10,7 +10,7 @@ import pytest
 from paradecode.export.config import ExportConfig
 from paradecode.export.pipeline import export_model
 from paradecode.runtime import NEVER, load
-from tests.parity import assert_same_tokens
+from tests.parity import assert_same_tokens, export_scorer
 from tests.tiny_models import TINY_CONFIGS
 
 pytestmark = pytest.mark.gpu
@@ -21,12 +21,14 @@ SETTINGS = list(itertools.product((0.0, 0.5, NEVER), ("streams", "batched", "bot
 def test_cuda_paradecode_equals_ar_equals_cpu(family, exports):
     folder, _ = exports[family]
     prompt = [3, 1, 4, 1, 5]
-    with load(folder, backend="torch") as cpu:
-        expected = cpu.generate(prompt_ids=prompt, max_new_tokens=40, mode="ar", ignore_eos=True).token_ids
+    cpu = load(folder, backend="torch")
+    expected = cpu.generate(prompt_ids=prompt, max_new_tokens=40, mode="ar", ignore_eos=True).token_ids
+    score = export_scorer(cpu)
     for graphs in (True, False):
         with load(folder, backend="torch", device="cuda", cuda_graphs=graphs) as gpu:
             ar = gpu.generate(prompt_ids=prompt, max_new_tokens=40, mode="ar", ignore_eos=True)
-            assert_same_tokens(ar.token_ids, expected, ar.margins, f"{family} cuda ar (graphs={graphs}) vs cpu")
+            what = f"{family} cuda ar (graphs={graphs}) vs cpu"
+            assert_same_tokens(ar.token_ids, expected, what, prompt=prompt, score=score)
             for threshold, overlap, k in SETTINGS:
                 ours = gpu.generate(
                     prompt_ids=prompt,
@@ -36,12 +38,8 @@ def test_cuda_paradecode_equals_ar_equals_cpu(family, exports):
                     max_unverified=k,
                     ignore_eos=True,
                 )
-                assert_same_tokens(
-                    ours.token_ids,
-                    ar.token_ids,
-                    ours.margins,
-                    f"{family} cuda graphs={graphs} {threshold}/{overlap}/K={k} vs ar",
-                )
+                what = f"{family} cuda graphs={graphs} {threshold}/{overlap}/K={k} vs ar"
+                assert_same_tokens(ours.token_ids, ar.token_ids, what, prompt=prompt, score=score)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
@@ -54,7 +52,8 @@ def test_bf16_export_on_cuda(family, model_dirs, tmp_path):
             ours = gpu.generate(
                 prompt_ids=[2, 7, 1, 8], max_new_tokens=40, thresholds=0.0, overlap=overlap, ignore_eos=True
             )
-            assert_same_tokens(ours.token_ids, ar.token_ids, ours.margins, f"{family} bf16 {overlap} vs ar")
+            what = f"{family} bf16 {overlap} vs ar"
+            assert_same_tokens(ours.token_ids, ar.token_ids, what, prompt=[2, 7, 1, 8], score=export_scorer(gpu))
 
 
 def test_stories260k_golden_on_cuda(stories_dir, tmp_path):
@@ -76,4 +75,5 @@ def test_onnxruntime_cuda_provider(exports):
     with load(folder, backend="onnxruntime", device="cuda") as gpu, load(folder) as cpu:
         expected = cpu.generate(prompt_ids=[1, 2, 3], max_new_tokens=30, mode="ar", ignore_eos=True)
         ours = gpu.generate(prompt_ids=[1, 2, 3], max_new_tokens=30, thresholds=0.0, overlap="streams", ignore_eos=True)
-        assert_same_tokens(ours.token_ids, expected.token_ids, ours.margins, "onnxruntime cuda vs cpu")
+        what = "onnxruntime cuda vs cpu"
+        assert_same_tokens(ours.token_ids, expected.token_ids, what, prompt=[1, 2, 3], score=export_scorer(cpu))

@@ -123,6 +123,6 @@ def test_manifest_refuses_other_versions_and_corrupt_files(exports, tmp_path):
         f.write(b"\xff\xff\xff")
     with pytest.raises(ManifestError, match="layer_2.onnx is corrupt"):
         verify_files(copy, read_manifest(copy))
-    (copy / "weights.safetensors").unlink()
+    (copy / "onnx" / "weights.safetensors").unlink()
     with pytest.raises(ManifestError, match="missing files.*weights.safetensors"):
         verify_files(copy, read_manifest(copy))

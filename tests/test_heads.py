@@ -44,7 +44,7 @@ def trained(model_dirs, tmp_path_factory):
         )
         == 0
     )
-    transforms, metadata = load_heads(out)
+    transforms, metadata, _ = load_heads(out)
     return out, transforms, metadata
 
 

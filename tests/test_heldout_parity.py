@@ -9,7 +9,7 @@ import torch
 from paradecode.export.config import ExportConfig
 from paradecode.export.pipeline import export_model
 from paradecode.runtime import NEVER, load
-from tests.parity import assert_same_tokens
+from tests.parity import assert_same_tokens, hf_scorer
 from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, tiny_model
 
 SETTINGS = list(itertools.product((0.0, 0.5, NEVER), ("streams", "batched", "both"), (1, 8)))
@@ -33,7 +33,10 @@ def test_heldout_family(family, tmp_path):
     for backend in ("onnxruntime", "torch"):
         with load(tmp_path / "export", backend=backend) as runtime:
             ar = runtime.generate(prompt_ids=prompt, max_new_tokens=50, mode="ar", ignore_eos=True)
-            assert_same_tokens(ar.token_ids, expected, ar.margins, f"held-out {family}/{backend} ar vs HF")
+            score = hf_scorer(model)
+            assert_same_tokens(
+                ar.token_ids, expected, f"held-out {family}/{backend} ar vs HF", prompt=prompt, score=score
+            )
             for threshold, overlap, k in SETTINGS:
                 ours = runtime.generate(
                     prompt_ids=prompt,
@@ -43,9 +46,5 @@ def test_heldout_family(family, tmp_path):
                     max_unverified=k,
                     ignore_eos=True,
                 )
-                assert_same_tokens(
-                    ours.token_ids,
-                    expected,
-                    ours.margins,
-                    f"held-out {family}/{backend} {threshold}/{overlap}/K={k} vs HF",
-                )
+                what = f"held-out {family}/{backend} {threshold}/{overlap}/K={k} vs HF"
+                assert_same_tokens(ours.token_ids, expected, what, prompt=prompt, score=score)

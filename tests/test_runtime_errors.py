@@ -114,7 +114,7 @@ def test_missing_and_corrupt_files_are_named(exports, tmp_path):
     with pytest.raises(ManifestError, match="exit_2.onnx"):
         load(copy)
     copy = copy_export(exports, tmp_path / "second")
-    with open(copy / "weights.safetensors", "r+b") as f:
+    with open(copy / "onnx" / "weights.safetensors", "r+b") as f:
         f.seek(-8, 2)
         f.write(b"\x00" * 8)
     with pytest.raises(ManifestError, match="weights.safetensors is corrupt: sha256"):

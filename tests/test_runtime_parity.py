@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paradecode.runtime import NEVER, load
-from tests.parity import assert_same_tokens
+from tests.parity import assert_same_tokens, export_scorer, hf_scorer
 from tests.tiny_models import TINY_CONFIGS, tiny_model
 
 PROMPTS = [(5, 20), (11, 40)]  # (prompt length, new tokens); the exports hold 64 positions
@@ -53,7 +53,8 @@ def test_paradecode_equals_ar_equals_transformers(family, backend, exports, refe
         for length, new_tokens in PROMPTS:
             prompt, expected = references(family, length, new_tokens)
             ar = model.generate(prompt_ids=prompt, max_new_tokens=new_tokens, mode="ar", ignore_eos=True)
-            assert_same_tokens(ar.token_ids, expected, ar.margins, f"{family}/{backend} ar vs transformers")
+            what = f"{family}/{backend} ar vs transformers"
+            assert_same_tokens(ar.token_ids, expected, what, prompt=prompt, score=hf_scorer(tiny_model(family)))
             for threshold, overlap, k in SETTINGS:
                 result = model.generate(
                     prompt_ids=prompt,
@@ -65,7 +66,7 @@ def test_paradecode_equals_ar_equals_transformers(family, backend, exports, refe
                     ignore_eos=True,
                 )
                 what = f"{family}/{backend} paradecode threshold={threshold} overlap={overlap} K={k} vs ar"
-                assert_same_tokens(result.token_ids, ar.token_ids, result.margins, what)
+                assert_same_tokens(result.token_ids, ar.token_ids, what, prompt=prompt, score=export_scorer(model))
                 stats = result.stats
                 if threshold == NEVER:
                     assert not stats.exits_per_layer and stats.rollbacks == 0, what
@@ -125,7 +126,8 @@ def test_stories260k_paradecode_reproduces_the_published_greedy_text(stories_dir
             expected = hf_greedy(hf, prompt, 48)
             for backend_model in (model,):
                 ar = backend_model.generate(prompt_ids=prompt, max_new_tokens=48, mode="ar", ignore_eos=True)
-                assert_same_tokens(ar.token_ids, expected, ar.margins, f"stories ar {text!r}")
+                score = hf_scorer(hf)
+                assert_same_tokens(ar.token_ids, expected, f"stories ar {text!r}", prompt=prompt, score=score)
                 for threshold, overlap, k in SETTINGS:
                     result = backend_model.generate(
                         prompt_ids=prompt,
@@ -135,12 +137,8 @@ def test_stories260k_paradecode_reproduces_the_published_greedy_text(stories_dir
                         max_unverified=k,
                         ignore_eos=True,
                     )
-                    assert_same_tokens(
-                        result.token_ids,
-                        expected,
-                        result.margins,
-                        f"stories paradecode {text!r} {threshold}/{overlap}/K={k}",
-                    )
+                    what = f"stories paradecode {text!r} {threshold}/{overlap}/K={k}"
+                    assert_same_tokens(result.token_ids, expected, what, prompt=prompt, score=score)
 
 
 def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
@@ -150,7 +148,8 @@ def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
 
     fused, _ = exports["qwen3"]
     plain = tmp_path / "plain"
-    export_model(ExportConfig(model=str(model_dirs["qwen3"]), output=plain, max_seq_len=64, fused_exits=False))
+    heads = fused.parent / "heads.safetensors"  # the same trained heads, without the fused graphs
+    export_model(ExportConfig(model=str(model_dirs["qwen3"]), output=plain, heads=heads, max_seq_len=64))
     prompt = [9, 8, 7, 6]
     names = {}
     for label, folder in (("fused", fused), ("plain", plain)):

@@ -35,7 +35,7 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
             "--repeat",
             "2",
             "--thresholds",
-            "default,never",
+            "default,0.3",
             "--overlaps",
             "batched,both",
             "--hf",
@@ -52,7 +52,7 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     data = json.loads((tmp_path / "b.json").read_text())
     summary = data["summary"]
     assert summary["_baseline"]["ar"].startswith("ar (") and summary["_baseline"]["hf"] == "hf"
-    for name in ("paradecode batched default", "paradecode both never", "hf"):
+    for name in ("paradecode batched default", "paradecode both 0.3", "hf"):
         row = summary[name]
         for key in (
             "tokens_per_second",
@@ -65,7 +65,8 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
             assert key in row, (name, key)
         assert row["exact_match_vs_ar"] == 1.0, name  # every mode gives the same tokens
         assert set(row["speedup_vs_ar"]) == {"min", "median", "max"}
-    assert "exits_per_layer" in summary["paradecode batched default"]
+    assert "exits_per_layer" not in summary["paradecode batched default"]  # no trained heads: no exits by default
+    assert "exits_per_layer" in summary["paradecode both 0.3"]
     assert len(data["samples"]) == 2 * 2 * (len(summary) - 1 - sum("skipped" in r for r in summary.values()))
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"

@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hf",
         metavar="MODEL",
-        help="the original model for the Hugging Face reference "
-        "(default: the manifest's source, where it is a local folder)",
+        help="the original model for the Hugging Face reference: a folder, a .gguf file, a Hub id or a known "
+        "short name (default: the manifest's source, where it is a local folder, a .gguf file or a known name)",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face modes")
     parser.add_argument(
@@ -179,23 +179,37 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
 
 
 def local_source(manifest) -> str | None:
+    """The manifest's source where it resolves without a download: a folder, a .gguf file or a known name."""
+    from paradecode.export.known_models import KNOWN_MODELS
+
     source = manifest.model.get("source")
-    if source and Path(source).is_dir():
+    if source and (source in KNOWN_MODELS or Path(source).exists()):
         return source
     logger.info("no local copy of the original model (%s): skipping the Hugging Face modes (pass --hf)", source)
     return None
 
 
-def hf_modes(path: str, manifest, ignore_eos: bool) -> list:
-    import torch
-    from transformers import AutoModelForCausalLM
+def hf_modes(reference: str, manifest, ignore_eos: bool) -> list:
+    """Hugging Face generate on the original model, loaded as paradecode-export loads it."""
     from transformers.utils import logging as hf_logging
 
+    from paradecode.export.pipeline import load_hf_model
+    from paradecode.export.source import resolve_model
     from paradecode.tools import benchmarking as bm
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    source = resolve_model(reference)
+    model = load_hf_model(source)
+    ours, theirs = source.identity()["weights_sha256"], manifest.model.get("weights_sha256")
+    if ours != theirs:
+        logger.warning(
+            "--hf %s is not the model this export was made from (weights sha256 %s..., the export's %s...): "
+            "the hf rows compare another model",
+            reference,
+            ours[:12],
+            str(theirs)[:12],
+        )
     early = manifest.exit_layers[0] if manifest.exit_layers else 1
     return [
         bm.hf_mode("hf", model, {}, ignore_eos=ignore_eos),

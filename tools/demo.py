@@ -55,7 +55,9 @@ def run(args) -> None:
         )
     print(f"== exporting the demo model ({DEMO_MODEL}) with its trained exit heads", file=sys.stderr)
     result = export_model(
-        ExportConfig(model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384, force=True)
+        ExportConfig(
+            model=str(DEMO_MODEL), output=args.output, heads=heads, max_seq_len=384, fused_exits=True, force=True
+        )
     )
     # export_model raises (and writes nothing) when a graph fails validation.
     print(

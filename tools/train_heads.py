@@ -18,10 +18,10 @@ logger = logging.getLogger("paradecode.train_heads")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from paradecode.export.cli import layer_list, positive_int
+    from paradecode.export.cli import MODEL_HELP, layer_list, positive_int
 
     parser = argparse.ArgumentParser(prog="paradecode-train-heads", description=__doc__.splitlines()[0])
-    parser.add_argument("model", metavar="MODEL", help="a Hugging Face Hub id or a local folder")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the heads file to write")
     parser.add_argument("--exit-layers", type=layer_list, metavar="E1,E2,...", help="default: L/4, L/2, 3L/4")
     data = parser.add_mutually_exclusive_group()
@@ -80,6 +80,7 @@ def run(args: argparse.Namespace):
     from paradecode.export.heads import save_heads
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
+    from paradecode.export.tokenizer import hf_tokenizer
     from paradecode.tools.heads.calibration import calibrate
     from paradecode.tools.heads.cost import CostModel
     from paradecode.tools.heads.data import DEFAULT_PROMPTS, collect, greedy_sequences, split_held_out
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace):
     cost = None
     if not args.use_all_exits:
         cost = CostModel.estimate(spec) if args.head_cost is None else CostModel(spec.num_layers, args.head_cost)
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = hf_tokenizer(source)
     generator = torch.Generator().manual_seed(args.seed)
 
     if args.text is not None:
@@ -166,9 +167,10 @@ def run(args: argparse.Namespace):
     }
     calibration = calibrate(after[0], after[1], args.target_agreement, cost)
     result = HeadsTraining(transforms, table, calibration, data, history)
+    identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
     metadata = {
-        "base_model": source.hub_id or str(source.path.resolve()),
-        "base_weights_sha256": source.identity()["weights_sha256"],
+        "base_model": identity["source"],
+        "base_weights_sha256": identity["weights_sha256"],
         "data": data,
         "training": {
             "steps": args.steps,
@@ -183,14 +185,6 @@ def run(args: argparse.Namespace):
     save_heads(args.output, transforms, metadata)
     report(table, calibration)
     return result
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:

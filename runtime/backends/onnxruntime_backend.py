@@ -33,7 +33,28 @@ except ImportError as err:  # backend_class turns this into an install hint
     raise ImportError(f"onnxruntime is not installed: {err}") from err
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
+
+
+def return_freed_weights_to_the_system() -> None:
+    """Fix glibc's mmap threshold, so that large freed blocks go back to the system.
+
+    onnxruntime reads each weight, pre-packs it for its matrix kernels and frees the unpacked copy.
+    glibc raises its mmap threshold each time such a block is freed, so later weights land in the
+    heap, and the freed copies stay there as holes the process still holds: measured on SmolLM2-135M
+    (538 MB of weights), 635 MB of anonymous memory for its sessions, against 538 MB with a fixed
+    threshold. A no-op where the C library is not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD; setting it also stops the dynamic adjustment
 
 
 class Bound:
@@ -96,6 +117,7 @@ class OnnxRuntimeBackend(Backend):
                 "the onnxruntime backend does not run bfloat16 exports (no CPU kernels, no numpy "
                 "type to bind): use --backend torch or tensorrt, or export float32/float16."
             )
+        return_freed_weights_to_the_system()
         self.threads = threads if threads is not None else max(1, os.cpu_count() or 1)
         self.options = ort.SessionOptions()
         self.options.intra_op_num_threads = self.threads
