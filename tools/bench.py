@@ -16,6 +16,7 @@ from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import OVERLAPS
 from paradecode.tools.options import choice_list
+from paradecode.tools.prompt_sets import NAMES_HELP
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -25,10 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
     parser.add_argument(
         "--prompts",
-        type=Path,
-        metavar="FILE",
+        metavar="FILE|NAME",
         help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
-        "lines (a chat, rendered with the export's chat template); default: built-in code and prose prompts",
+        f"lines (a chat, rendered with the export's chat template), {NAMES_HELP}; default: eval where the export "
+        "has a chat template, else built-in code and prose prompts",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
@@ -79,15 +80,30 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 
 def run(args) -> str:
-    from paradecode.tools.benchmarking import DEFAULT_PROMPTS, opened_with_ar_baselines
-    from paradecode.tools.prompts import read_prompts
+    from paradecode.tools.benchmarking import opened_with_ar_baselines
+    from paradecode.tools.prompt_sets import load_prompts
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
-    texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    prompts = load_prompts(args.prompts) if args.prompts else None
     with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
-        return measure(args, texts, thresholds, main_model, ar_models)
+        if prompts is None:
+            prompts = default_prompts(main_model)
+        return measure(args, prompts, thresholds, main_model, ar_models)
+
+
+def default_prompts(model) -> list:
+    """The evaluation set (`eval`) where the export has a chat template, else the built-in text prompts."""
+    from paradecode.tools.benchmarking import DEFAULT_PROMPTS
+    from paradecode.tools.prompt_sets import load_prompts
+    from paradecode.tools.prompts import LabelledPrompt
+
+    if model.chat_template is not None:
+        logger.info("prompts: the evaluation set (eval), as the export has a chat template")
+        return load_prompts("eval")
+    logger.info("prompts: the built-in text prompts, as the export has no chat template")
+    return [LabelledPrompt(text) for text in DEFAULT_PROMPTS]
 
 
 def prompt_ids_of(model, prompts: list) -> list[list[int]]:
@@ -107,12 +123,13 @@ def prompt_ids_of(model, prompts: list) -> list[list[int]]:
     return ids
 
 
-def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
+def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
-    from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
+    from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
 
     manifest = main_model.manifest
+    texts = [p.prompt for p in labelled]
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
     modes = [bm.stream_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
@@ -138,7 +155,8 @@ def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
     summary = bm.summarize(results)
-    table = markdown_table(summary)
+    by_category = bm.summarize_by_category(results, [p.category for p in labelled])
+    table = markdown_report(summary, by_category)
     if args.json:
         save_json(
             args.json,
@@ -149,6 +167,7 @@ def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
                 "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
                 "summary": summary,
+                "categories": by_category,
                 "samples": bm.samples_as_dicts(results.samples),
             },
         )

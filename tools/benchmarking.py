@@ -14,7 +14,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
@@ -31,6 +31,7 @@ DEFAULT_PROMPTS = (
     "The little dog wanted to play in the park.",
     "for i in range(10):\n",
 )
+UNCATEGORISED = "uncategorised"  # the group of prompts without a category, where others have one
 
 
 def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu"):
@@ -158,10 +159,11 @@ def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mo
     return Mode(name, "hf", run, kwargs)
 
 
-def summarize(results: Results) -> dict[str, dict[str, Any]]:
+def summarize(results: Results, *, baseline: str | None = None) -> dict[str, dict[str, Any]]:
     """bench's summary per mode: medians, latency percentiles, speedups vs ar and vs HF (median, min, max over
-    repeats), exits; `_baseline` names the ar and HF modes the speedups are against."""
-    baseline = results.baseline
+    repeats), exits; `_baseline` names the ar and HF modes the speedups are against (the ar one: `baseline`,
+    or where None the results' own)."""
+    baseline = baseline or results.baseline
     hf = "hf" if results.runs("hf") else None
     summary = {}
     for mode in results.modes:
@@ -194,6 +196,24 @@ def summarize(results: Results) -> dict[str, dict[str, Any]]:
         summary[mode.name] = row
     summary["_baseline"] = {"ar": baseline, "hf": hf}
     return summary
+
+
+def summarize_by_category(results: Results, categories: Sequence[str | None]) -> dict[str, dict[str, Any]]:
+    """bench's summary per prompt category, in order of first appearance: {category: {"prompts": [indices],
+    "summary": ...}}, every speedup against the baseline of all prompts so categories compare.
+
+    `categories[i]` is prompt i's; prompts without one are grouped as UNCATEGORISED; {} when none has one.
+    """
+    if all(c is None for c in categories):
+        return {}
+    groups: dict[str, list[int]] = {}
+    for index, category in enumerate(categories):
+        groups.setdefault(category or UNCATEGORISED, []).append(index)
+    baseline = results.baseline
+    return {
+        name: {"prompts": indices, "summary": summarize(results.of_prompts(indices), baseline=baseline)}
+        for name, indices in groups.items()
+    }
 
 
 def machine() -> dict[str, Any]:

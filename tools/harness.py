@@ -171,6 +171,11 @@ class Results:
     samples: list[Sample]
     skipped: dict[str, str] = field(default_factory=dict)  # mode name -> why it was left out
 
+    def of_prompts(self, prompts: Iterable[int]) -> Results:
+        """The same modes with only the samples of these prompts (indices): one category's, say."""
+        keep = set(prompts)
+        return replace(self, samples=[s for s in self.samples if s.prompt in keep])
+
     def runs(self, name: str | None) -> list[Sample]:
         return [s for s in self.samples if s.mode == name]
 

@@ -41,14 +41,27 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+def markdown_report(summary: dict[str, dict[str, Any]], by_category: dict[str, dict[str, Any]]) -> str:
+    """bench's table for all prompts, then, where the prompts have categories, one table per category."""
+    if not by_category:
+        return markdown_table(summary)
+    total = sum(len(group["prompts"]) for group in by_category.values())
+    parts = [f"## all prompts ({total})", "", markdown_table(summary)]
+    for name, group in by_category.items():
+        count = len(group["prompts"])
+        heading = f"## {name} ({count} prompt{'' if count == 1 else 's'})"
+        parts += ["", heading, "", markdown_table(group["summary"], note=False)]
+    return "\n".join(parts)
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> str:
+    """One row per mode; `note`: begin with the line that says what the speedups are against."""
     baseline = summary.get("_baseline", {})
     against = f"`{baseline.get('ar')}` (plain decoding, same export and backend)"
     if baseline.get("hf"):
         against += f" and `{baseline['hf']}` (Hugging Face generate)"
-    lines = [
-        f"speedups are medians over repeats (min-max) against {against}",
-        "",
+    lines = [f"speedups are medians over repeats (min-max) against {against}", ""] if note else []
+    lines += [
         "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | rollback rate | "
         "match ar | peak MB |",
         "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError, run_command
+from paradecode.tools.prompt_sets import NAMES_HELP
 
 logger = logging.getLogger("paradecode.train_heads")
 
@@ -26,11 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_mutually_exclusive_group()
     data.add_argument(
         "--prompts",
-        type=Path,
-        metavar="FILE",
+        metavar="FILE|NAME",
         help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
-        "lines (a chat, rendered with the model's chat template); the model continues each greedily (default: a "
-        "built-in set of code and prose prompts)",
+        f"lines (a chat, rendered with the model's chat template), {NAMES_HELP}: heads is the training set; the "
+        "model continues each greedily (default: a built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace):
     from paradecode.tools.heads.cost import CostModel
     from paradecode.tools.heads.data import DEFAULT_PROMPTS, collect, greedy_sequences, split_held_out
     from paradecode.tools.heads.training import HeadsTraining, Unembedding, evaluate_heads, train_heads
-    from paradecode.tools.prompts import read_prompts
+    from paradecode.tools.prompt_sets import is_evaluation_set, load_prompts
 
     hf_logging.disable_progress_bar()
     if args.output.exists() and not args.force:
@@ -94,6 +94,11 @@ def run(args: argparse.Namespace):
         raise UserInputError(f"--held-out must be a share in (0, 1), got {args.held_out}.")
     if not 0 < args.target_agreement <= 1:
         raise UserInputError(f"--target-agreement must be in (0, 1], got {args.target_agreement}.")
+    if args.prompts is not None and is_evaluation_set(args.prompts):
+        raise UserInputError(
+            f"--prompts {args.prompts} is the held-out evaluation set, which heads never train on (it measures "
+            "them): train on the training set, --prompts heads, or on a file of your own."
+        )
     source = resolve_model(args.model)
     family = family_for(source.config_dict().get("model_type"))
     model = load_hf_model(source)
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace):
         if args.prompts is not None:
             if tokenizer is None:
                 raise UserInputError(f"{args.model} has no tokenizer to read --prompts with.")
-            texts = read_prompts(args.prompts)
+            texts = [p.prompt for p in load_prompts(args.prompts)]
         else:
             texts = list(DEFAULT_PROMPTS)
         if tokenizer is not None:
