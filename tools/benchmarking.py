@@ -95,6 +95,8 @@ def stream_mode(name: str, model, settings: dict[str, Any], *, ignore_eos: bool)
             stamps,
             exits=dict(stats.exits_per_layer),
             accepted=dict(stats.accepted_per_layer),
+            lookup_proposed=stats.lookup_proposed,
+            lookup_accepted=stats.lookup_accepted,
             rollbacks=stats.rollbacks,
         )
 
@@ -112,6 +114,8 @@ def generate_mode(name: str, model, settings: dict[str, Any]) -> Mode:
             first_token_seconds=stats.prefill_seconds,
             exits=dict(stats.exits_per_layer),
             accepted=dict(stats.accepted_per_layer),
+            lookup_proposed=stats.lookup_proposed,
+            lookup_accepted=stats.lookup_accepted,
             rollbacks=stats.rollbacks,
             tokens_per_second=stats.tokens_per_second,
         )
@@ -188,11 +192,15 @@ def summarize(results: Results, *, baseline: str | None = None) -> dict[str, dic
             if speedup is not None:
                 row[f"speedup_vs_{label}"] = speedup.as_dict()
         exits = results.exits(mode.name)
+        looked_up, lookup_accepted = results.lookup(mode.name)
         if exits:
             row["exits_per_layer"] = exits
             row["accepted_per_layer"] = results.accepted(mode.name)
-            early = sum(exits.values())
-            row["rollback_rate"] = results.rollbacks(mode.name) / early if early else 0.0
+        if looked_up:
+            row["lookup_proposed"], row["lookup_accepted"] = looked_up, lookup_accepted
+        proposed = sum(exits.values()) + looked_up
+        if proposed:
+            row["rollback_rate"] = results.rollbacks(mode.name) / proposed
         summary[mode.name] = row
     summary["_baseline"] = {"ar": baseline, "hf": hf}
     return summary

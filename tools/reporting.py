@@ -62,15 +62,15 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
         against += f" and `{baseline['hf']}` (Hugging Face generate)"
     lines = [f"speedups are medians over repeats (min-max) against {against}", ""] if note else []
     lines += [
-        "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | rollback rate | "
-        "match ar | peak MB |",
-        "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+        "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | lookup (accepted) | "
+        "rollback rate | match ar | peak MB |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for name, row in summary.items():
         if name.startswith("_"):
             continue
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
             continue
 
         def speedup(key: str, row=row) -> str:
@@ -81,10 +81,11 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
         exit_text = (
             ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
         )
+        lookup_text = f"{row['lookup_proposed']} ({row['lookup_accepted']})" if row.get("lookup_proposed") else "-"
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
             f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | "
-            f"{exit_text} | "
+            f"{exit_text} | {lookup_text} | "
             f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
         )
     return "\n".join(lines)
