@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="batched,streams,both",
         help=f"comma-separated overlap modes to try, from {', '.join(OVERLAPS)} (default batched,streams,both)",
     )
+    parser.add_argument(
+        "--lookup",
+        default="0",
+        metavar="N1,N2",
+        help="prompt-lookup settings to try (most tokens proposed at once; 0: off): each threshold and overlap "
+        "runs once per value (default 0)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sample at this temperature in every mode, each run seeded by its prompt and repeat (default 0: greedy)",
+    )
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -67,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0:
         print(table)
     return code
+
+
+def parse_lookups(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise UserInputError(f"--lookup {text!r}: expected comma-separated non-negative integers such as 0,4.")
+    return values
 
 
 def parse_thresholds(text: str) -> list[float | None]:
@@ -132,20 +156,26 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     texts = [p.prompt for p in labelled]
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
-    modes = [bm.stream_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
+    lookups = parse_lookups(args.lookup)
+    sampling = {"temperature": args.temperature} if args.temperature else {}
+    modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:
         for threshold in thresholds:
-            label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
-            settings = {
-                "mode": "paradecode",
-                "overlap": overlap,
-                "thresholds": threshold,
-                "max_unverified": args.max_unverified,
-            }
-            modes.append(bm.stream_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
+            for lookup in lookups:
+                label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
+                settings = {
+                    "mode": "paradecode",
+                    "overlap": overlap,
+                    "thresholds": threshold,
+                    "max_unverified": args.max_unverified,
+                    "lookup_tokens": lookup,
+                    **sampling,
+                }
+                name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
+                modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
-        modes += hf_modes(hf_path, manifest, ignore)
+        modes += hf_modes(hf_path, manifest, ignore, args.temperature)
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),
@@ -154,8 +184,21 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
         args.max_new_tokens,
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
-    summary = bm.summarize(results)
-    by_category = bm.summarize_by_category(results, [p.category for p in labelled])
+    costs = bm.call_costs(main_model, args.max_unverified + 1)
+    logger.info("measured call costs (ms): %s", {k: round(v * 1e3, 3) for k, v in costs.as_dict().items()})
+
+    def bound(mode, accepted: dict, tokens: int) -> float | None:
+        """DESIGN.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
+        settings = mode.settings
+        if settings.get("overlap") != "batched" or settings.get("lookup_tokens") or args.temperature:
+            return None
+        active = sorted(e for e, t in main_model.manifest.thresholds.items() if t <= 1)
+        if settings.get("thresholds") is not None:
+            active = list(main_model.manifest.exit_layers)
+        return bm.exit_bound(costs, accepted, tokens, manifest.spec.num_layers, active)
+
+    summary = bm.summarize(results, bound=bound)
+    by_category = bm.summarize_by_category(results, [p.category for p in labelled], bound=bound)
     table = markdown_report(summary, by_category)
     if args.json:
         save_json(
@@ -166,6 +209,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
                 "machine": bm.machine(),
                 "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
+                "call_costs_seconds": costs.as_dict(),
                 "summary": summary,
                 "categories": by_category,
                 "samples": bm.samples_as_dicts(results.samples),
@@ -189,7 +233,7 @@ def local_source(manifest) -> str | None:
     return None
 
 
-def hf_modes(reference: str, manifest, ignore_eos: bool) -> list:
+def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.0) -> list:
     """Hugging Face generate on the original model, loaded as paradecode-export loads it."""
     from transformers.utils import logging as hf_logging
 
@@ -211,10 +255,11 @@ def hf_modes(reference: str, manifest, ignore_eos: bool) -> list:
             str(theirs)[:12],
         )
     early = manifest.exit_layers[0] if manifest.exit_layers else 1
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {}
     return [
-        bm.hf_mode("hf", model, {}, ignore_eos=ignore_eos),
-        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10}, ignore_eos=ignore_eos),
-        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early}, ignore_eos=ignore_eos),
+        bm.hf_mode("hf", model, sampling, ignore_eos=ignore_eos),
+        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10, **sampling}, ignore_eos=ignore_eos),
+        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early, **sampling}, ignore_eos=ignore_eos),
     ]
 
 

@@ -82,9 +82,10 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
             ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
         )
         lookup_text = f"{row['lookup_proposed']} ({row['lookup_accepted']})" if row.get("lookup_proposed") else "-"
+        bound_text = f"; bound {row['bound_vs_ar']:.2f}x" if "bound_vs_ar" in row else ""
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
-            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | "
+            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')}{bound_text} | {speedup('speedup_vs_hf')} | "
             f"{exit_text} | {lookup_text} | "
             f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
         )
