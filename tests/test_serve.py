@@ -9,6 +9,7 @@ exports/llama from conftest (no tokenizer) serves token-id prompts. Slow replica
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -492,6 +494,35 @@ def test_a_client_leaving_frees_the_replica(serve, chat_export, monkeypatch):
     assert cancelled == 2
 
 
+def test_closing_the_pool_ends_its_jobs(chat_export, monkeypatch):
+    """close(): the running job stops after its token, the waiting one fails with 503, later ones are refused."""
+    from paradecode.runtime.serve.errors import ServiceUnavailable
+    from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
+
+    pool = ReplicaPool(config_of(chat_export, replicas=1, max_queue=1))
+    SlowStreams(pool.models[0], monkeypatch, delay=0.2)
+    config = replace(GENERATION, max_new_tokens=LONG_RUN, ignore_eos=True)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        running, waiting = Job([1, 2, 3], config, loop), Job([1, 2, 3], config, loop)
+        pool.submit(running)
+        pool.submit(waiting)
+        assert isinstance(await running.events.get(), Token)
+        await asyncio.to_thread(pool.close)
+        await asyncio.sleep(0.1)  # the workers' last events, handed over with call_soon_threadsafe
+        ends = [running.events.get_nowait() for _ in range(running.events.qsize())][-1], waiting.events.get_nowait()
+        with pytest.raises(ServiceUnavailable, match="shutting down"):
+            pool.submit(Job([1], config, loop))
+        return ends
+
+    last, failed = asyncio.run(scenario())
+    assert isinstance(last, Finished) and last.result.stats.stop_reason == "cancelled"
+    assert last.result.stats.new_tokens <= 3
+    assert isinstance(failed, Failed) and isinstance(failed.error, ServiceUnavailable)
+    assert pool.models[0].closed
+
+
 # --- metrics ------------------------------------------------------------------------------------------------------
 
 
@@ -713,8 +744,14 @@ def refused(url: str) -> bool:
     return False
 
 
-def test_cli_help_and_bad_input(tmp_path, capsys):
+def test_cli_help_and_bad_input(tmp_path, capsys, chat_export):
     from paradecode.runtime.serve import cli
+
+    with socket.socket() as taken:  # a port something else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main([str(chat_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
+    assert "could not listen on 127.0.0.1:" in capsys.readouterr().err
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])

@@ -95,12 +95,10 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 while the replicas serve; 503 once they are shutting down."""
+    """200 with the queue's state: the server answers once its replicas are loaded, and until it stops."""
     service = service_of(request)
     waiting, running = service.pool.counts()
-    status = "shutting down" if service.pool.closing else "ok"
-    body = {"status": status, "replicas": service.config.replicas, "waiting": waiting, "running": running}
-    return JSONResponse(body, status_code=503 if service.pool.closing else 200)
+    return JSONResponse({"status": "ok", "replicas": service.config.replicas, "waiting": waiting, "running": running})
 
 
 async def metrics(request: Request) -> Response:

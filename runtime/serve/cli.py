@@ -48,9 +48,18 @@ def json_object(text: str) -> dict:
     return value
 
 
+def default(config_class, name: str) -> str:
+    """A config field's default, for a help text (the defaults live in the config classes only)."""
+    return str(config_class.__dataclass_fields__[name].default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import MODES, OVERLAPS
+    from paradecode.runtime.config import MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.serve.config import RayConfig, ServeConfig
+
+    serve_default = lambda name: default(ServeConfig, name)
+    ray_default = lambda name: default(RayConfig, name)
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -58,43 +67,76 @@ def build_parser() -> argparse.ArgumentParser:
         "(streamed as Server-Sent Events with stream=true), /v1/models, /health and Prometheus /metrics.",
     )
     parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=non_negative_int, help="port (default 8000)")
+    parser.add_argument(
+        "--host", help=f"address to listen on (default {serve_default('host')}; 0.0.0.0: every interface)"
+    )
+    parser.add_argument("--port", type=non_negative_int, help=f"port (default {serve_default('port')})")
     parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: DIR)")
     load = parser.add_argument_group("replicas and limits")
     load.add_argument(
         "--replicas",
         type=positive_int,
-        help="models loaded (default 1); each holds its own copy of the weights, KV cache and lanes",
+        help=f"models loaded (default {serve_default('replicas')}); each holds its own weights, KV cache and lanes",
     )
-    load.add_argument("--max-queue", type=non_negative_int, help="requests waiting for a replica (default 16)")
-    load.add_argument("--request-timeout", type=positive_float, metavar="S", help="seconds per request (default 600)")
     load.add_argument(
-        "--shutdown-timeout", type=positive_float, metavar="S", help="seconds in-flight requests get after SIGTERM (30)"
+        "--max-queue",
+        type=non_negative_int,
+        help=f"requests waiting for a replica (default {serve_default('max_queue')})",
     )
-    load.add_argument("--max-body-bytes", type=positive_int, metavar="N", help="largest request body (default 4 MiB)")
-    load.add_argument("--backend", choices=tuple(BACKENDS), help="default onnxruntime")
-    load.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
-    load.add_argument("--lanes", type=positive_int, help="lanes per replica (default 2)")
+    load.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"seconds per request, queueing included (default {serve_default('request_timeout')})",
+    )
+    load.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"seconds in-flight requests get after SIGTERM (default {serve_default('shutdown_timeout')})",
+    )
+    load.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        metavar="N",
+        help=f"largest request body (default {serve_default('max_body_bytes')})",
+    )
+    load.add_argument("--backend", choices=tuple(BACKENDS), help=f"default {serve_default('backend')}")
+    load.add_argument("--device", choices=("cpu", "cuda"), help=f"default {serve_default('device')}")
+    load.add_argument("--lanes", type=positive_int, help=f"lanes per replica (default {serve_default('lanes')})")
     load.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: cores / all lanes)")
     load.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
     decoding = parser.add_argument_group("decoding (every request)")
-    decoding.add_argument("--mode", choices=MODES, help="default paradecode")
+    decoding.add_argument("--mode", choices=MODES, help=f"default {default(GenerationConfig, 'mode')}")
     decoding.add_argument("--threshold", metavar="G", help="exit threshold, in [0, 1] or 'never' (default: export's)")
-    decoding.add_argument("--overlap", choices=OVERLAPS, help="default auto")
-    decoding.add_argument("--max-unverified", type=positive_int, metavar="K", help="default 5")
+    decoding.add_argument("--overlap", choices=OVERLAPS, help=f"default {default(GenerationConfig, 'overlap')}")
+    decoding.add_argument(
+        "--max-unverified",
+        type=positive_int,
+        metavar="K",
+        help=f"default {default(GenerationConfig, 'max_unverified')}",
+    )
     ray = parser.add_argument_group("Ray Serve (needs the ray extra)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve: --replicas Ray replicas, one model each")
     ray.add_argument("--ray-address", metavar="ADDR", help="a Ray cluster to join (default: RAY_ADDRESS, else local)")
-    ray.add_argument("--num-cpus", type=float, metavar="N", help="Ray CPUs per replica (default 1)")
-    ray.add_argument("--num-gpus", type=float, metavar="N", help="Ray GPUs per replica (default 0)")
+    ray.add_argument(
+        "--num-cpus", type=float, metavar="N", help=f"Ray CPUs per replica (default {ray_default('num_cpus')})"
+    )
+    ray.add_argument(
+        "--num-gpus", type=float, metavar="N", help=f"Ray GPUs per replica (default {ray_default('num_gpus')})"
+    )
     ray.add_argument(
         "--autoscaling",
         type=json_object,
         metavar="JSON",
         help='Ray Serve autoscaling_config, e.g. \'{"min_replicas": 1, "max_replicas": 4}\' (replaces --replicas)',
     )
-    ray.add_argument("--max-ongoing-requests", type=positive_int, metavar="N", help="per Ray replica")
+    ray.add_argument(
+        "--max-ongoing-requests",
+        type=positive_int,
+        metavar="N",
+        help="requests Ray sends one replica at once (default: twice what it holds)",
+    )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     return parser
 
@@ -171,7 +213,15 @@ def serve(config) -> None:
         )
         # uvicorn takes SIGTERM and SIGINT while it runs: it stops accepting, lets in-flight requests finish
         # (cancelling what is left after the timeout), then raises the signal again for run_command.
-        server.run()
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way out when it cannot listen (it logged the reason)
+            if server.started:
+                raise
+            raise UserInputError(
+                f"could not listen on {config.host}:{config.port} (the reason is above): choose another --port, or "
+                "stop what listens there."
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,8 +72,8 @@ class ServeConfig:
         object.__setattr__(self, "served_model_name", name)
         if not isinstance(self.host, str) or not self.host:
             raise UserInputError(f"host must be a host name or address, got {self.host!r}.")
-        if not is_integer(self.port) or not 0 <= self.port <= 65535:
-            raise UserInputError(f"port must be an integer in 0..65535 (0: any free port), got {self.port!r}.")
+        if not is_integer(self.port) or not 1 <= self.port <= 65535:
+            raise UserInputError(f"port must be an integer in 1..65535, got {self.port!r}.")
         positive_integer(self.replicas, "replicas")
         non_negative_integer(self.max_queue, "max_queue")
         positive_number(self.request_timeout, "request_timeout", " of seconds")

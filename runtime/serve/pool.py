@@ -122,10 +122,6 @@ class ReplicaPool:
         """Jobs the pool holds at once: one decoding per replica, plus the queue."""
         return self.config.replicas + self.config.max_queue
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     def counts(self) -> tuple[int, int]:
         """(waiting, running) jobs."""
         with self._lock:
