@@ -30,7 +30,7 @@ import pytest
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.requests import CONFIG_FIELDS, GREEDY_ONLY
+from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
 from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
@@ -270,13 +270,12 @@ LONG = "Once upon a time " * 40  # more tokens than the export's 64
         ("/v1/completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n", None, "send 1 or leave it out"),
         (
             "/v1/completions",
-            {"model": NAME, "prompt": "hi", "temperature": 0.7},
-            400,
-            "temperature",
+            {"model": NAME, "prompt": "hi", "top_p": 0},
+            422,
+            "top_p",
             None,
-            "decodes greedily .* Supported: temperature 0, or leave it out",
+            "greater than 0",
         ),
-        ("/v1/completions", {"model": NAME, "prompt": "hi", "top_p": 0.9}, 400, "top_p", None, "top_p 1"),
         (
             "/v1/chat/completions",
             {"model": NAME, "messages": CHAT, "logprobs": True},
@@ -571,17 +570,28 @@ def test_metrics_count_what_was_served(serve, chat_export):
 # --- the request mapping and stop strings, without a server ---------------------------------------------------------
 
 
-def test_sampling_fields_are_greedy_only_until_the_runtime_has_them():
-    """temperature, top_p, top_k are checked against their greedy values because GenerationConfig lacks them; the
-    day it has them, CONFIG_FIELDS passes them on (and this test says to update the server's mapping)."""
+def test_every_mapped_field_is_a_generation_setting():
     from dataclasses import fields
 
     have = {f.name for f in fields(GenerationConfig)}
-    for name in [*GREEDY_ONLY, "seed"]:
-        assert name not in have or name in CONFIG_FIELDS.values(), (
-            f"GenerationConfig has {name}: add it to CONFIG_FIELDS"
-        )
     assert all(target in have for target in CONFIG_FIELDS.values())
+    assert {"temperature", "top_p", "top_k", "seed"} <= set(CONFIG_FIELDS)
+
+
+def test_a_seeded_sampled_request_is_the_runtime_s_seeded_sample(server, reference):
+    """temperature/top_p/top_k/seed reach the runtime (vLLM's top_k -1 is 'no limit'; OpenAI's seed may be
+    negative): the server's text is model.generate's with the same settings, and the seed reproduces it."""
+    settings = {"temperature": 0.9, "top_p": 0.95, "top_k": 20, "seed": 11}
+    want = reference.generate(PROMPT, config=GENERATION, max_new_tokens=12, ignore_eos=True, **settings)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, **settings}
+    first = server.post("/v1/completions", body).json()
+    again = server.post("/v1/completions", body).json()
+    assert first["choices"][0]["text"] == again["choices"][0]["text"] == want.text
+    negative = server.post("/v1/completions", {**body, "seed": -5, "top_k": -1}).json()
+    want = reference.generate(
+        PROMPT, config=GENERATION, max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=2**64 - 5
+    )
+    assert negative["choices"][0]["text"] == want.text
 
 
 @pytest.mark.parametrize(

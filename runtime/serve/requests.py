@@ -5,12 +5,12 @@ true for 1), unknown fields are refused, and every error names the field. What f
 
 - malformed JSON: 400; JSON that does not fit the schema (a wrong type, a missing or unknown field,
   a value outside OpenAI's documented range): 422 (`InvalidRequest`);
-- a valid value this server does not support (n > 1, temperature > 0, logprobs, tools): 400.
+- a valid value this server does not support (n > 1, logprobs, tools): 400.
 
-Sampling is not in the runtime yet. `CONFIG_FIELDS` lists the request fields passed on to
-`GenerationConfig`; `GREEDY_ONLY` the ones accepted at their greedy value only. When the runtime's
-`GenerationConfig` gains `temperature`, `top_p`, `top_k` and `seed`, add them to `CONFIG_FIELDS`
-(one line): a field in `CONFIG_FIELDS` is no longer checked against `GREEDY_ONLY`.
+`CONFIG_FIELDS` lists the request fields passed on to `GenerationConfig` (sampling included:
+temperature, top_p, top_k, seed; the runtime samples losslessly, runtime/sampling.py), `CONVERT` how a
+value is translated on the way (vLLM's top_k -1 is our 0; OpenAI's seed may be negative, ours is a
+non-negative integer).
 """
 
 from __future__ import annotations
@@ -22,9 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from paradecode.runtime.serve.errors import InvalidRequest, RequestError
 
 # Request field -> GenerationConfig field.
-CONFIG_FIELDS = {"stop": "stop", "ignore_eos": "ignore_eos"}
-# Request field -> the values greedy decoding means (None, the field left out, is always accepted).
-GREEDY_ONLY = {"temperature": (0,), "top_p": (1,), "top_k": (0, -1)}
+CONFIG_FIELDS = {
+    "stop": "stop",
+    "ignore_eos": "ignore_eos",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+}
+# Request field -> how its value becomes the GenerationConfig field's.
+CONVERT = {"top_k": lambda k: 0 if k == -1 else k, "seed": lambda seed: seed % 2**64}
 # OpenAI fields this server does not implement: accepted only at their "off" values.
 UNSUPPORTED_UNLESS = {
     "n": (1,),
@@ -88,9 +95,9 @@ class GenerationRequest(Strict):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # greedy decoding ignores it
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # of the sampling draws
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)  # 0 would keep no token
     top_k: int | None = None  # vLLM's
     n: int = Field(1, ge=1)
     presence_penalty: float = Field(0, ge=-2, le=2)
@@ -120,15 +127,7 @@ class GenerationRequest(Strict):
                 raise RequestError(
                     f"{name} {value!r} is not supported by this server; "
                     f"send {' or '.join(repr(a) for a in allowed if a is not None) or 'null'} or leave it out"
-                    + (" (decoding is greedy: n choices would be identical)." if name in ("n", "best_of") else "."),
-                    name,
-                )
-        for name, values in GREEDY_ONLY.items():
-            value = getattr(self, name)
-            if name not in CONFIG_FIELDS and value is not None and value not in values:
-                raise RequestError(
-                    f"{name} {value!r} is not supported: this server decodes greedily (the ParaDecode runtime has no "
-                    f"sampling yet). Supported: {name} {' or '.join(map(str, values))}, or leave it out.",
+                    + (" (one choice per request: send n requests)." if name in ("n", "best_of") else "."),
                     name,
                 )
         if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
@@ -140,6 +139,7 @@ class GenerationRequest(Strict):
         for name, target in CONFIG_FIELDS.items():
             value = getattr(self, name)
             if value is not None:
+                value = CONVERT[name](value) if name in CONVERT else value
                 settings[target] = tuple(value) if isinstance(value, list) else value
         return settings
 
