@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from paradecode.export.source import TOKENIZER_FILES, ModelSource, tokenizer_json_problem
-from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.errors import UserInputError, raise_if_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def convert_to_tokenizer_json(model_path: Path, target: Path) -> bool:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     except (OSError, ValueError, ImportError) as err:
+        raise_if_interrupted()  # an interrupt inside transformers' imports can surface as an ImportError
         logger.warning(
             "could not load the tokenizer of %s to convert it (%s): the runtime will take token ids only",
             model_path,
