@@ -101,7 +101,9 @@ class ParaDecodeModel:
         self.export = open_export(path, verify=verify)
         options = {}
         if backend == "onnxruntime":
-            options["threads"] = threads if threads is not None else max(1, (os.cpu_count() or 1) // lanes)
+            # Every call may use every core: lane 0 alone computes in ar and in `batched` (a CPU's default overlap);
+            # with `streams` or `both` the lanes' calls share the cores (pass threads to split them).
+            options["threads"] = threads if threads is not None else max(1, os.cpu_count() or 1)
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
         self.backend = backend_class(backend)(self.export, device=device, **options)
