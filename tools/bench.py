@@ -198,6 +198,26 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
         return bm.exit_bound(costs, accepted, tokens, manifest.spec.num_layers, active)
 
     summary = bm.summarize(results, bound=bound)
+    bandwidth = bm.copy_bandwidth(args.device)
+    weight_bytes = bm.weight_bytes_per_token(args.export)
+    ar_rate = results.tokens_per_second(results.baseline).median
+    memory_bound = {
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_token": weight_bytes,
+        "ar_bound_tokens_per_second": bandwidth / weight_bytes,
+        "ar_tokens_per_second": ar_rate,
+        "ar_share_of_bound": ar_rate * weight_bytes / bandwidth,
+    }
+    logger.info(
+        "ar (%s): %.1f tokens/s, %.0f%% of the memory-bandwidth bound (%.1f MB of weights per token at %.1f GB/s "
+        "measured copy bandwidth = %.1f tokens/s)",
+        results.baseline,
+        ar_rate,
+        100 * memory_bound["ar_share_of_bound"],
+        weight_bytes / 1e6,
+        bandwidth / 1e9,
+        memory_bound["ar_bound_tokens_per_second"],
+    )
     by_category = bm.summarize_by_category(results, [p.category for p in labelled], bound=bound)
     table = markdown_report(summary, by_category)
     if args.json:
@@ -210,6 +230,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
                 "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
                 "call_costs_seconds": costs.as_dict(),
+                "memory_bound": memory_bound,
                 "summary": summary,
                 "categories": by_category,
                 "samples": bm.samples_as_dicts(results.samples),

@@ -193,6 +193,9 @@ def summarize(
             speedup = results.speedup(mode.name, base)
             if speedup is not None:
                 row[f"speedup_vs_{label}"] = speedup.as_dict()
+        per_prompt = results.speedup(mode.name, baseline, per="run")
+        if per_prompt is not None:  # one ratio per prompt and repeat: how much the prompt matters
+            row["speedup_vs_ar_per_run"] = per_prompt.as_dict()
         exits = results.exits(mode.name)
         looked_up, lookup_accepted = results.lookup(mode.name)
         if exits:
@@ -336,3 +339,48 @@ def exit_bound(costs: CallCosts, accepted: dict[str, int], tokens: int, num_laye
         for e, a in share.items()
     )
     return plain / per_token
+
+
+def copy_bandwidth(device: str, megabytes: int = 256) -> float:
+    """Measured device memory copy bandwidth, bytes per second (read + write counted once, as a decode reads)."""
+    import torch
+
+    source = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        target.copy_(source)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return source.numel() * source.element_size() / best
+
+
+def weight_bytes_per_token(export_dir) -> int:
+    """Bytes of weights a plain decode step reads: every layer, the final norm and head, one embedding row
+    (and one position row for learned positions); exit heads are not part of plain decoding."""
+    from safetensors import safe_open
+
+    from paradecode.runtime.loader import open_export
+
+    export = open_export(export_dir, verify=False)
+    manifest = export.manifest
+    total = 0
+    with safe_open(str(export.file(manifest.weights)), framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+            tensor = f.get_slice(key)
+            shape = tensor.get_shape()
+            count = 1
+            for dim in shape:
+                count *= dim
+            size = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}.get(tensor.get_dtype(), 4) * count
+            if key.startswith("embed."):
+                size //= shape[0]  # one row of the table per token
+            if not key.startswith("exits."):
+                total += size
+    if manifest.spec.tie_word_embeddings:
+        total += manifest.spec.vocab_size * manifest.spec.hidden_size * (4 if manifest.dtype == "float32" else 2)
+    return total

@@ -23,7 +23,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,48 +103,6 @@ def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
     return policy
 
 
-def copy_bandwidth(device: str, megabytes: int = 256) -> float:
-    """Measured device memory copy bandwidth, bytes per second (read + write counted once, as a decode reads)."""
-    import torch
-
-    source = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        target.copy_(source)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return source.numel() * source.element_size() / best
-
-
-def weight_bytes_per_token(export_dir: Path) -> int:
-    """Bytes of weights a plain decode step reads: every layer, the final norm and head, one embedding row."""
-    from safetensors import safe_open
-
-    from paradecode.graphs.manifest import read_manifest
-
-    manifest = read_manifest(export_dir)
-    total = 0
-    with safe_open(str(export_dir / manifest.weights), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-            tensor = f.get_slice(key)
-            count = 1
-            for dim in tensor.get_shape():
-                count *= dim
-            size = {"F32": 4, "F16": 2, "BF16": 2}.get(tensor.get_dtype(), 4) * count
-            if key.startswith("embed."):
-                size //= manifest.spec.vocab_size if key == "embed.tokens.weight" else 1
-            if not key.startswith("exits."):
-                total += size
-    if manifest.spec.tie_word_embeddings:
-        total += manifest.spec.vocab_size * manifest.spec.hidden_size * (4 if manifest.dtype == "float32" else 2)
-    return total
-
-
 def build_model(args, folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -168,7 +125,7 @@ def build_model(args, folder: Path) -> Path:
 def run(args) -> str:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.tools.benchmarking import opened_with_ar_baselines
+    from paradecode.tools.benchmarking import copy_bandwidth, opened_with_ar_baselines, weight_bytes_per_token
     from paradecode.tools.reporting import save_figure, save_json
 
     depths = sorted({max(1, min(args.layers - 1, round(d * args.layers))) for d in args.depths})
