@@ -20,6 +20,7 @@ SCRIPTS = (
     "paradecode-profile",
     "paradecode-characterise",
     "paradecode-demo",
+    "paradecode-footprint",
     "paradecode-serve",
 )
 

@@ -474,3 +474,16 @@ def test_choice_list_message():
         argparse.ArgumentTypeError, match=r"--things 'a,c': expected comma-separated values from a, b; not 'c'"
     ):
         parse("a,c")
+
+
+def test_footprint_reports_disk_and_memory_against_the_weights(stories_export, capsys):
+    from paradecode.tools import footprint
+
+    assert footprint.main([str(stories_export), "--prompt", "Once upon a time", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("weights ") and "RSS growth" in out
+    figures = json.loads(out[out.index("{") :])
+    assert figures["new_tokens"] == 8 and figures["weights_mb"] > 0
+    # every weight once, plus graph structure and the tokenizer (a few MB: most of this tiny model's export)
+    assert figures["disk_vs_weights"] >= 1.0 and figures["disk_mb"] - figures["weights_mb"] < 5
+    assert figures["rss_growth_loaded_mb"] > 0
