@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face modes")
     parser.add_argument(
+        "--hf-modes",
+        type=choice_list(HF_MODES, "--hf-modes"),
+        default=",".join(HF_MODES),
+        help=f"which Hugging Face modes to run, from {', '.join(HF_MODES)} (default all)",
+    )
+    parser.add_argument(
         "--thresholds",
         default="default,0.5,0.75,0.9",
         help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones",
@@ -175,7 +181,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
-        modes += hf_modes(hf_path, manifest, ignore, args.temperature)
+        modes += hf_modes(hf_path, manifest, ignore, args.temperature, args.hf_modes)
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),
@@ -254,7 +260,10 @@ def local_source(manifest) -> str | None:
     return None
 
 
-def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.0) -> list:
+HF_MODES = ("greedy", "prompt-lookup", "early-exit")
+
+
+def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.0, which=HF_MODES) -> list:
     """Hugging Face generate on the original model, loaded as paradecode-export loads it."""
     from transformers.utils import logging as hf_logging
 
@@ -277,11 +286,12 @@ def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.
         )
     early = manifest.exit_layers[0] if manifest.exit_layers else 1
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {}
-    return [
-        bm.hf_mode("hf", model, sampling, ignore_eos=ignore_eos),
-        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10, **sampling}, ignore_eos=ignore_eos),
-        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early, **sampling}, ignore_eos=ignore_eos),
-    ]
+    modes = {
+        "greedy": ("hf", sampling),
+        "prompt-lookup": ("hf prompt-lookup", {"prompt_lookup_num_tokens": 10, **sampling}),
+        "early-exit": (f"hf early-exit@{early}", {"assistant_early_exit": early, **sampling}),
+    }
+    return [bm.hf_mode(modes[w][0], model, modes[w][1], ignore_eos=ignore_eos) for w in which]
 
 
 if __name__ == "__main__":
