@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"lines (a chat, rendered with the export's chat template), {NAMES_HELP}; default: eval where the export "
         "has a chat template, else built-in code and prose prompts",
     )
+    parser.add_argument(
+        "--per-category",
+        type=int,
+        metavar="N",
+        help="keep only the first N prompts of each category (categories, then files, keep their order)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
     parser.add_argument(
@@ -120,7 +126,22 @@ def run(args) -> str:
     with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
         if prompts is None:
             prompts = default_prompts(main_model)
+        if args.per_category is not None:
+            prompts = first_of_each_category(prompts, args.per_category)
         return measure(args, prompts, thresholds, main_model, ar_models)
+
+
+def first_of_each_category(prompts: list, count: int) -> list:
+    """The first `count` prompts of each category, in the order given."""
+    if count < 1:
+        raise UserInputError(f"--per-category must be at least 1, got {count}.")
+    seen: dict = {}
+    kept = []
+    for prompt in prompts:
+        seen[prompt.category] = seen.get(prompt.category, 0) + 1
+        if seen[prompt.category] <= count:
+            kept.append(prompt)
+    return kept
 
 
 def default_prompts(model) -> list:
