@@ -197,13 +197,13 @@ def test_half_precision_exports(model_dirs, tmp_path):
     assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 
 
-def test_stories260k_export_and_greedy_parity(stories_dir, tmp_path):
+@pytest.mark.slow
+def test_stories260k_export_and_greedy_parity(stories_dir, stories_export):
     """The real pretrained Llama: complete export, HF logits, HF greedy, and the published greedy text from BOS."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "stories"
-    result = export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, with_logits=True))
+    out, result = stories_export
     manifest = read_manifest(out)
     assert manifest.max_seq_len == 512 and manifest.spec.num_layers == 5
     assert [s.io.name for s in manifest.subgraphs if s.io.kind == "layer"] == [f"layer_{i}" for i in range(1, 6)]

@@ -5,10 +5,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from paradecode.runtime import GenerationConfig, cli, load
 
 
-def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports, stories_dir):
+def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports):
     folder, _ = exports["qwen2"]
     with load(folder) as model:
         stream = model.stream(prompt_ids=[4, 5, 6], max_new_tokens=15, thresholds=0.0, overlap="both", ignore_eos=True)
@@ -35,13 +37,9 @@ def test_statistics(exports):
     assert len(result.margins) == 20
 
 
-def test_text_in_and_out_and_eos(stories_dir, tmp_path_factory):
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-
-    out = tmp_path_factory.mktemp("stories-api") / "export"
-    export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=256))
-    with load(out) as model:
+@pytest.mark.slow
+def test_text_in_and_out_and_eos(stories_export):
+    with load(stories_export[0]) as model:
         result = model.generate("Once upon a time", max_new_tokens=250, thresholds=0.5)
         assert result.text and result.text.startswith(",")
         assert result.stats.stop_reason in ("eos", "max_new_tokens", "max_seq_len")
