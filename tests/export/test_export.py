@@ -207,6 +207,7 @@ def test_stories260k_export_and_greedy_parity(stories_dir, stories_export):
     manifest = read_manifest(out)
     assert manifest.max_seq_len == 512 and manifest.spec.num_layers == 5
     assert [s.io.name for s in manifest.subgraphs if s.io.kind == "layer"] == [f"layer_{i}" for i in range(1, 6)]
+    assert manifest.with_logits
     assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "tokenizer" / "tokenizer.model").is_file()
     assert all(c.status == "ok" for c in result.checklist.checks), result.checklist.lines()
 
