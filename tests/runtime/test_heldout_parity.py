@@ -64,6 +64,7 @@ def test_every_family_has_a_heldout_model():
     assert set(HELDOUT_CONFIGS) == set(TINY_CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(HELDOUT_CONFIGS))
 def test_heldout_export_passes_validation(family, heldout):
     checklist = heldout[family].result.checklist

@@ -109,6 +109,7 @@ def test_generate_cli_errors(exports, capsys, tmp_path):
     assert "manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runtime_never_imports_transformers_or_the_exporter(exports):
     folder, _ = exports["llama"]
     code = (

@@ -264,9 +264,10 @@ def test_verification_keeps_the_target_distribution_exactly():
     assert torch.allclose(kept[:] / kept.sum(), p, atol=0.015)
 
 
+@pytest.mark.slow
 def test_a_no_logits_export_refuses_to_sample(model_dirs, tmp_path):
-    from paradecode.export.config import ExportConfig
     """Its own export: the shared ones keep the logits (with_logits), this one is made without them."""
+    from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
 
     out = tmp_path / "greedy-only"

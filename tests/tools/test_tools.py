@@ -63,6 +63,7 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"
 
 
+@pytest.mark.slow
 def test_bench_reports_per_category(stories_export, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     lines = [("Once upon a time", "story"), ("The dog", "animal"), ("A cat sat", "animal")]
@@ -91,6 +92,7 @@ def test_bench_refuses_bad_input(exports, tmp_path, capsys):
     assert "1.5" in (err := capsys.readouterr().err) and "outside [0, 1]" in err, err
 
 
+@pytest.mark.slow
 def test_profile_trace_format_and_lane_overlap(stories_export, tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert (
@@ -146,6 +148,7 @@ def test_bounds_match_design():
     assert characterise.bounds(0.5, 4, 8, 6)["streams"] == pytest.approx(8 / 6)
 
 
+@pytest.mark.slow
 def test_characterise_runs_with_parity(tmp_path, capsys):
     assert (
         characterise.main(
@@ -414,6 +417,7 @@ def test_prompts_refuse_a_huge_file(tmp_path, monkeypatch):
         prompts.read_prompts(tmp_path / "big.txt")
 
 
+@pytest.mark.slow
 def test_bench_and_train_heads_refuse_chats_without_a_template(stories_export, stories_dir, tmp_path, capsys):
     """stories260K has no chat template: a chat prompt is refused before any generation (test_chat.py renders them)."""
     chat = tmp_path / "chat.jsonl"
