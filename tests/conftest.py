@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random models of every family, their exports, and the real stories260K.
 
-Tiny models are built in-process from configs (tests/tiny_models.py) once per session. Tests that
-need TensorRT or a GPU carry the `tensorrt` / `gpu` markers and skip here with the reason.
+Tiny models are built in-process from configs (tests/tiny_models.py) once per session, and so are the
+exports the tests share: `exports` and `identity_exports` (per family) and `stories_export`. A test
+that needs an export configured otherwise makes its own and says why in its docstring. `loaded` holds
+the tiny exports loaded once per (family, backend) for a module's tests that only decode with them.
+Tests that need TensorRT or a GPU carry the `tensorrt` / `gpu` markers and skip here with the reason.
 """
 
 from __future__ import annotations
@@ -103,6 +106,31 @@ def identity_exports(tmp_path_factory, model_dirs) -> Cache:
         return out, export_model(ExportConfig(model=str(model_dirs[family]), output=out, max_seq_len=EXPORT_SEQ_LEN))
 
     return Cache(build)
+
+
+@pytest.fixture(scope="session")
+def stories_export(stories_dir, tmp_path_factory):
+    """(export folder, ExportResult) of stories260K with the default settings (max_seq_len 512, logits, no
+    trained heads: exit layers use the final head). Shared by every test that decodes stories260K; tests
+    only read it."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("stories") / "export"
+    return out, export_model(ExportConfig(model=str(stories_dir / "hf"), output=out))
+
+
+@pytest.fixture(scope="module")
+def loaded(exports):
+    """(family, backend) -> the `exports` model of `family` loaded on the CPU `backend`, once per test module;
+    closed when the module ends. Only for tests that decode with it: one that changes the model (closes it,
+    patches its backend) loads its own."""
+    from paradecode.runtime import load
+
+    models = Cache(lambda key: load(exports[key[0]][0], backend=key[1]))
+    yield models
+    for model in models.values():
+        model.close()
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS))

@@ -9,13 +9,27 @@ or after a near tie, fails; so does a wrong length.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from paradecode.runtime import NEVER
+
 NEAR_TIE = 1e-4  # logit margin below which float rounding may pick either token
+
+# Every ParaDecode setting the parity tests run, one test each, as (threshold, overlap, max_unverified)
+# with a readable id such as "t0-streams-K1". Threshold 0 makes every token exit (and untrained heads make
+# nearly every one roll back: the stress test of pending layers and rollback), 0.5 some, never none.
+THRESHOLDS = {"t0": 0.0, "t0.5": 0.5, "never": NEVER}
+OVERLAPS = ("streams", "batched", "both")
+MAX_UNVERIFIED = (1, 8)
+SETTINGS = [
+    pytest.param(threshold, overlap, k, id=f"{label}-{overlap}-K{k}")
+    for (label, threshold), overlap, k in itertools.product(THRESHOLDS.items(), OVERLAPS, MAX_UNVERIFIED)
+]
 
 # score(sequence) -> (top-1 token, top-1/top-2 margin) after every position of `sequence`
 Scorer = Callable[[list[int]], tuple[list[int], list[float]]]

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.conftest import REPO
 
 SUBPACKAGES = {
@@ -25,6 +27,7 @@ SCRIPTS = (
 )
 
 
+@pytest.mark.slow
 def test_wheel_contains_every_module(tmp_path):
     subprocess.run(
         [

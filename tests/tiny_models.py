@@ -85,7 +85,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 # Held out from development: other shapes and options of every family, checked by
-# tests/test_heldout_parity.py only.
+# tests/runtime/test_heldout_parity.py only.
 HELDOUT_CONFIGS: dict[str, dict] = {
     "llama": dict(
         model_type="llama",

@@ -126,6 +126,7 @@ def test_unsupported_opset(model_dirs, tmp_path, capsys):
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.slow
 def test_existing_output_needs_force(model_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -175,6 +176,7 @@ def test_tensorrt_without_tensorrt_exits_3_and_writes_nothing(model_dirs, tmp_pa
     assert_nothing_written(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_failed_validation_writes_nothing(model_dirs, tmp_path, capsys, monkeypatch):
     from paradecode.export import validate
 

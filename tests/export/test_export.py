@@ -142,6 +142,7 @@ def test_chained_graphs_reproduce_transformers(family, exports):
         )
 
 
+@pytest.mark.slow
 def test_batched_export_runs_rows_at_different_positions(model_dirs, tmp_path):
     """max_batch 2: two rows at different positions and cache states match the module (qwen2: windows, bias)."""
     out = tmp_path / "batched"
@@ -175,6 +176,7 @@ def test_batched_export_runs_rows_at_different_positions(model_dirs, tmp_path):
     assert check.status == "ok", check.line()
 
 
+@pytest.mark.slow
 def test_half_precision_exports(model_dirs, tmp_path):
     """float16 graphs validate in onnxruntime; bfloat16 graphs are written, and the CPU-provider gap is reported."""
     fp16 = export_model(
@@ -197,14 +199,15 @@ def test_half_precision_exports(model_dirs, tmp_path):
     assert graph.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 
 
-def test_stories260k_export_and_greedy_parity(stories_dir, tmp_path):
+@pytest.mark.slow
+def test_stories260k_export_and_greedy_parity(stories_dir, stories_export):
     """The real pretrained Llama: complete export, HF logits, HF greedy, and the published greedy text from BOS."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "stories"
-    result = export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, with_logits=True))
+    out, result = stories_export
     manifest = read_manifest(out)
+    assert manifest.with_logits
     assert manifest.max_seq_len == 512 and manifest.spec.num_layers == 5
     assert [s.io.name for s in manifest.subgraphs if s.io.kind == "layer"] == [f"layer_{i}" for i in range(1, 6)]
     assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "tokenizer" / "tokenizer.model").is_file()

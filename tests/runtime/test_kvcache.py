@@ -90,8 +90,13 @@ def test_stale_slots_after_a_rollback_do_not_matter(exports):
 
 
 def test_never_exit_runs_no_exit_head(exports):
+    """Neither a separate exit head (exit_e) nor a fused layer+exit graph (layer_exit_e): the export has both."""
     folder, _ = exports["gpt2"]
     with load(folder) as model:
+        available = model.backend.subgraph_names
         result = model.generate(prompt_ids=[1, 2], max_new_tokens=12, thresholds=NEVER, trace=True, ignore_eos=True)
+    assert any(n.startswith("exit_") for n in available) and any(n.startswith("layer_exit_") for n in available)
     names = {span.name for span in result.timeline.spans}
-    assert not any(name.startswith("exit_") for name in names)
+    layers = {f"layer_{i}" for i in range(1, model.manifest.spec.num_layers + 1)}
+    assert layers <= names, f"the trace does not show every layer running: {sorted(names)}"
+    assert not any(name.startswith(("exit_", "layer_exit_")) for name in names), sorted(names)

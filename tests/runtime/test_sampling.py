@@ -105,7 +105,9 @@ def power_of_the_test(expected: dict[tuple, float], shift: float, runs: int = 40
 def sampled(model_dirs, tmp_path_factory):
     """A tiny llama exported with random trained exit heads over a reduced vocabulary, a prompt holding every
     token of the vocabulary once (so prompt lookup finds every new token in it and proposes what followed),
-    and the exact distribution of the first NEW_TOKENS new tokens."""
+    and the exact distribution of the first NEW_TOKENS new tokens.
+
+    Its own export, not `exports["llama"]`: that prompt (99 tokens) needs max_seq_len 128, not 64."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.tiny_models import save_random_heads
@@ -262,7 +264,9 @@ def test_verification_keeps_the_target_distribution_exactly():
     assert torch.allclose(kept[:] / kept.sum(), p, atol=0.015)
 
 
+@pytest.mark.slow
 def test_a_no_logits_export_refuses_to_sample(model_dirs, tmp_path):
+    """Its own export: the shared ones keep the logits (with_logits), this one is made without them."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
 
