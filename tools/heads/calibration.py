@@ -10,7 +10,7 @@ kept set it tries adding every other layer, scoring all n additions at once on t
 positions; it stops at the first size where no set beats the best one so far. That is at most
 O(width · n² · positions) work for n exit layers. Plain greedy (width 1) sometimes settles for a
 worse set when confidences are correlated across layers, as they are in real models; the beam
-matched an exhaustive search on every synthetic case tried (tests/test_heads.py compares them).
+matched an exhaustive search on every synthetic case tried (tests/tools/test_heads.py compares them).
 """
 
 from __future__ import annotations
