@@ -34,7 +34,14 @@ from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
 from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
-from tests.test_chat import CHAT_MODEL_TOKENS, LLAMA3, LLAMA3_SPECIALS, bpe_tokenizer, save_tokenizer, without_template
+from tests.runtime.test_chat import (
+    CHAT_MODEL_TOKENS,
+    LLAMA3,
+    LLAMA3_SPECIALS,
+    bpe_tokenizer,
+    save_tokenizer,
+    without_template,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
