@@ -33,7 +33,6 @@ from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
-from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
 from tests.runtime.test_chat import (
     CHAT_MODEL_TOKENS,
     LLAMA3,
@@ -42,6 +41,7 @@ from tests.runtime.test_chat import (
     save_tokenizer,
     without_template,
 )
+from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
