@@ -475,10 +475,11 @@ def test_choice_list_message():
         parse("a,c")
 
 
+@pytest.mark.slow
 def test_footprint_reports_disk_and_memory_against_the_weights(stories_export, capsys):
     from paradecode.tools import footprint
 
-    assert footprint.main([str(stories_export), "--prompt", "Once upon a time", "--max-new-tokens", "8"]) == 0
+    assert footprint.main([str(stories_export[0]), "--prompt", "Once upon a time", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("weights ") and "RSS growth" in out
     figures = json.loads(out[out.index("{") :])
