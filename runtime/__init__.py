@@ -9,12 +9,14 @@ It needs only `paradecode.graphs` and the chosen backend's library: never transf
 exporter, so a service can run an export with the runtime alone.
 """
 
+from paradecode.runtime.chat import ChatTemplate
 from paradecode.runtime.config import NEVER, GenerationConfig
 from paradecode.runtime.model import GenerationStream, ParaDecodeModel, StreamedToken, load
 from paradecode.runtime.stats import GenerationResult, GenerationStats, Mismatch
 
 __all__ = [
     "NEVER",
+    "ChatTemplate",
     "GenerationConfig",
     "GenerationResult",
     "GenerationStats",

@@ -49,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-file", type=Path, metavar="FILE", help="read the prompt text from FILE ('-': standard input)"
     )
     prompt.add_argument("--prompt-ids", type=id_list, metavar="1,2,3", help="the prompt as token ids")
+    prompt.add_argument(
+        "--messages",
+        type=Path,
+        metavar="FILE",
+        help='a chat: a JSON file holding a list of {"role": ..., "content": ...} messages (or an object with '
+        "such a \"messages\" list), rendered with the export's chat template ('-': standard input)",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the --prompt / --prompt-file text as one user message, rendered with the export's chat template",
+    )
     # Settings default to GenerationConfig's own defaults (None here: not given).
     parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="new tokens to generate (default 64)")
     parser.add_argument("--mode", choices=MODES, help="default paradecode")
@@ -79,15 +91,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_prompt_file(path: Path) -> str:
+def read_prompt_file(path: Path, option: str = "--prompt-file") -> str:
     if str(path) == "-":
         return sys.stdin.read()
     if not path.is_file():
-        raise UserInputError(f"--prompt-file {path}: no such file.")
+        raise UserInputError(f"{option} {path}: no such file.")
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise UserInputError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte {err.start}).") from err
+        raise UserInputError(f"{option} {path} is not UTF-8 text ({err.reason} at byte {err.start}).") from err
+
+
+def read_messages_file(path: Path) -> list:
+    """The messages of a --messages file: a JSON list, or an object with a "messages" list (an OpenAI request).
+
+    Each message is checked when the model renders the chat; errors name its index.
+    """
+    text = read_prompt_file(path, "--messages")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserInputError(
+            f"--messages {path} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}); expected a list "
+            'of {"role": "...", "content": "..."} messages.'
+        ) from None
+    if isinstance(value, dict) and "messages" in value:
+        value = value["messages"]
+    if not isinstance(value, list):
+        raise UserInputError(
+            f'--messages {path} holds a JSON {type(value).__name__}; expected a list of {{"role": "...", '
+            '"content": "..."}} messages (or an object with a "messages" list).'
+        )
+    return value
 
 
 def config_of(args: argparse.Namespace):
@@ -107,13 +142,19 @@ def config_of(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.chat and args.prompt is None and args.prompt_file is None:
+        parser.error("--chat renders the text of --prompt or --prompt-file as a user message: give one of them.")
     logging.basicConfig(level=logging.WARNING, format="paradecode-generate: %(message)s", stream=sys.stderr)
     from paradecode.runtime.model import ParaDecodeModel
 
     def work():
         config = config_of(args)
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
+        messages = read_messages_file(args.messages) if args.messages is not None else None
+        if args.chat:
+            prompt, messages = None, [{"role": "user", "content": prompt}]
         with ParaDecodeModel(
             args.export,
             backend=args.backend,
@@ -122,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             verify=not args.no_verify,
         ) as model:
-            if prompt is not None and model.tokenizer is None:
+            if args.prompt_ids is None and model.tokenizer is None:
                 raise UserInputError(f"{args.export} has no tokenizer: use --prompt-ids.")
-            stream = model.stream(prompt, prompt_ids=args.prompt_ids, config=config)
+            stream = model.stream(prompt, prompt_ids=args.prompt_ids, messages=messages, config=config)
             for piece in stream:
                 if not args.json:
                     sys.stdout.write(piece.text if model.tokenizer else f"{piece.token} ")

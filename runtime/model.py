@@ -30,7 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInputError
+from paradecode.graphs.manifest import TOKENIZER_DIR
 from paradecode.runtime.backends import backend_class
+from paradecode.runtime.chat import ChatTemplate
 from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
@@ -105,6 +107,7 @@ class ParaDecodeModel:
         self.cache = self.backend.allocate_cache()
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
+        self.chat_template = ChatTemplate.from_export(self.export)
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._state = threading.Lock()
@@ -161,19 +164,21 @@ class ParaDecodeModel:
         prompt: str | None = None,
         *,
         prompt_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
         config: GenerationConfig | None = None,
         trace: bool = False,
         annotate=None,
         exit_policy=None,
         **settings,
     ) -> GenerationResult:
-        """Decode greedily after `prompt` (text) or `prompt_ids`; settings override `config`'s fields.
+        """Decode greedily after `prompt` (text), `prompt_ids` or `messages` (a chat, rendered with the
+        export's chat template); settings override `config`'s fields.
 
         `trace=True` keeps every subgraph call's span in `result.timeline`; `annotate(name)` (a context
         manager factory, such as an NVTX range) wraps every call and scheduler phase while profiling.
         `exit_policy` replaces the threshold test, for controlled measurements only (see ParaDecoder).
         """
-        stream = self._stream(prompt, prompt_ids, config, trace, settings, False, annotate, exit_policy)
+        stream = self._stream(prompt, prompt_ids, config, trace, settings, False, annotate, exit_policy, messages)
         for _ in stream:
             pass
         return stream.result
@@ -183,22 +188,32 @@ class ParaDecodeModel:
         prompt: str | None = None,
         *,
         prompt_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
         config: GenerationConfig | None = None,
         trace: bool = False,
         **settings,
     ) -> GenerationStream:
         """Like `generate`, but yields each token as soon as it is verified."""
-        return self._stream(prompt, prompt_ids, config, trace, settings, True)
+        return self._stream(prompt, prompt_ids, config, trace, settings, True, messages=messages)
 
     def _stream(
-        self, prompt, prompt_ids, config, trace: bool, settings: dict, text: bool, annotate=None, exit_policy=None
+        self,
+        prompt,
+        prompt_ids,
+        config,
+        trace: bool,
+        settings: dict,
+        text: bool,
+        annotate=None,
+        exit_policy=None,
+        messages=None,
     ) -> GenerationStream:
         """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
         self._check_open()
         if config is not None and not isinstance(config, GenerationConfig):
             raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
-        ids = self.prompt_ids(prompt, prompt_ids)
+        ids = self.prompt_ids(prompt, prompt_ids, messages)
         thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
@@ -232,19 +247,43 @@ class ParaDecodeModel:
                 "close() (or use `with model.stream(...) as stream:`) before the next call."
             )
 
-    def prompt_ids(self, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
-        if (prompt is None) == (prompt_ids is None):
-            raise UserInputError("give either a text prompt or prompt ids, not both or neither.")
-        if prompt is not None:
-            if not isinstance(prompt, str):
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """`messages` as the model reads them: the export's chat template, ending with the assistant's header."""
+        if self.chat_template is None:
+            raise UserInputError(
+                f"this export has no chat template: {self.export.path / TOKENIZER_DIR} has no chat_template.jinja "
+                "and no chat_template in tokenizer_config.json (the model was exported without one). Pass a plain "
+                "prompt instead."
+            )
+        return self.chat_template.render(messages)
+
+    def prompt_ids(
+        self,
+        prompt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+    ) -> list[int]:
+        """The checked token ids of exactly one of `prompt`, `prompt_ids` or `messages`."""
+        kinds = (("prompt", prompt), ("prompt_ids", prompt_ids), ("messages", messages))
+        given = [name for name, value in kinds if value is not None]
+        if len(given) != 1:
+            raise UserInputError(
+                f"give exactly one of a text prompt, prompt ids or chat messages; got {' and '.join(given) or 'none'}."
+            )
+        if prompt_ids is not None:
+            ids = check_token_ids(prompt_ids, "prompt_ids")
+        else:
+            if prompt is not None and not isinstance(prompt, str):
                 raise UserInputError(
-                    f"prompt must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids."
+                    f"prompt must be a string, got {type(prompt).__name__}; pass token ids as prompt_ids and a chat "
+                    "as messages."
                 )
             if self.tokenizer is None:
                 raise UserInputError(f"the export {self.export.path} has no tokenizer: pass prompt ids instead.")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = check_token_ids(prompt_ids, "prompt_ids")
+            if prompt is not None:
+                ids = self.tokenizer.encode(prompt)
+            else:  # a rendered chat holds its special tokens already (transformers encodes it so too)
+                ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
         if not ids:
             raise UserInputError("the prompt is empty: give at least one token (a BOS token for an empty text).")
         vocab = self.manifest.spec.vocab_size

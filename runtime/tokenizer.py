@@ -17,9 +17,12 @@ class TextTokenizer:
             ) from err
         self._tokenizer = Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens the tokenizer adds (a BOS for Llama models)."""
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the tokenizer adds (a BOS for Llama models).
+
+        A rendered chat holds its special tokens already: encode it with `add_special_tokens=False`.
+        """
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)

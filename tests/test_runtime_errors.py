@@ -43,7 +43,7 @@ def test_empty_prompt_and_bad_ids(model):
         model.generate(prompt_ids=[], max_new_tokens=4)
     with pytest.raises(UserInputError, match="outside the vocabulary"):
         model.generate(prompt_ids=[1, 10_000], max_new_tokens=4)
-    with pytest.raises(UserInputError, match="not both or neither"):
+    with pytest.raises(UserInputError, match="exactly one of a text prompt, prompt ids or chat messages; got none"):
         model.generate(max_new_tokens=4)
     with pytest.raises(UserInputError, match="no tokenizer"):
         model.generate("hello", max_new_tokens=4)

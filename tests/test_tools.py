@@ -352,7 +352,7 @@ def test_prompts_jsonl_file(tmp_path):
         json.dumps({"prompt": "a\nb", "id": 7}) + "\n\n" + json.dumps({"messages": chat}) + "\n",
     )
     assert prompts.read_prompts(path) == ["a\nb", chat]
-    with pytest.raises(UserInputError, match=r"prompt 2 \(of 2\) is a chat.*chat prompts need a chat template"):
+    with pytest.raises(UserInputError, match=r"prompt 2 \(of 2\) is a chat.*this tool takes text prompts only"):
         prompts.read_text_prompts(path)
     only_text = tmp_path / "t.jsonl"
     only_text.write_text('{"prompt": "x\\\\ny"}\n')  # JSON has its own escapes: no \n unescaping on top
@@ -401,14 +401,17 @@ def test_prompts_refuse_a_huge_file(tmp_path, monkeypatch):
         prompts.read_prompts(tmp_path / "big.txt")
 
 
-def test_bench_and_train_heads_refuse_chat_prompts(stories_export, stories_dir, tmp_path, capsys):
+def test_bench_and_train_heads_refuse_chats_without_a_template(stories_export, stories_dir, tmp_path, capsys):
+    """stories260K has no chat template: a chat prompt is refused before any generation (test_chat.py renders them)."""
     chat = tmp_path / "chat.jsonl"
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    chat.write_text(
+        json.dumps({"prompt": "Once"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi"}]})
+    )
     assert bench.main([str(stories_export), "--prompts", str(chat)]) == 2
-    assert "chat prompts need a chat template" in capsys.readouterr().err
+    assert "prompt 2 (of 2): this export has no chat template" in capsys.readouterr().err
     out = tmp_path / "heads.safetensors"
     assert train_heads.main([str(stories_dir / "hf"), "-o", str(out), "--prompts", str(chat)]) == 2
-    assert "chat prompts need a chat template" in capsys.readouterr().err and not out.exists()
+    assert "prompt 2 (of 2) is a chat, but the tokenizer of" in capsys.readouterr().err and not out.exists()
 
 
 # --- command lines: choices come from the runtime's constants ----------------------------------------------

@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         type=Path,
         metavar="FILE",
-        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} lines; '
-        "default: built-in code and prose prompts",
+        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
+        "lines (a chat, rendered with the export's chat template); default: built-in code and prose prompts",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
@@ -80,25 +80,40 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 def run(args) -> str:
     from paradecode.tools.benchmarking import DEFAULT_PROMPTS, opened_with_ar_baselines
-    from paradecode.tools.prompts import read_text_prompts
+    from paradecode.tools.prompts import read_prompts
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
-    texts = read_text_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
     with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
         return measure(args, texts, thresholds, main_model, ar_models)
 
 
-def measure(args, texts: list[str], thresholds, main_model, ar_models) -> str:
+def prompt_ids_of(model, prompts: list) -> list[list[int]]:
+    """Every prompt's token ids, as every mode (the Hugging Face ones included) receives them.
+
+    A text gets the tokenizer's special tokens; a chat (a list of messages) is rendered with the
+    export's chat template and encoded as it is, as transformers' `apply_chat_template` does.
+    """
+    if model.tokenizer is None:
+        raise UserInputError(f"{model.export.path} has no tokenizer: the benchmark needs text or chat prompts.")
+    ids = []
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            ids.append(model.prompt_ids(prompt) if isinstance(prompt, str) else model.prompt_ids(messages=prompt))
+        except UserInputError as err:
+            raise UserInputError(f"prompt {number} (of {len(prompts)}): {err}") from err
+    return ids
+
+
+def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
     from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
 
     manifest = main_model.manifest
-    if main_model.tokenizer is None:
-        raise UserInputError(f"{args.export} has no tokenizer: the benchmark needs text prompts.")
-    prompts = [main_model.tokenizer.encode(t) for t in texts]
+    prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
     modes = [bm.stream_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:

@@ -8,8 +8,9 @@ Two formats, told apart by the file's suffix:
   `{"messages": [{"role": "user", "content": "text"}, ...]}` (a chat, as the OpenAI API takes it);
   other keys are ignored, blank lines skipped.
 
-`read_prompts` returns each prompt as its text or its list of messages. Rendering messages with a
-model's chat template does not exist yet: `read_text_prompts` refuses them with a clear error.
+`read_prompts` returns each prompt as its text or its list of messages; a tool renders messages with
+the model's chat template (`paradecode-bench` with the export's, `paradecode-train-heads` with the
+tokenizer's). `read_text_prompts` is for tools that take text only: it refuses chats with a clear error.
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ def read_prompts(path: Path | str) -> list[Prompt]:
 
 
 def read_text_prompts(path: Path | str) -> list[str]:
-    """The prompts in `path` as text; a chat (`"messages"`) is refused until chat templates are rendered."""
+    """The prompts in `path` as text, for a tool that takes no chats: a `"messages"` line is refused."""
     prompts = read_prompts(path)
     chats = [i for i, p in enumerate(prompts, 1) if not isinstance(p, str)]
     if chats:
         raise UserInputError(
-            f'prompt file {path}: prompt {chats[0]} (of {len(prompts)}) is a chat ("messages"), and chat prompts '
-            "need a chat template, which paradecode does not render yet. Give its text as "
-            '{"prompt": "..."} instead.'
+            f'prompt file {path}: prompt {chats[0]} (of {len(prompts)}) is a chat ("messages"), and this tool '
+            'takes text prompts only. Give its text as {"prompt": "..."} instead (paradecode-bench and '
+            "paradecode-train-heads take chats)."
         )
     return [p for p in prompts if isinstance(p, str)]
 

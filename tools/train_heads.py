@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         type=Path,
         metavar="FILE",
-        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} lines; the model '
-        "continues each greedily (default: a built-in set of code and prose prompts)",
+        help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
+        "lines (a chat, rendered with the model's chat template); the model continues each greedily (default: a "
+        "built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
     parser.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace):
     from paradecode.tools.heads.cost import CostModel
     from paradecode.tools.heads.data import DEFAULT_PROMPTS, collect, greedy_sequences, split_held_out
     from paradecode.tools.heads.training import HeadsTraining, Unembedding, evaluate_heads, train_heads
-    from paradecode.tools.prompts import read_text_prompts
+    from paradecode.tools.prompts import read_prompts
 
     hf_logging.disable_progress_bar()
     if args.output.exists() and not args.force:
@@ -117,11 +118,11 @@ def run(args: argparse.Namespace):
         if args.prompts is not None:
             if tokenizer is None:
                 raise UserInputError(f"{args.model} has no tokenizer to read --prompts with.")
-            texts = read_text_prompts(args.prompts)
+            texts = read_prompts(args.prompts)
         else:
             texts = list(DEFAULT_PROMPTS)
         if tokenizer is not None:
-            prompts = [tokenizer(t)["input_ids"] for t in texts]
+            prompts = prompt_ids_of(tokenizer, texts, args.model)
         else:  # a model without a tokenizer: random short prompts
             prompts = [torch.randint(0, spec.vocab_size, (4,), generator=generator).tolist() for _ in texts]
         logger.info("generating %d greedy continuations of %d tokens", len(prompts), args.new_tokens)
@@ -185,6 +186,30 @@ def load_tokenizer(path: Path):
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
+    """Every prompt's token ids: a text with the tokenizer's special tokens, a chat (a list of messages)
+    rendered with the tokenizer's chat template and encoded as it is (as `apply_chat_template` does)."""
+    import jinja2
+
+    ids = []
+    for number, prompt in enumerate(prompts, 1):
+        if isinstance(prompt, str):
+            ids.append(tokenizer(prompt)["input_ids"])
+            continue
+        where = f"prompt {number} (of {len(prompts)})"
+        if tokenizer.chat_template is None:
+            raise UserInputError(
+                f"{where} is a chat, but the tokenizer of {model} has no chat template: give its text as "
+                '{"prompt": "..."} instead.'
+            )
+        try:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except jinja2.TemplateError as err:
+            raise UserInputError(f"{where}: the chat template of {model} refused its messages: {err}") from err
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
 
 
 def read_text(path: Path) -> str:
