@@ -439,6 +439,7 @@ def test_calibration_picks_a_cheap_accurate_layer_and_its_lowest_safe_threshold(
     through = 8 + 0.2 + 2.0 + 0.1  # 10.3
     expected = (8 + 2.0 + 0.1) / (0.5 * exit_cost + 0.5 * through)  # 10.1 / 6.7
     assert result["expected_speedup"] == pytest.approx(expected, abs=1e-4)
+    assert result["expected_exits"] == {"exit_rate": 0.5, "accepted_rate": 0.5}
     row = result["layers"]["2"]
     assert row["exit_rate"] == pytest.approx(0.5) and row["precision"] == 1.0 and row["cascade_exit_rate"] == 0.5
     assert expected_speedup(cost, confidence, agree, result["thresholds"]) == pytest.approx(expected, abs=1e-9)

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="call costs for the speed calibration: timed here with onnxruntime, or estimated from parameter "
         f"counts ({default('costs')})",
     )
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--seed", type=int, help=f"for the held-out split and the training batches ({default('seed')})")
     parser.add_argument("--force", action="store_true", default=None, help="replace FILE if it exists")
     return parser
 
@@ -161,10 +161,12 @@ def report(metadata: dict) -> None:
     check = calibration["check"]
     if calibration["selected_layers"]:
         logger.info(
-            "chosen: exit layers %s with thresholds %s: expected speedup %.3fx on the %d positions that chose it, "
-            "%.3fx on %d %s positions%s",
+            "chosen: exit layers %s with thresholds %s: %.1f%% of tokens exit early, %.1f%% exit and are accepted; "
+            "expected speedup %.3fx on the %d positions that chose it, %.3fx on %d %s positions%s",
             calibration["selected_layers"],
             [calibration["thresholds"][str(e)] for e in calibration["selected_layers"]],
+            100 * calibration["expected_exits"]["exit_rate"],
+            100 * calibration["expected_exits"]["accepted_rate"],
             calibration["expected_speedup"],
             calibration["positions"],
             check["expected_speedup"],

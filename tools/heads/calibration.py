@@ -202,6 +202,7 @@ def calibrate(
 
     layers: dict[str, dict[str, Any]] = {}
     remaining = torch.ones_like(next(iter(confidence.values())), dtype=torch.bool)
+    accepted = torch.zeros_like(remaining)
     for e in sorted(confidence):
         alone = [i for i in range(len(candidates.layer)) if candidates.layer[i] == e]
         alone_best = min(alone, key=lambda i: search.build((i,)).total, default=None)
@@ -217,12 +218,17 @@ def calibrate(
         row["cascade_exit_rate"] = round(float(exits.float().mean()), 4)
         row["cascade_precision"] = round(float((agree[e] & exits).sum() / exits.sum()), 4) if exits.any() else None
         remaining &= ~exits
+        accepted |= agree[e] & exits
         layers[str(e)] = row
     return {
         "objective": "expected speed",
         "thresholds": {str(e): thresholds.get(e) for e in sorted(confidence)},
         "selected_layers": sorted(thresholds),
         "expected_speedup": round(cost.ar() / total, 4),
+        "expected_exits": {  # per token: the share that exits early, and the share that exits and is accepted
+            "exit_rate": round(float((~remaining).float().mean()), 4),
+            "accepted_rate": round(float(accepted.float().mean()), 4),
+        },
         "best_found": described(best, best_total),
         "cost_model": cost.as_dict(),
         "subsets": [described(choice, t) for choice, t in ranked[:SEARCH_WIDTH]],

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,18 +80,6 @@ class Unembedding:
     def final_logits(self, final: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The final head's logits over `vocab` for hidden states already through the final norm."""
         return F.linear(final, *self.rows(vocab)).float()
-
-
-@dataclass
-class HeadsTraining:
-    """What a training run made: transforms, vocabulary, agreement before and after, calibration, data."""
-
-    transforms: dict[int, torch.Tensor]
-    vocab: torch.Tensor | None
-    agreement: dict[int, dict[str, float]]  # layer -> {"untrained": a, "trained": b, ...} on held-out positions
-    calibration: dict[str, Any]
-    data: dict[str, Any]
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def restricted_kl(student: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
