@@ -329,6 +329,20 @@ def test_heads_saved_beside_the_model_do_not_change_its_identity(trained, model_
     assert resolve_model(str(folder)).identity()["weights_sha256"] == before == trained[2]["base_weights_sha256"]
 
 
+def test_heads_from_text_windows(stories_dir, tmp_path):
+    """--text: windows of given text, every position of each, through one forward pass; costs from parameters."""
+    text = tmp_path / "story.txt"
+    text.write_text(" ".join(["Once upon a time there was a little dog. He liked to play in the park."] * 12))
+    out = tmp_path / "heads.safetensors"
+    args = ["--text", str(text), "--window", "32", "--steps", "20", "--costs", "parameters", "--exit-layers", "2,3"]
+    assert train_heads.main([str(stories_dir / "hf"), "-o", str(out), *args]) == 0
+    transforms, metadata, vocab = load_heads(out)
+    assert sorted(transforms) == [2, 3] and metadata["data"]["kind"] == "text"
+    windows, positions = metadata["data"]["windows"], metadata["data"]["positions"]
+    assert windows >= 4 and 32 * (windows - 1) + 2 <= positions <= 32 * windows  # every position of every window
+    assert metadata["calibration"]["cost_model"]["source"] == "parameters" and vocab is not None
+
+
 def test_heads_cli_errors(model_dirs, tmp_path, capsys):
     out = tmp_path / "heads.safetensors"
     model = str(model_dirs["llama"])

@@ -235,7 +235,8 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     seconds["data"] = time.perf_counter() - clock
     if not held_out.any() or held_out.all():
         raise UserInputError(
-            "every continuation ended at once: no positions to train on or to hold out; give more prompts."
+            "the training or the held-out sequences have no positions (their continuations ended at once); "
+            "give more prompts."
         )
     train_rows = torch.nonzero(~held_out).squeeze(1)
     vocab = frequent_tokens(features.token[train_rows], recording.soft_counts, size)
