@@ -13,9 +13,14 @@ import logging
 import sys
 from pathlib import Path
 
+from paradecode.export.known_models import known_models_help
 from paradecode.graphs.errors import run_command
 from paradecode.graphs.tensors import DTYPES
 
+MODEL_HELP = (
+    "a local folder written by save_pretrained, a .gguf file, a Hugging Face Hub id (owner/name), or a known "
+    f"model's short name: {known_models_help()}"
+)
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
@@ -55,9 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(fixed-size KV cache written in place), early-exit heads and the final head; validate each "
         "against PyTorch with onnxruntime; write ONNX (and TensorRT engines) and a manifest.",
     )
-    parser.add_argument(
-        "model", metavar="MODEL", help="a Hugging Face Hub id or a local folder written by save_pretrained"
-    )
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="the export folder to create")
     parser.add_argument(
         "--exit-layers",
@@ -97,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="onnx",
         help="onnx (default), or also build TensorRT engines (needs TensorRT and a GPU)",
     )
-    parser.add_argument("--with-logits", action="store_true", help="heads also output the full logits")
+    parser.add_argument(
+        "--no-logits",
+        action="store_true",
+        help="heads output no logits (top-1 token and probability only): such an export decodes greedily but "
+        "cannot sample",
+    )
     parser.add_argument(
         "--fused-exits",
         action="store_true",
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             opset=args.opset,
             engine=args.engine,
             force=args.force,
-            with_logits=args.with_logits,
+            with_logits=not args.no_logits,
             fused_exits=args.fused_exits,
             cache_dir=args.cache_dir,
         )

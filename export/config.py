@@ -28,7 +28,7 @@ class ExportConfig:
     opset: int = MIN_OPSET
     engine: str = "onnx"
     force: bool = False
-    with_logits: bool = False
+    with_logits: bool = True  # heads also output their logits: what sampling needs (greedy never reads them)
     # Also write layer_exit_e (layer e and its trained exit head in one graph): one call instead of two, for
     # models whose per-call overhead rivals a layer's compute; it holds a second copy of layer e and the head.
     fused_exits: bool = False

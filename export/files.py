@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain
+from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain, raise_if_interrupted
 from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.spec import ModelSpec
@@ -61,6 +61,7 @@ def staged_folder(output: Path, force: bool, needed_bytes: int = 0):
         output.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
         yield tmp
+        raise_if_interrupted()  # the point of no return: an interrupt a library swallowed still stops here
         publishable(tmp)
         if output.exists():
             if not force:

@@ -101,7 +101,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     )
 
     with staged_folder(config.output, config.force, export_bytes(spec, plan, weights, config.dtype)) as folder:
-        tokenizer_files = save_tokenizer(source.path, folder / TOKENIZER_DIR)
+        tokenizer_files = save_tokenizer(source, folder / TOKENIZER_DIR)
         (folder / WEIGHTS_NAME).parent.mkdir(parents=True, exist_ok=True)
         save_weights(folder / WEIGHTS_NAME, weights, config.dtype)  # first: the graphs point into it
         checklist, onnx_files = write_subgraphs(
@@ -172,14 +172,19 @@ def check_output_is_not_source(output: Path, source: ModelSource) -> None:
 
 
 def load_hf_model(source: ModelSource) -> torch.nn.Module:
-    """The model in float32, refused when a checkpoint tensor's shape does not fit its config.
+    """The model in float32 and eval mode, refused when a checkpoint tensor's shape does not fit its config.
 
     Mismatched sizes are collected rather than raised by transformers, whose own error refers to a
     report it logs (and the CLI keeps transformers' logs quiet), so the message can name them.
+    A GGUF file is loaded and checked by `gguf_file.model_from_gguf`.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    if source.gguf_path is not None:
+        from paradecode.export.gguf_file import model_from_gguf
+
+        return model_from_gguf(source.gguf_path, source.reference)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(source.path), dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True

@@ -129,6 +129,19 @@ def exception_chain(err: BaseException) -> Iterator[BaseException]:
         pending += [link.__context__, link.__cause__]
 
 
+_received: list[int] = []  # the signals received inside the innermost `interrupts_raised` block
+
+
+def raise_if_interrupted() -> None:
+    """Raise the interrupt a signal asked for, if one arrived in the current `interrupts_raised` block.
+
+    For points of no return (publishing an export): a library that caught the interrupt's exception and
+    went on must not make an interrupted command finish as if nothing had happened.
+    """
+    if _received:
+        raise KeyboardInterrupt if _received[0] == signal.SIGINT else Terminated(_received[0])
+
+
 @contextmanager
 def interrupts_raised() -> Iterator[list[int]]:
     """While the block runs, SIGINT raises KeyboardInterrupt and SIGTERM raises `Terminated`.
@@ -137,6 +150,7 @@ def interrupts_raised() -> Iterator[list[int]]:
     thread; elsewhere, and for a signal the process was told to ignore (a shell's background job
     ignores SIGINT), the current handling is left alone. The previous handlers come back afterwards.
     """
+    global _received
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
@@ -150,9 +164,11 @@ def interrupts_raised() -> Iterator[list[int]]:
     for s, old in previous.items():
         if old is not signal.SIG_IGN:
             signal.signal(s, handler)
+    outer, _received = _received, received
     try:
         yield received
     finally:
+        _received = outer
         for s, old in previous.items():
             if old is not signal.SIG_IGN:
                 signal.signal(s, signal.SIG_DFL if old is None else old)

@@ -79,6 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop when the output contains TEXT (repeatable)"
     )
+    parser.add_argument(
+        "--lookup",
+        type=int,
+        metavar="N",
+        help="prompt lookup: propose up to N tokens that followed an earlier occurrence of the newest tokens "
+        "(verified like early exits; 0: off, the default)",
+    )
+    parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 3)")
+    parser.add_argument(
+        "--lookup-min-ngram", type=positive_int, metavar="N", help="shortest suffix matched (default 2)"
+    )
+    parser.add_argument("--temperature", type=float, metavar="T", help="sample at this temperature (default 0: greedy)")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most probable tokens (0: all)")
+    parser.add_argument("--top-p", type=float, metavar="P", help="sample among the most probable tokens of mass P")
+    parser.add_argument("--seed", type=int, help="seed of the sampling draws (default: a random one, reported)")
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
@@ -137,6 +152,13 @@ def config_of(args: argparse.Namespace):
         "max_unverified": args.max_unverified,
         "stop": tuple(args.stop) if args.stop else None,
         "ignore_eos": args.ignore_eos or None,
+        "lookup_tokens": args.lookup,
+        "lookup_max_ngram": args.lookup_ngram,
+        "lookup_min_ngram": args.lookup_min_ngram,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
     }
     return GenerationConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -189,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"[{stats.mode}{'/' + stats.overlap if stats.overlap else ''}] {stats.new_tokens} tokens, "
-            f"{stats.tokens_per_second:.1f} tokens/s, early exits: {exits}, rollbacks: {stats.rollbacks}, "
-            f"stopped by {stats.stop_reason}",
+            f"{stats.tokens_per_second:.1f} tokens/s, early exits: {exits}, lookup: {stats.lookup_accepted} of "
+            f"{stats.lookup_proposed} accepted, rollbacks: {stats.rollbacks}, stopped by {stats.stop_reason}"
+            + (f", seed {stats.seed}" if stats.seed is not None else ""),
             file=sys.stderr,
         )
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.manifest import NEVER_EXIT as NEVER  # the documented "never exit" threshold (math.inf)
 from paradecode.runtime.lookup import LookupConfig
+from paradecode.runtime.sampling import SamplingParams
 
 MODES = ("ar", "paradecode")
 OVERLAPS = ("auto", "streams", "batched", "both")
@@ -76,6 +78,12 @@ class GenerationConfig:
     lookup_tokens: int = 0
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 2
+    # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None
+    # draws one (recorded in the result's stats, so the run can be reproduced).
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         positive_integer(self.max_new_tokens, "max_new_tokens")
@@ -99,12 +107,38 @@ class GenerationConfig:
                 f"lookup_tokens must be a non-negative integer (0 turns lookup off), got {self.lookup_tokens!r}."
             )
         self.lookup_config()  # validates the n-gram sizes
+        self._check_sampling()
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop string
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
             raise UserInputError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         object.__setattr__(self, "stop", tuple(stop))
         if any(not s for s in self.stop):
             raise UserInputError("stop strings must not be empty.")
+
+    def _check_sampling(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+                raise UserInputError(f"{name} must be a number, got {value!r}.")
+        if self.temperature < 0:
+            raise UserInputError(
+                f"temperature must be >= 0, got {self.temperature!r}: 0 decodes greedily, higher values sample from "
+                "flatter distributions."
+            )
+        if not 0 < self.top_p <= 1:
+            raise UserInputError(f"top_p must be in (0, 1], got {self.top_p!r}: 1 keeps every token.")
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise UserInputError(f"top_k must be a non-negative integer, got {self.top_k!r}: 0 keeps every token.")
+        if self.seed is not None and not is_integer(self.seed):
+            raise UserInputError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.seed is not None and self.seed < 0:
+            raise UserInputError(f"seed must be >= 0, got {self.seed!r}.")
+
+    def sampling(self, seed: int) -> SamplingParams | None:
+        """The sampling settings with `seed` (the request's or a drawn one), None for greedy decoding."""
+        if self.temperature == 0:
+            return None
+        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p), int(seed))
 
     def lookup_config(self) -> LookupConfig | None:
         """The prompt-lookup settings, None when lookup is off."""

@@ -18,6 +18,7 @@ from paradecode.graphs.tensors import (
     HIDDEN,
     HIDDEN_OUT,
     INPUT_IDS,
+    LOGITS,
     MARGIN,
     PAST_KEY,
     PAST_VALUE,
@@ -28,9 +29,11 @@ from paradecode.graphs.tensors import (
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.sampling import SAMPLE, Draws, SamplingParams, distribution
 from paradecode.runtime.stats import GenerationStats
 
 MAIN = "main"
+HEAD_OUTPUTS = (TOKEN, PROB, MARGIN)
 
 
 @dataclass
@@ -41,11 +44,15 @@ class HeadOutput:
     token: list[int]
     prob: list[float]
     margin: list[float]
+    logits: torch.Tensor | None = None  # [T, V] ([T, N] for a reduced-vocabulary exit head), when asked for
 
     @classmethod
     def of(cls, outputs: dict[str, torch.Tensor]) -> HeadOutput:
         """From a head's (or fused layer+exit's) outputs, [1, T] tensors on any device."""
-        return cls(*(outputs[name].reshape(-1).tolist() for name in (TOKEN, PROB, MARGIN)))
+        logits = outputs.get(LOGITS)
+        if logits is not None:
+            logits = logits.reshape(-1, logits.shape[-1]).cpu()
+        return cls(*(outputs[name].reshape(-1).tolist() for name in HEAD_OUTPUTS), logits)
 
 
 @dataclass
@@ -93,19 +100,23 @@ class DecodeContext:
         out = self._call(lane, name, label, start, start + hidden.shape[1], feeds)
         return out[HIDDEN_OUT], HeadOutput.of(out)
 
-    def head(self, lane: str, name: str, hidden: torch.Tensor, start: int) -> HeadOutput:
-        return HeadOutput.of(self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: hidden}))
+    def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
+        """A head's top-1 token, probability and margin per position; with `logits`, its logits too (sampling)."""
+        outputs = (*HEAD_OUTPUTS, LOGITS) if logits else HEAD_OUTPUTS
+        return HeadOutput.of(self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: hidden}, outputs))
 
-    def _call(self, lane: str, name: str, label: str, start: int, end: int, feeds: dict) -> dict[str, torch.Tensor]:
+    def _call(
+        self, lane: str, name: str, label: str, start: int, end: int, feeds: dict, outputs=None
+    ) -> dict[str, torch.Tensor]:
         """`backend.run(name, feeds, lane)`, timed into the timeline; inside an NVTX-style range while profiling."""
         if self.annotate is None:
-            return self._timed(lane, name, start, end, feeds)
+            return self._timed(lane, name, start, end, feeds, outputs)
         with self.annotate(f"{label} pos {start}-{end - 1} lane {lane}"):
-            return self._timed(lane, name, start, end, feeds)
+            return self._timed(lane, name, start, end, feeds, outputs)
 
-    def _timed(self, lane: str, name: str, start: int, end: int, feeds: dict) -> dict[str, torch.Tensor]:
+    def _timed(self, lane: str, name: str, start: int, end: int, feeds: dict, outputs) -> dict[str, torch.Tensor]:
         began = time.perf_counter()
-        out = self.backend.run(name, feeds, lane)
+        out = self.backend.run(name, feeds, lane, outputs)
         self.timeline.add(lane, name, began, time.perf_counter(), (start, end))
         return out
 
@@ -123,20 +134,34 @@ class DecodeContext:
         self.timeline.add("phases", name, began, time.perf_counter(), positions)
 
 
-def prefill(ctx: DecodeContext, prompt: list[int]) -> tuple[int, float]:
+def choose(out: HeadOutput, index: int, position: int, sampling: SamplingParams | None, draws: Draws | None) -> int:
+    """The token the final head gives position `position` (out's `index`-th): its top-1 when greedy, else a
+    draw from its distribution keyed by the position."""
+    if sampling is None:
+        return out.token[index]
+    return draws.choice(distribution(out.logits[index], sampling), position, SAMPLE)
+
+
+def prefill(
+    ctx: DecodeContext, prompt: list[int], sampling: SamplingParams | None = None, draws: Draws | None = None
+) -> tuple[int, float]:
     """The whole prompt in one call per layer; the final head on its last position gives the first token."""
     with ctx.phase("prefill", (0, len(prompt))):
         hidden = ctx.embed(MAIN, prompt, 0)
         for layer in range(1, ctx.num_layers + 1):
             hidden = ctx.layer(MAIN, layer, hidden, 0)
             ctx.cache.written(layer, len(prompt))
-        out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1)
-    return out.token[0], out.margin[0]
+        out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1, logits=sampling is not None)
+    return choose(out, 0, len(prompt) - 1, sampling, draws), out.margin[0]
 
 
-def decode_ar(ctx: DecodeContext, prompt: list[int]) -> Iterator[tuple[int, float]]:
-    """Plain greedy decoding over the same subgraphs: one token through every layer, then the next."""
-    token, margin = prefill(ctx, prompt)
+def decode_ar(
+    ctx: DecodeContext, prompt: list[int], sampling: SamplingParams | None = None
+) -> Iterator[tuple[int, float]]:
+    """Plain decoding over the same subgraphs, one token through every layer, then the next: greedy, or with
+    `sampling` each token drawn from the final layer's distribution."""
+    draws = Draws(sampling.seed) if sampling is not None else None
+    token, margin = prefill(ctx, prompt, sampling, draws)
     yield token, margin
     position = len(prompt)
     while position < ctx.cache.capacity:
@@ -144,7 +169,7 @@ def decode_ar(ctx: DecodeContext, prompt: list[int]) -> Iterator[tuple[int, floa
         for layer in range(1, ctx.num_layers + 1):
             hidden = ctx.layer(MAIN, layer, hidden, position)
         ctx.cache.lengths = [position + 1] * ctx.num_layers
-        out = ctx.head(MAIN, "final", hidden, position)
-        token, margin = out.token[0], out.margin[0]
+        out = ctx.head(MAIN, "final", hidden, position, logits=sampling is not None)
+        token, margin = choose(out, 0, position, sampling, draws), out.margin[0]
         position += 1
         yield token, margin

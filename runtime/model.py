@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -100,7 +101,9 @@ class ParaDecodeModel:
         self.export = open_export(path, verify=verify)
         options = {}
         if backend == "onnxruntime":
-            options["threads"] = threads if threads is not None else max(1, (os.cpu_count() or 1) // lanes)
+            # Every call may use every core: lane 0 alone computes in ar and in `batched` (a CPU's default overlap);
+            # with `streams` or `both` the lanes' calls share the cores (pass threads to split them).
+            options["threads"] = threads if threads is not None else max(1, os.cpu_count() or 1)
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
         self.backend = backend_class(backend)(self.export, device=device, **options)
@@ -325,14 +328,23 @@ class ParaDecodeModel:
 
     def _decode(self, ids, config, thresholds, timeline, stream, with_text, annotate, exit_policy):
         overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
+        sampling = config.sampling(config.seed if config.seed is not None else secrets.randbits(63))
         stats = GenerationStats(
-            mode=config.mode, overlap=overlap if config.mode == "paradecode" else None, prompt_tokens=len(ids)
+            mode=config.mode,
+            overlap=overlap if config.mode == "paradecode" else None,
+            prompt_tokens=len(ids),
+            seed=None if sampling is None else sampling.seed,
         )
+        if sampling is not None and not self.manifest.with_logits:
+            raise UserInputError(
+                f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
+                "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
+            )
         self.cache.reset()
         ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
         eos = () if config.ignore_eos else self.export.eos_token_ids
         if config.mode == "ar":
-            decoder = decode_ar(ctx, ids)
+            decoder = decode_ar(ctx, ids, sampling)
         else:
             decoder = ParaDecoder(
                 ctx,
@@ -345,6 +357,7 @@ class ParaDecodeModel:
                 eos_token_ids=eos,
                 exit_policy=exit_policy,
                 lookup=config.lookup_config(),
+                sampling=sampling,
             ).run()
         text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
         tokens, margins = [], []

@@ -27,8 +27,8 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
 - Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
   `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
-- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `lookup`,
-  `waited`.
+- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `proposals`,
+  `lookup`, `draws`, `waited`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
   `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
   cache's lengths (`cache.written`, `cache.rollback`).
@@ -51,9 +51,10 @@ from dataclasses import dataclass
 import torch
 
 from paradecode.graphs.errors import SchedulerStallError
-from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, prefill
+from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
 from paradecode.runtime.lookup import LookupConfig, NgramIndex
+from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.stats import LOOKUP, Mismatch
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ParaDecoder:
         eos_token_ids: tuple[int, ...] = (),
         exit_policy=None,
         lookup: LookupConfig | None = None,
+        sampling: SamplingParams | None = None,
     ):
         # Settings: read-only after __init__.
         self.ctx = ctx
@@ -95,8 +97,12 @@ class ParaDecoder:
         names = ctx.backend.subgraph_names
         # Each exit layer's head: its trained head, else the model's own final norm and unembedding (`final`).
         self.exit_head = {e: f"exit_{e}" if f"exit_{e}" in names else "final" for e in self.thresholds}
-        # Exit layers whose layer and head the export also fused into one graph (one call, not two).
-        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in names}
+        # Exit layers whose layer and head the export also fused into one graph (one call, not two). Sampling
+        # needs the head's logits, which a fused graph does not give: it runs the two calls.
+        self.fused = {e for e in self.thresholds if f"layer_exit_{e}" in names} if sampling is None else set()
+        self.sampling = sampling  # None: greedy
+        self.draws = Draws(sampling.seed) if sampling is not None else None
+        self.exit_vocab = ctx.backend.exit_vocab() if sampling is not None else None
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
@@ -115,6 +121,7 @@ class ParaDecoder:
         self.tokens = list(prompt)
         self.verified = len(prompt)  # tokens[:verified] are verified
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
+        self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
         self.lookup = NgramIndex(lookup) if lookup is not None else None
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.
@@ -128,7 +135,7 @@ class ParaDecoder:
     # --- the generator lane 0 runs ------------------------------------------------------------
     def run(self) -> Iterator[tuple[int, float]]:
         n = len(self.prompt)
-        token, margin = prefill(self.ctx, self.prompt)
+        token, margin = prefill(self.ctx, self.prompt, self.sampling, self.draws)
         self.tokens.append(token)
         self.verified = n + 1
         if self.lookup is not None:
@@ -253,7 +260,7 @@ class ParaDecoder:
             else:
                 hidden = self.ctx.layer(MAIN, depth, hidden, start)
         if depth == self.L:
-            final = self.ctx.head(MAIN, "final", hidden, start)
+            final = self.ctx.head(MAIN, "final", hidden, start, logits=self.sampling is not None)
         self.publish()
         with self.lock:
             for layer in range(first, depth + 1):
@@ -307,15 +314,18 @@ class ParaDecoder:
         if out is None:
             if not self.may_exit(group.end):
                 return
-            out = self.ctx.head(MAIN, self.exit_head[layer], group.hidden[:, -1:], group.end - 1)
+            name = self.exit_head[layer]
+            out = self.ctx.head(MAIN, name, group.hidden[:, -1:], group.end - 1, logits=self.sampling is not None)
         if self.exit_policy is not None:
             token = self.exit_policy(group.end - 1, layer, out)
             if token is None:
                 return
-        elif out.prob[0] < self.thresholds[layer]:
+        elif out.prob[0] < self.thresholds[layer]:  # the head's confidence: never depends on a draw
             return
-        else:
+        elif self.sampling is None:
             token = out.token[0]
+        else:
+            token = self.draw_proposal(group.end - 1, layer, out)
         stats = self.ctx.stats
         self.tokens.append(token)
         self.source_of[group.end - 1] = layer
@@ -324,6 +334,15 @@ class ParaDecoder:
             self.frontier = None
             self.start_frontier(group.end, token)
             self.progress()
+
+    def draw_proposal(self, position: int, layer: int, out: HeadOutput) -> int:
+        """Sampling: draw the early token for position `position` from the exit head's own distribution q
+        (the same temperature, top-k and top-p), and keep q for its verification."""
+        q = distribution(out.logits[0], self.sampling)
+        index = self.draws.choice(q, position, PROPOSE)
+        ids = self.exit_vocab if self.exit_head[layer] != "final" else None
+        self.proposals[position] = Proposal(ids, q)
+        return int(ids[index]) if ids is not None else index
 
     # --- side lanes ---------------------------------------------------------------------------
     def side_worker(self, lane: str) -> None:
@@ -342,7 +361,7 @@ class ParaDecoder:
             try:
                 out = self.ctx.layer(lane, layer, hidden, start)
                 if layer == self.L:
-                    final = self.ctx.head(lane, "final", out, start)
+                    final = self.ctx.head(lane, "final", out, start, logits=self.sampling is not None)
                 self.publish()
             except BaseException as err:  # handed to lane 0, which raises it
                 error = err
@@ -377,10 +396,11 @@ class ParaDecoder:
                     now = time.perf_counter()
                     self.ctx.timeline.add("phases", "verify", now, now, (group.start, group.end))
                 for i, position in enumerate(range(group.start, group.end)):
-                    token, margin = group.final.token[i], group.final.margin[i]
+                    margin = group.final.margin[i]
                     if position + 1 < len(self.tokens):  # a proposed token is waiting for this verdict
                         source = self.source_of.pop(position)
-                        if token == self.tokens[position + 1]:
+                        accepted, token = self.judge(group.final, i, position)
+                        if accepted:
                             stats.accept(source)
                             self.verified = position + 2
                             verified.append((token, margin))
@@ -393,6 +413,7 @@ class ParaDecoder:
                         verified.append((token, margin))
                         self.index_verified()
                         return verified
+                    token = choose(group.final, i, position, self.sampling, self.draws)
                     self.tokens.append(token)  # the newest position: its final output is the next token
                     self.verified = position + 2
                     verified.append((token, margin))
@@ -402,6 +423,19 @@ class ParaDecoder:
                     self.start_frontier(position + 1, token)
         self.index_verified()
         return verified
+
+    def judge(self, final: HeadOutput, index: int, position: int) -> tuple[bool, int]:
+        """Verify the token proposed for position `position` + 1: (accepted, the token the sequence keeps).
+
+        Greedy: accepted when it is the final head's top-1. Sampling: rejection sampling against the final
+        distribution p (runtime/sampling.py), which keeps the sequence distributed exactly as ar sampling.
+        """
+        proposed = self.tokens[position + 1]
+        proposal = self.proposals.pop(position, None)
+        if self.sampling is None:
+            return final.token[index] == proposed, final.token[index]
+        p = distribution(final.logits[index], self.sampling)
+        return verify(p, proposed, proposal, position, self.draws)
 
     def index_verified(self) -> None:
         if self.lookup is not None:
@@ -419,5 +453,6 @@ class ParaDecoder:
         self.tokens.append(token)
         self.verified = position + 2
         self.source_of = {q: e for q, e in self.source_of.items() if q < position}
+        self.proposals = {q: v for q, v in self.proposals.items() if q < position}
         self.ctx.cache.rollback(position + 1)
         self.start_frontier(position + 1, token)

@@ -35,7 +35,8 @@ class GenerationStats:
     mismatches: list[Mismatch] = field(default_factory=list)
     lane_busy_seconds: dict[str, float] = field(default_factory=dict)
     calls: int = 0
-    stop_reason: str = ""  # "max_new_tokens", "eos", "stop_string", "max_seq_len"
+    stop_reason: str = ""  # "max_new_tokens", "eos", "stop_string", "max_seq_len", "closed", "cancelled"
+    seed: int | None = None  # the sampling seed used (None: greedy); pass it back to reproduce the run
 
     def accept(self, source: int) -> None:
         """Count a proposed token the final layer verified."""

@@ -402,7 +402,8 @@ def test_generate_and_stream_with_messages(chat_export):
     with load(folder) as model:
         assert model.render_chat(chat) == text
         assert model.prompt_ids(messages=chat) == ids
-        assert ids.count(model.export.bos_token_id) == 1  # the template's; the tokenizer adds none on top
+        bos = model.manifest.model["bos_token_id"]
+        assert ids.count(bos) == 1  # the template's; the tokenizer adds none on top
         expected = model.generate(prompt_ids=ids, mode="ar", max_new_tokens=6, ignore_eos=True)
         result = model.generate(messages=chat, mode="ar", max_new_tokens=6, ignore_eos=True)
         assert result.token_ids == expected.token_ids and result.stats.prompt_tokens == len(ids)

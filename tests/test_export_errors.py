@@ -432,3 +432,28 @@ def test_train_heads_refuses_a_broken_model_folder(model_dirs, tmp_path, capsys,
     for fragment in fragments:
         assert fragment in out, out
     assert not (tmp_path / "heads.safetensors").exists()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_a_library_swallowed_still_stops_the_export_before_it_is_published(tmp_path):
+    """A signal whose exception a library caught (transformers' imports turn some into ImportError and go
+    on) is remembered: the staged export is not published and the command ends as interrupted."""
+    import contextlib
+    import os
+    import signal
+
+    from paradecode.export.files import staged_folder
+    from paradecode.graphs.errors import run_command
+
+    output = tmp_path / "out"
+
+    def work():
+        with staged_folder(output, force=False) as folder:
+            (folder / "manifest.json").write_text("{}")
+            with contextlib.suppress(BaseException):  # a library swallowing the interrupt
+                os.kill(os.getpid(), signal.SIGTERM)
+        return "finished"
+
+    code, result = run_command("paradecode-export", work)
+    assert (code, result) == (143, None)
+    assert not output.exists() and not list(tmp_path.iterdir())

@@ -41,9 +41,11 @@ def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports):
         snapshots = []
         run = model.backend.run
 
-        def recording(name, feeds, lane="main"):  # the lengths as the scheduler leaves them before each call
+        def recording(
+            name, feeds, lane="main", outputs=None
+        ):  # the lengths as the scheduler leaves them before each call
             snapshots.append(list(model.cache.lengths))
-            return run(name, feeds, lane)
+            return run(name, feeds, lane, outputs)
 
         model.backend.run = recording
         model.generate(

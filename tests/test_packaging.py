@@ -20,6 +20,7 @@ SCRIPTS = (
     "paradecode-profile",
     "paradecode-characterise",
     "paradecode-demo",
+    "paradecode-serve",
 )
 
 
@@ -55,6 +56,8 @@ def test_wheel_contains_every_module(tmp_path):
     demo = {n for n in names if n.startswith("paradecode/tools/demo_model/")}
     for name in ("config.json", "model.safetensors", "heads.safetensors", "tokenizer.json", "README.md"):
         assert f"paradecode/tools/demo_model/{name}" in demo, f"{name} of the demo model is missing from the wheel"
+    for name in ("eval_chat.jsonl", "heads_chat.jsonl", "README.md"):
+        assert f"paradecode/tools/data/{name}" in names, f"the prompt set file {name} is missing from the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in SCRIPTS:

@@ -80,10 +80,10 @@ def test_other_bad_settings():
 def test_a_failing_side_lane_raises_instead_of_hanging(model, monkeypatch):
     real = model.backend.run
 
-    def flaky(name, feeds, lane="main"):
+    def flaky(name, feeds, lane="main", outputs=None):
         if lane != "main":
             raise RuntimeError("device lost")
-        return real(name, feeds, lane)
+        return real(name, feeds, lane, outputs)
 
     monkeypatch.setattr(model.backend, "run", flaky)
     with pytest.raises(RuntimeError, match="device lost"):

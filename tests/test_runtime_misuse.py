@@ -46,11 +46,11 @@ def test_an_error_while_decoding_leaves_the_model_usable(model, monkeypatch):
     real = model.backend.run
     calls = []
 
-    def failing(name, feeds, lane="main"):
+    def failing(name, feeds, lane="main", outputs=None):
         calls.append(name)
         if len(calls) == 20:
             raise RuntimeError("device lost")
-        return real(name, feeds, lane)
+        return real(name, feeds, lane, outputs)
 
     monkeypatch.setattr(model.backend, "run", failing)
     with pytest.raises(RuntimeError, match="device lost"):
@@ -161,10 +161,10 @@ def test_a_stall_raises_a_named_error_not_a_hang(model, monkeypatch):
     monkeypatch.setattr(scheduler_module, "STALL_SECONDS", 0.3)
     real = model.backend.run
 
-    def slow_side_lane(name, feeds, lane="main"):
+    def slow_side_lane(name, feeds, lane="main", outputs=None):
         if lane != "main":
             time.sleep(1.5)
-        return real(name, feeds, lane)
+        return real(name, feeds, lane, outputs)
 
     monkeypatch.setattr(model.backend, "run", slow_side_lane)
     with pytest.raises(SchedulerStallError, match="no progress for 0.3 s while lane 0 waited for"):
@@ -178,14 +178,14 @@ def test_the_first_error_is_not_hidden_by_a_side_lane_that_does_not_stop(model, 
     real = model.backend.run
     calls = []
 
-    def run(name, feeds, lane="main"):
+    def run(name, feeds, lane="main", outputs=None):
         if lane != "main":
             time.sleep(1.0)  # longer than the side lanes are given to stop
-            return real(name, feeds, lane)
+            return real(name, feeds, lane, outputs)
         calls.append(name)
         if len(calls) == 25:
             raise RuntimeError("the first error")
-        return real(name, feeds, lane)
+        return real(name, feeds, lane, outputs)
 
     monkeypatch.setattr(model.backend, "run", run)
     with pytest.raises(RuntimeError, match="the first error"):

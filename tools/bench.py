@@ -16,6 +16,7 @@ from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import OVERLAPS
 from paradecode.tools.options import choice_list
+from paradecode.tools.prompt_sets import NAMES_HELP
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -25,18 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
     parser.add_argument(
         "--prompts",
-        type=Path,
-        metavar="FILE",
+        metavar="FILE|NAME",
         help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
-        "lines (a chat, rendered with the export's chat template); default: built-in code and prose prompts",
+        f"lines (a chat, rendered with the export's chat template), {NAMES_HELP}; default: eval where the export "
+        "has a chat template, else built-in code and prose prompts",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--repeat", type=int, default=3, metavar="R", help="repeats of every prompt (default 3)")
     parser.add_argument(
         "--hf",
         metavar="MODEL",
-        help="the original model for the Hugging Face reference "
-        "(default: the manifest's source, where it is a local folder)",
+        help="the original model for the Hugging Face reference: a folder, a .gguf file, a Hub id or a known "
+        "short name (default: the manifest's source, where it is a local folder, a .gguf file or a known name)",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face modes")
     parser.add_argument(
@@ -49,6 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=choice_list(OVERLAPS, "--overlaps"),
         default="batched,streams,both",
         help=f"comma-separated overlap modes to try, from {', '.join(OVERLAPS)} (default batched,streams,both)",
+    )
+    parser.add_argument(
+        "--lookup",
+        default="0",
+        metavar="N1,N2",
+        help="prompt-lookup settings to try (most tokens proposed at once; 0: off): each threshold and overlap "
+        "runs once per value (default 0)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sample at this temperature in every mode, each run seeded by its prompt and repeat (default 0: greedy)",
     )
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
@@ -68,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def parse_lookups(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 0 for v in values):
+        raise UserInputError(f"--lookup {text!r}: expected comma-separated non-negative integers such as 0,4.")
+    return values
+
+
 def parse_thresholds(text: str) -> list[float | None]:
     from paradecode.runtime.config import check_threshold, parse_threshold
 
@@ -79,15 +104,30 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 
 def run(args) -> str:
-    from paradecode.tools.benchmarking import DEFAULT_PROMPTS, opened_with_ar_baselines
-    from paradecode.tools.prompts import read_prompts
+    from paradecode.tools.benchmarking import opened_with_ar_baselines
+    from paradecode.tools.prompt_sets import load_prompts
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
-    texts = read_prompts(args.prompts) if args.prompts else list(DEFAULT_PROMPTS)
+    prompts = load_prompts(args.prompts) if args.prompts else None
     with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
-        return measure(args, texts, thresholds, main_model, ar_models)
+        if prompts is None:
+            prompts = default_prompts(main_model)
+        return measure(args, prompts, thresholds, main_model, ar_models)
+
+
+def default_prompts(model) -> list:
+    """The evaluation set (`eval`) where the export has a chat template, else the built-in text prompts."""
+    from paradecode.tools.benchmarking import DEFAULT_PROMPTS
+    from paradecode.tools.prompt_sets import load_prompts
+    from paradecode.tools.prompts import LabelledPrompt
+
+    if model.chat_template is not None:
+        logger.info("prompts: the evaluation set (eval), as the export has a chat template")
+        return load_prompts("eval")
+    logger.info("prompts: the built-in text prompts, as the export has no chat template")
+    return [LabelledPrompt(text) for text in DEFAULT_PROMPTS]
 
 
 def prompt_ids_of(model, prompts: list) -> list[list[int]]:
@@ -107,28 +147,35 @@ def prompt_ids_of(model, prompts: list) -> list[list[int]]:
     return ids
 
 
-def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
+def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
-    from paradecode.tools.reporting import benchmark_figure, markdown_table, save_figure, save_json
+    from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
 
     manifest = main_model.manifest
+    texts = [p.prompt for p in labelled]
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
-    modes = [bm.stream_mode(label, m, {"mode": "ar"}, ignore_eos=ignore) for label, m in ar_models.items()]
+    lookups = parse_lookups(args.lookup)
+    sampling = {"temperature": args.temperature} if args.temperature else {}
+    modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:
         for threshold in thresholds:
-            label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
-            settings = {
-                "mode": "paradecode",
-                "overlap": overlap,
-                "thresholds": threshold,
-                "max_unverified": args.max_unverified,
-            }
-            modes.append(bm.stream_mode(f"paradecode {overlap} {label}", main_model, settings, ignore_eos=ignore))
+            for lookup in lookups:
+                label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
+                settings = {
+                    "mode": "paradecode",
+                    "overlap": overlap,
+                    "thresholds": threshold,
+                    "max_unverified": args.max_unverified,
+                    "lookup_tokens": lookup,
+                    **sampling,
+                }
+                name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
+                modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
-        modes += hf_modes(hf_path, manifest, ignore)
+        modes += hf_modes(hf_path, manifest, ignore, args.temperature)
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),
@@ -137,8 +184,22 @@ def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
         args.max_new_tokens,
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
-    summary = bm.summarize(results)
-    table = markdown_table(summary)
+    costs = bm.call_costs(main_model, args.max_unverified + 1)
+    logger.info("measured call costs (ms): %s", {k: round(v * 1e3, 3) for k, v in costs.as_dict().items()})
+
+    def bound(mode, accepted: dict, tokens: int) -> float | None:
+        """DESIGN.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
+        settings = mode.settings
+        if settings.get("overlap") != "batched" or settings.get("lookup_tokens") or args.temperature:
+            return None
+        active = sorted(e for e, t in main_model.manifest.thresholds.items() if t <= 1)
+        if settings.get("thresholds") is not None:
+            active = list(main_model.manifest.exit_layers)
+        return bm.exit_bound(costs, accepted, tokens, manifest.spec.num_layers, active)
+
+    summary = bm.summarize(results, bound=bound)
+    by_category = bm.summarize_by_category(results, [p.category for p in labelled], bound=bound)
+    table = markdown_report(summary, by_category)
     if args.json:
         save_json(
             args.json,
@@ -148,7 +209,9 @@ def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
                 "machine": bm.machine(),
                 "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
+                "call_costs_seconds": costs.as_dict(),
                 "summary": summary,
+                "categories": by_category,
                 "samples": bm.samples_as_dicts(results.samples),
             },
         )
@@ -160,28 +223,43 @@ def measure(args, texts: list, thresholds, main_model, ar_models) -> str:
 
 
 def local_source(manifest) -> str | None:
+    """The manifest's source where it resolves without a download: a folder, a .gguf file or a known name."""
+    from paradecode.export.known_models import KNOWN_MODELS
+
     source = manifest.model.get("source")
-    if source and Path(source).is_dir():
+    if source and (source in KNOWN_MODELS or Path(source).exists()):
         return source
     logger.info("no local copy of the original model (%s): skipping the Hugging Face modes (pass --hf)", source)
     return None
 
 
-def hf_modes(path: str, manifest, ignore_eos: bool) -> list:
-    import torch
-    from transformers import AutoModelForCausalLM
+def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.0) -> list:
+    """Hugging Face generate on the original model, loaded as paradecode-export loads it."""
     from transformers.utils import logging as hf_logging
 
+    from paradecode.export.pipeline import load_hf_model
+    from paradecode.export.source import resolve_model
     from paradecode.tools import benchmarking as bm
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    source = resolve_model(reference)
+    model = load_hf_model(source)
+    ours, theirs = source.identity()["weights_sha256"], manifest.model.get("weights_sha256")
+    if ours != theirs:
+        logger.warning(
+            "--hf %s is not the model this export was made from (weights sha256 %s..., the export's %s...): "
+            "the hf rows compare another model",
+            reference,
+            ours[:12],
+            str(theirs)[:12],
+        )
     early = manifest.exit_layers[0] if manifest.exit_layers else 1
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {}
     return [
-        bm.hf_mode("hf", model, {}, ignore_eos=ignore_eos),
-        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10}, ignore_eos=ignore_eos),
-        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early}, ignore_eos=ignore_eos),
+        bm.hf_mode("hf", model, sampling, ignore_eos=ignore_eos),
+        bm.hf_mode("hf prompt-lookup", model, {"prompt_lookup_num_tokens": 10, **sampling}, ignore_eos=ignore_eos),
+        bm.hf_mode(f"hf early-exit@{early}", model, {"assistant_early_exit": early, **sampling}, ignore_eos=ignore_eos),
     ]
 
 

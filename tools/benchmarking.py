@@ -14,9 +14,9 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from paradecode.tools.harness import Mode, Results, Sample
@@ -31,15 +31,17 @@ DEFAULT_PROMPTS = (
     "The little dog wanted to play in the park.",
     "for i in range(10):\n",
 )
+UNCATEGORISED = "uncategorised"  # the group of prompts without a category, where others have one
 
 
 def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu"):
-    """Load `export` for ParaDecode (2 lanes) plus the ar baselines worth measuring beside it.
+    """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every call may use
+    every core), plus the ar baselines worth measuring beside it.
 
-    Returns (model, {label: model}). ar runs on the 2-lane model as it is (with onnxruntime each
-    lane's calls get half the cores), and, with onnxruntime on a multi-core CPU, also on a 1-lane
-    model whose calls use every core: plain decoding has no second lane to feed, so that is the
-    fairer baseline there. The harness reports the faster of the two as *the* ar (`Results.baseline`).
+    Returns (model, {label: model}). ar runs on that model, and, with onnxruntime on a multi-core CPU, also on a
+    1-lane model whose calls use one thread each: on small models a call's thread wake-ups cost more than the
+    extra core gives, so that can be the faster plain decoding. The harness reports the faster of the two as
+    *the* ar (`Results.baseline`).
     """
     from paradecode.runtime import load
 
@@ -47,12 +49,11 @@ def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str 
     model = load(export, backend=backend, device=device, lanes=2)
     if backend != "onnxruntime":
         return model, {"ar": model}
-    per_lane = max(1, cores // 2)
-    baselines = {f"ar ({per_lane} thread{'s' if per_lane > 1 else ''}/call)": model}
+    baselines = {f"ar ({cores} thread{'s' if cores > 1 else ''}/call)": model}
     if cores > 1:
         try:
-            baselines[f"ar ({cores} threads/call)"] = load(
-                export, backend=backend, device=device, lanes=1, verify=False
+            baselines["ar (1 thread/call)"] = load(
+                export, backend=backend, device=device, lanes=1, threads=1, verify=False
             )
         except BaseException:
             model.close()
@@ -94,6 +95,8 @@ def stream_mode(name: str, model, settings: dict[str, Any], *, ignore_eos: bool)
             stamps,
             exits=dict(stats.exits_per_layer),
             accepted=dict(stats.accepted_per_layer),
+            lookup_proposed=stats.lookup_proposed,
+            lookup_accepted=stats.lookup_accepted,
             rollbacks=stats.rollbacks,
         )
 
@@ -111,6 +114,8 @@ def generate_mode(name: str, model, settings: dict[str, Any]) -> Mode:
             first_token_seconds=stats.prefill_seconds,
             exits=dict(stats.exits_per_layer),
             accepted=dict(stats.accepted_per_layer),
+            lookup_proposed=stats.lookup_proposed,
+            lookup_accepted=stats.lookup_accepted,
             rollbacks=stats.rollbacks,
             tokens_per_second=stats.tokens_per_second,
         )
@@ -119,7 +124,8 @@ def generate_mode(name: str, model, settings: dict[str, Any]) -> Mode:
 
 
 def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mode:
-    """Hugging Face generate(do_sample=False), timed per token through a streamer."""
+    """Hugging Face generate (greedy, or sampling where `kwargs` say do_sample=True), timed per token through a
+    streamer."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -146,11 +152,9 @@ def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mo
             out = model.generate(
                 torch.tensor([prompt_ids]),
                 max_new_tokens=max_new_tokens,
-                do_sample=False,
                 streamer=streamer,
                 pad_token_id=0,
-                **extra,
-                **kwargs,
+                **{"do_sample": False, **extra, **kwargs},
             )
         tokens = out[0, len(prompt_ids) :].tolist()
         return Sample.from_stamps(tokens, started, streamer.stamps[: len(tokens)])
@@ -158,10 +162,14 @@ def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mo
     return Mode(name, "hf", run, kwargs)
 
 
-def summarize(results: Results) -> dict[str, dict[str, Any]]:
+def summarize(
+    results: Results, *, baseline: str | None = None, bound: Callable[[Mode, dict, int], float | None] | None = None
+) -> dict[str, dict[str, Any]]:
     """bench's summary per mode: medians, latency percentiles, speedups vs ar and vs HF (median, min, max over
-    repeats), exits; `_baseline` names the ar and HF modes the speedups are against."""
-    baseline = results.baseline
+    repeats), exits; `_baseline` names the ar and HF modes the speedups are against (the ar one: `baseline`,
+    or where None the results' own). `bound(mode, accepted per layer, tokens)` gives a mode's speedup bound
+    at its measured acceptance (None where it has none)."""
+    baseline = baseline or results.baseline
     hf = "hf" if results.runs("hf") else None
     summary = {}
     for mode in results.modes:
@@ -186,14 +194,41 @@ def summarize(results: Results) -> dict[str, dict[str, Any]]:
             if speedup is not None:
                 row[f"speedup_vs_{label}"] = speedup.as_dict()
         exits = results.exits(mode.name)
+        looked_up, lookup_accepted = results.lookup(mode.name)
         if exits:
             row["exits_per_layer"] = exits
             row["accepted_per_layer"] = results.accepted(mode.name)
-            early = sum(exits.values())
-            row["rollback_rate"] = results.rollbacks(mode.name) / early if early else 0.0
+            limit = bound(mode, row["accepted_per_layer"], sum(len(s.token_ids) for s in runs)) if bound else None
+            if limit is not None:
+                row["bound_vs_ar"] = limit
+        if looked_up:
+            row["lookup_proposed"], row["lookup_accepted"] = looked_up, lookup_accepted
+        proposed = sum(exits.values()) + looked_up
+        if proposed:
+            row["rollback_rate"] = results.rollbacks(mode.name) / proposed
         summary[mode.name] = row
     summary["_baseline"] = {"ar": baseline, "hf": hf}
     return summary
+
+
+def summarize_by_category(
+    results: Results, categories: Sequence[str | None], bound: Callable[[Mode, dict, int], float | None] | None = None
+) -> dict[str, dict[str, Any]]:
+    """bench's summary per prompt category, in order of first appearance: {category: {"prompts": [indices],
+    "summary": ...}}, every speedup against the baseline of all prompts so categories compare.
+
+    `categories[i]` is prompt i's; prompts without one are grouped as UNCATEGORISED; {} when none has one.
+    """
+    if all(c is None for c in categories):
+        return {}
+    groups: dict[str, list[int]] = {}
+    for index, category in enumerate(categories):
+        groups.setdefault(category or UNCATEGORISED, []).append(index)
+    baseline = results.baseline
+    return {
+        name: {"prompts": indices, "summary": summarize(results.of_prompts(indices), baseline=baseline, bound=bound)}
+        for name, indices in groups.items()
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -227,3 +262,77 @@ def samples_as_dicts(samples: list[Sample]) -> list[dict[str, Any]]:
         row.pop("timestamps")
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """Measured seconds per subgraph call on the export's backend (medians), for the bound of DESIGN.md §6."""
+
+    layer: float  # one decoder layer, one position
+    layer_batch: float  # one decoder layer, `batch` positions in one call
+    batch: int
+    exit_head: float  # one exit head, one position (the final head where exits have no graph of their own)
+    final: float  # the final head, one position
+
+    @property
+    def per_position(self) -> float:
+        """What one more position adds to a batched layer call."""
+        return (self.layer_batch - self.layer) / max(1, self.batch - 1)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "per_position": self.per_position}
+
+
+def call_costs(model, batch: int, repeat: int = 20) -> CallCosts:
+    """Time the calls a decode step makes, on the model's own backend: every layer at one position and at
+    `batch` positions (cycling through the layers, as decoding does, so no layer's weights stay cached),
+    an exit head and the final head."""
+    import torch
+
+    backend, spec = model.backend, model.manifest.spec
+    cache = backend.allocate_cache()
+    position = min(64, model.manifest.max_seq_len - batch)
+
+    def timed(name: str, feeds: dict) -> float:
+        times = []
+        for _ in range(repeat):
+            began = time.perf_counter()
+            backend.run(name, feeds, "main", ("hidden_out",) if name.startswith("layer_") else ("token",))
+            times.append(time.perf_counter() - began)
+        return statistics.median(times[2:])
+
+    def layers(tokens: int) -> float:
+        hidden = torch.randn(1, tokens, spec.hidden_size) * 0.1
+        positions = torch.arange(position, position + tokens)[None]
+        per_layer = []
+        for _ in range(3):
+            for layer in range(1, spec.num_layers + 1):
+                key, value = cache.layer(layer)
+                feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
+                began = time.perf_counter()
+                backend.run(f"layer_{layer}", feeds, "main", ("hidden_out",))
+                per_layer.append(time.perf_counter() - began)
+        return statistics.median(per_layer[spec.num_layers :])
+
+    hidden = {"hidden": torch.randn(1, 1, spec.hidden_size) * 0.1}
+    exit_name = next((s.io.name for s in model.manifest.subgraphs if s.io.kind == "exit"), "final")
+    costs = CallCosts(layers(1), layers(batch), batch, timed(exit_name, hidden), timed("final", hidden))
+    model.cache.reset()  # the runs above wrote into a cache of their own; the model's is untouched
+    return costs
+
+
+def exit_bound(costs: CallCosts, accepted: dict[str, int], tokens: int, num_layers: int, active: list[int]) -> float:
+    """The speedup bound of DESIGN.md §6 for `batched` at the measured acceptance: every accepted early token
+    costs its layers up to its exit, the heads it passed and, for each remaining layer, one more position in a
+    later token's call; every other token costs every layer and every active head; no rollback, no overhead.
+    `accepted` maps exit layers (as strings) to accepted early tokens, out of `tokens` generated."""
+    plain = num_layers * costs.layer + costs.final
+    share = {int(e): n / tokens for e, n in accepted.items() if int(e) in active}
+    exited = sum(share.values())
+    heads_passed = {e: sum(1 for a in active if a <= e) for e in share}
+    per_token = (1 - exited) * (num_layers * costs.layer + len(active) * costs.exit_head) + costs.final
+    per_token += sum(
+        a * (e * costs.layer + heads_passed[e] * costs.exit_head + (num_layers - e) * costs.per_position)
+        for e, a in share.items()
+    )
+    return plain / per_token

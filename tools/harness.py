@@ -41,6 +41,8 @@ class Sample:
     timestamps: list[float] = field(default_factory=list)  # perf_counter time of each verified token, if kept
     exits: dict[int, int] = field(default_factory=dict)  # early tokens proposed per exit layer
     accepted: dict[int, int] = field(default_factory=dict)  # ... and verified
+    lookup_proposed: int = 0  # tokens proposed by prompt lookup
+    lookup_accepted: int = 0  # ... and verified
     rollbacks: int = 0
     peak_rss_mb: float | None = None  # growth of the process's peak RSS during the run (Linux)
     tokens_per_second: float  # new tokens after the first, per second after the first
@@ -171,6 +173,11 @@ class Results:
     samples: list[Sample]
     skipped: dict[str, str] = field(default_factory=dict)  # mode name -> why it was left out
 
+    def of_prompts(self, prompts: Iterable[int]) -> Results:
+        """The same modes with only the samples of these prompts (indices): one category's, say."""
+        keep = set(prompts)
+        return replace(self, samples=[s for s in self.samples if s.prompt in keep])
+
     def runs(self, name: str | None) -> list[Sample]:
         return [s for s in self.samples if s.mode == name]
 
@@ -226,6 +233,11 @@ class Results:
     def accepted(self, name: str) -> dict[str, int]:
         """Early tokens verified per exit layer over every run (keys as strings, in layer order)."""
         return _total(s.accepted for s in self.runs(name))
+
+    def lookup(self, name: str) -> tuple[int, int]:
+        """Tokens proposed by prompt lookup and verified, over every run."""
+        runs = self.runs(name)
+        return sum(s.lookup_proposed for s in runs), sum(s.lookup_accepted for s in runs)
 
     def rollbacks(self, name: str) -> int:
         return sum(s.rollbacks for s in self.runs(name))

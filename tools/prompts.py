@@ -5,17 +5,21 @@ Two formats, told apart by the file's suffix:
 - text (any suffix but `.jsonl`): one prompt per line, `\\n` (a backslash and an n) for a newline
   inside a prompt; blank lines are skipped.
 - JSON Lines (`.jsonl`): one object per line, either `{"prompt": "text"}` or
-  `{"messages": [{"role": "user", "content": "text"}, ...]}` (a chat, as the OpenAI API takes it);
+  `{"messages": [{"role": "user", "content": "text"}, ...]}` (a chat, as the OpenAI API takes it),
+  with an optional `"category": "name"` (a non-empty string: the benchmark reports per category);
   other keys are ignored, blank lines skipped.
 
 `read_prompts` returns each prompt as its text or its list of messages; a tool renders messages with
 the model's chat template (`paradecode-bench` with the export's, `paradecode-train-heads` with the
-tokenizer's). `read_text_prompts` is for tools that take text only: it refuses chats with a clear error.
+tokenizer's). `read_labelled_prompts` returns them with their categories (None where a line has none,
+and for text files). `read_text_prompts` is for tools that take text only: it refuses chats with a
+clear error. The project's own prompt sets, by name, are in `paradecode.tools.prompt_sets`.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +30,27 @@ Prompt = str | Messages  # the text, or a chat's messages
 
 MAX_FILE_BYTES = 64 << 20  # prompt files are small; a larger one is a wrong path
 TEXT_FORMAT = "one prompt per line (\\n for a newline inside a prompt)"
-JSONL_LINE = 'one JSON object per line: {"prompt": "text"} or {"messages": [{"role": "user", "content": "text"}]}'
+JSONL_LINE = (
+    'one JSON object per line: {"prompt": "text"} or {"messages": [{"role": "user", "content": "text"}]}, '
+    'optionally with "category": "name"'
+)
+
+
+@dataclass(frozen=True)
+class LabelledPrompt:
+    """A prompt and the category it belongs to (None: no category given)."""
+
+    prompt: Prompt
+    category: str | None = None
 
 
 def read_prompts(path: Path | str) -> list[Prompt]:
     """The prompts in `path`: strings, or message lists from a `.jsonl` file's `"messages"` lines."""
+    return [p.prompt for p in read_labelled_prompts(path)]
+
+
+def read_labelled_prompts(path: Path | str) -> list[LabelledPrompt]:
+    """The prompts in `path` with their categories (a `.jsonl` line's `"category"`, else None)."""
     path = Path(path)
     if not path.is_file():
         raise UserInputError(f"prompt file {path}: no such file (expected {_format(path)}).")
@@ -47,7 +67,7 @@ def read_prompts(path: Path | str) -> list[Prompt]:
     if path.suffix == ".jsonl":
         prompts = [_from_json(path, number, line) for number, line in enumerate(lines, 1) if line.strip()]
     else:
-        prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
+        prompts = [LabelledPrompt(line.replace("\\n", "\n")) for line in lines if line.strip()]
     if not prompts:
         raise UserInputError(f"prompt file {path} has no prompts: expected {_format(path)}.")
     return prompts
@@ -70,7 +90,7 @@ def _format(path: Path) -> str:
     return JSONL_LINE if path.suffix == ".jsonl" else TEXT_FORMAT
 
 
-def _from_json(path: Path, number: int, line: str) -> Prompt:
+def _from_json(path: Path, number: int, line: str) -> LabelledPrompt:
     where = f"prompt file {path}, line {number}"
     try:
         value = json.loads(line)
@@ -78,6 +98,13 @@ def _from_json(path: Path, number: int, line: str) -> Prompt:
         raise UserInputError(f"{where} is not JSON ({err.msg} at column {err.colno}); expected {JSONL_LINE}.") from None
     if not isinstance(value, dict) or len(value.keys() & {"prompt", "messages"}) != 1:
         raise UserInputError(f"{where}: got {_describe(value)}; expected {JSONL_LINE}.")
+    category = value.get("category")
+    if category is not None and (not isinstance(category, str) or not category.strip()):
+        raise UserInputError(f'{where}: "category" is {_describe(category)}; expected a non-empty string.')
+    return LabelledPrompt(_prompt_of(where, value), category)
+
+
+def _prompt_of(where: str, value: dict[str, Any]) -> Prompt:
     if "prompt" in value:
         prompt = value["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():

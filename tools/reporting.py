@@ -41,23 +41,36 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+def markdown_report(summary: dict[str, dict[str, Any]], by_category: dict[str, dict[str, Any]]) -> str:
+    """bench's table for all prompts, then, where the prompts have categories, one table per category."""
+    if not by_category:
+        return markdown_table(summary)
+    total = sum(len(group["prompts"]) for group in by_category.values())
+    parts = [f"## all prompts ({total})", "", markdown_table(summary)]
+    for name, group in by_category.items():
+        count = len(group["prompts"])
+        heading = f"## {name} ({count} prompt{'' if count == 1 else 's'})"
+        parts += ["", heading, "", markdown_table(group["summary"], note=False)]
+    return "\n".join(parts)
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> str:
+    """One row per mode; `note`: begin with the line that says what the speedups are against."""
     baseline = summary.get("_baseline", {})
     against = f"`{baseline.get('ar')}` (plain decoding, same export and backend)"
     if baseline.get("hf"):
         against += f" and `{baseline['hf']}` (Hugging Face generate)"
-    lines = [
-        f"speedups are medians over repeats (min-max) against {against}",
-        "",
-        "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | rollback rate | "
-        "match ar | peak MB |",
-        "| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: | ---: |",
+    lines = [f"speedups are medians over repeats (min-max) against {against}", ""] if note else []
+    lines += [
+        "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | lookup (accepted) | "
+        "rollback rate | match ar | peak MB |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for name, row in summary.items():
         if name.startswith("_"):
             continue
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
             continue
 
         def speedup(key: str, row=row) -> str:
@@ -68,10 +81,12 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
         exit_text = (
             ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
         )
+        lookup_text = f"{row['lookup_proposed']} ({row['lookup_accepted']})" if row.get("lookup_proposed") else "-"
+        bound_text = f"; bound {row['bound_vs_ar']:.2f}x" if "bound_vs_ar" in row else ""
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
-            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')} | {speedup('speedup_vs_hf')} | "
-            f"{exit_text} | "
+            f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')}{bound_text} | {speedup('speedup_vs_hf')} | "
+            f"{exit_text} | {lookup_text} | "
             f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
         )
     return "\n".join(lines)

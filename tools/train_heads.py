@@ -21,14 +21,15 @@ logger = logging.getLogger("paradecode.train_heads")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from paradecode.export.cli import layer_list, positive_int
+    from paradecode.export.cli import MODEL_HELP, layer_list, positive_int
     from paradecode.tools.heads.pipeline import COSTS, HeadsConfig
+    from paradecode.tools.prompt_sets import NAMES_HELP
 
     def default(name: str) -> str:
         return f"default {HeadsConfig.default(name)}"
 
     parser = argparse.ArgumentParser(prog="paradecode-train-heads", description=__doc__.splitlines()[0])
-    parser.add_argument("model", metavar="MODEL", help="a Hugging Face Hub id or a local folder")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the heads file to write")
     parser.add_argument(
         "--exit-layers", type=layer_list, metavar="E1,E2,...", help="candidate exit layers (default L/4, L/2, 3L/4)"
@@ -36,11 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     data = parser.add_mutually_exclusive_group()
     data.add_argument(
         "--prompts",
-        type=Path,
-        metavar="FILE",
+        metavar="FILE|NAME",
         help='one prompt per line (\\n for a newline), or a .jsonl file of {"prompt": ...} or {"messages": [...]} '
-        "lines (a chat, rendered with the model's chat template); the model continues each greedily (default: a "
-        "built-in set of code and prose prompts)",
+        f"lines (a chat, rendered with the model's chat template), {NAMES_HELP}: heads is the training set; the "
+        "model continues each greedily (default: a built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
     parser.add_argument("--new-tokens", type=positive_int, help=f"greedy tokens per prompt ({default('new_tokens')})")

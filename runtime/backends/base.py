@@ -16,7 +16,7 @@ lanes, not of calling threads); `close()` (or leaving a `with` block) frees what
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -38,10 +38,30 @@ class Backend:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.manifest.dtype]
         self.subgraphs = {sub.io.name: sub for sub in self.manifest.subgraphs}
+        self._exit_vocab: torch.Tensor | None = None
 
     @property
     def subgraph_names(self) -> set[str]:
         return set(self.subgraphs)
+
+    def exit_vocab(self) -> torch.Tensor | None:
+        """The token ids of the exit heads' reduced vocabulary (int64 [N]), None when they use the whole
+        vocabulary. Read from the export's weights file the first time it is asked for (sampling needs it to
+        map an exit head's logits to tokens)."""
+        if self.manifest.head_vocab is None:
+            return None
+        if self._exit_vocab is None:
+            from safetensors import safe_open
+
+            with safe_open(str(self.export.file(self.manifest.weights)), framework="pt") as f:
+                vocab = f.get_tensor("exits.vocab")
+            if tuple(vocab.shape) != (self.manifest.head_vocab,) or vocab.dtype != torch.int64:
+                raise ManifestError(
+                    f"exits.vocab in {self.manifest.weights} is {vocab.dtype} {list(vocab.shape)}; the manifest "
+                    f"records {self.manifest.head_vocab} int64 token ids. Re-export the model."
+                )
+            self._exit_vocab = vocab
+        return self._exit_vocab
 
     # lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -76,8 +96,16 @@ class Backend:
         }
 
     # the one call ----------------------------------------------------------------------------
-    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
-        """Run subgraph `name` on `feeds` (every input by name) for `lane`; return every output by name."""
+    def run(
+        self,
+        name: str,
+        feeds: Mapping[str, torch.Tensor],
+        lane: str = "main",
+        outputs: Collection[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Run subgraph `name` on `feeds` (every input by name) for `lane`; return its outputs by name: the
+        ones named in `outputs`, or all of them (a backend need not copy out what is not asked for, such as
+        a head's vocabulary-sized logits during greedy decoding)."""
         raise NotImplementedError
 
     # checks --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ stream (`user_compute_stream`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ class Bound:
         self.buffers[spec.name] = buffer
         bind(spec.name, ort.OrtValue.ortvalue_from_numpy(buffer))
 
-    def __call__(self, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, feeds: Mapping[str, torch.Tensor], wanted: Collection[str] | None) -> dict[str, torch.Tensor]:
         for output, source in self.in_place.items():
             tensor = feeds[source]
             if self.bound.get(source) != tensor.data_ptr():
@@ -96,7 +96,11 @@ class Bound:
             if name in self.buffers:
                 self.buffers[name][...] = tensor.numpy()
         self.session.run_with_iobinding(self.binding)
-        result = {name: torch.from_numpy(self.buffers[name].copy()) for name in self.outputs}
+        result = {
+            name: torch.from_numpy(self.buffers[name].copy())
+            for name in self.outputs
+            if wanted is None or name in wanted
+        }
         result.update({output: feeds[source] for output, source in self.in_place.items()})
         return result
 
@@ -168,24 +172,31 @@ class OnnxRuntimeBackend(Backend):
         self._bound.clear()
         return super().allocate_cache()
 
-    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
+    def run(
+        self,
+        name: str,
+        feeds: Mapping[str, torch.Tensor],
+        lane: str = "main",
+        outputs: Collection[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
         tokens = next(iter(feeds.values())).shape[1]
         if self.device.type == "cpu" and tokens <= BOUND_TOKENS:
             key = (name, tokens, lane)
             bound = self._bound.get(key)
             if bound is None:
                 bound = self._bound[key] = Bound(self.sessions[name], self.subgraphs[name].io, tokens)
-            return bound(feeds)
+            return bound(feeds, outputs)
+        wanted = outputs
         feeds = {k: v.to(self.device).contiguous() for k, v in feeds.items()}
-        outputs = self.allocate_outputs(name, feeds)
+        result = self.allocate_outputs(name, feeds)
         session = self._session(name, lane)
         binding = session.io_binding()
         for key, tensor in feeds.items():
             self._bind(binding.bind_ortvalue_input, binding.bind_input, key, tensor)
-        for key, tensor in outputs.items():
+        for key, tensor in result.items():
             self._bind(binding.bind_ortvalue_output, binding.bind_output, key, tensor)
         session.run_with_iobinding(binding)
-        return outputs
+        return {k: v for k, v in result.items() if wanted is None or k in wanted}
 
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""

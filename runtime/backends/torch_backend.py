@@ -15,7 +15,7 @@ overlap another lane's capture).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
@@ -96,7 +96,13 @@ class TorchBackend(Backend):
         return super().allocate_cache()
 
     @torch.inference_mode()
-    def run(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str = "main") -> dict[str, torch.Tensor]:
+    def run(
+        self,
+        name: str,
+        feeds: Mapping[str, torch.Tensor],
+        lane: str = "main",
+        outputs: Collection[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
         io = self.subgraphs[name].io
         module = self.modules[name]
         in_place = {k: feeds[v] for k, v in IN_PLACE.items() if v in feeds}  # the caches, bound by the module
@@ -111,10 +117,10 @@ class TorchBackend(Backend):
             out = out if isinstance(out, tuple) else (out,)
             return tuple(t for n, t in zip(io.output_names, out) if n not in in_place)
 
-        outputs = self._call(name, lane, call, args)
-        result = dict(zip([n for n in io.output_names if n not in in_place], outputs))
+        computed = self._call(name, lane, call, args)
+        result = dict(zip([n for n in io.output_names if n not in in_place], computed))
         result.update(in_place)
-        return result
+        return result if outputs is None else {k: v for k, v in result.items() if k in outputs}
 
     def _call(self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """`fn(*inputs)`: as a CUDA graph where enabled and the call is small, else directly."""

@@ -38,7 +38,7 @@ class HeadsConfig:
     model: str
     output: Path
     exit_layers: tuple[int, ...] | None = None  # default: the export's, L/4, L/2, 3L/4
-    prompts: Path | None = None  # default: DEFAULT_PROMPTS
+    prompts: str | Path | None = None  # a file or a prompt set's name (`tools.prompt_sets`); default: DEFAULT_PROMPTS
     text: Path | None = None  # train on this text's windows instead of generations
     new_tokens: int = 128  # greedy tokens per prompt
     generation_batch: int = 32  # prompts generated at once
@@ -69,6 +69,13 @@ class HeadsConfig:
             raise UserInputError(f"--head-budget must be a positive number of decoder layers, got {self.head_budget}.")
         if self.costs not in COSTS:
             raise UserInputError(f"--costs must be one of {', '.join(COSTS)}, got {self.costs!r}.")
+        from paradecode.tools.prompt_sets import is_evaluation_set
+
+        if self.prompts is not None and is_evaluation_set(self.prompts):
+            raise UserInputError(
+                f"--prompts {self.prompts} is the held-out evaluation set, which heads never train on (it measures "
+                "them): train on the training set, --prompts heads, or on a file of your own."
+            )
 
     @classmethod
     def default(cls, name: str):
@@ -83,14 +90,6 @@ class HeadsTraining:
     vocab: torch.Tensor
     metadata: dict[str, Any]
     history: list[dict[str, Any]]
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
@@ -119,10 +118,11 @@ def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
 
 def record(config: HeadsConfig, source, model, family, spec, exit_layers, generator):
     """The recording to learn from: generations of the prompts (or the --text windows), and its description."""
+    from paradecode.export.tokenizer import hf_tokenizer
     from paradecode.tools.heads.data import DEFAULT_PROMPTS, generate_features, held_out_sequences, text_features
-    from paradecode.tools.prompts import read_prompts
+    from paradecode.tools.prompt_sets import load_prompts
 
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = hf_tokenizer(source)
     if config.text is not None:
         if tokenizer is None:
             raise UserInputError(f"{config.model} has no tokenizer to read --text with.")
@@ -139,7 +139,7 @@ def record(config: HeadsConfig, source, model, family, spec, exit_layers, genera
     if config.prompts is not None:
         if tokenizer is None:
             raise UserInputError(f"{config.model} has no tokenizer to read --prompts with.")
-        texts = read_prompts(config.prompts)
+        texts = [p.prompt for p in load_prompts(config.prompts)]
     else:
         texts = list(DEFAULT_PROMPTS)
     if tokenizer is not None:
@@ -339,9 +339,10 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
             "paradecode": round(calibration["expected_speedup"] / (cost.ar() * layer_seconds), 2),
         }
     seconds["total"] = time.perf_counter() - started
+    identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
     metadata = {
-        "base_model": source.hub_id or str(source.path.resolve()),
-        "base_weights_sha256": source.identity()["weights_sha256"],
+        "base_model": identity["source"],
+        "base_weights_sha256": identity["weights_sha256"],
         "data": data,
         "vocab": vocab_info,
         "training": {

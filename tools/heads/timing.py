@@ -4,7 +4,8 @@ What is timed is what the runtime runs on a CPU: onnxruntime sessions (the runti
 options, calls through its own `Bound` IOBinding) of the export's subgraph graphs, traced from
 `paradecode.graphs.modules` for the model's spec with weights of the right shapes (a dense call's
 time does not depend on the values): one decoder layer at T = 1, 2 and MAX_TOKENS positions (the
-batched calls), an exit head over the reduced vocabulary, the final head at the same T, and the
+batched calls; over LAYER_COPIES sessions in turn, since decoding cycles through every layer and
+keeps none in the CPU's caches), an exit head over the reduced vocabulary, the final head at the same T, and the
 embedding. The KV cache holds CONTEXT earlier positions, so attention reads a realistic length.
 Calls are interleaved round by round after a warm-up and each cost is the median over the rounds:
 on a shared CPU single timings are noisy.
@@ -16,6 +17,7 @@ T = 1 call in torch and 1.09x in onnxruntime, which would make batching look rui
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -26,11 +28,23 @@ import torch
 from paradecode.graphs.errors import MissingDependencyError
 from paradecode.graphs.modules import EmbedGraph, HeadGraph, LayerGraph
 from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import HIDDEN, INPUT_IDS, PAST_KEY, PAST_VALUE, POSITIONS, subgraph_io
+from paradecode.graphs.tensors import (
+    HIDDEN,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    MARGIN,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+    PROB,
+    TOKEN,
+    subgraph_io,
+)
 
 CONTEXT = 256  # positions already in the cache when a timed call runs (fewer where the model allows fewer)
 MAX_TOKENS = 4  # the largest batched call timed (T = 1, 2 and this)
-ROUNDS = 100  # a few seconds; on a busy CPU the final head still varied 7.7-11.1 ms over three runs of SmolLM2
+ROUNDS = 50
+LAYER_COPIES = 8  # sessions the layer is timed over in turn: 8 SmolLM2 layers are 113 MB, past any CPU cache
 WARMUP = 3
 OPSET = 24
 
@@ -62,10 +76,8 @@ class CallCosts:
         }
 
 
-def session_from_module(module: torch.nn.Module, io, spec: ModelSpec, threads: int, capacity: int):
-    """An onnxruntime session, with the runtime's CPU options, of `module` traced to ONNX."""
-    import onnxruntime as ort
-
+def onnx_from_graph_module(module: torch.nn.Module, io, spec: ModelSpec, capacity: int) -> bytes:
+    """`module` traced to ONNX, serialized (sessions are made from it, one per copy)."""
     from paradecode.export.onnx_export import onnx_from_module
 
     model = onnx_from_module(
@@ -77,16 +89,28 @@ def session_from_module(module: torch.nn.Module, io, spec: ModelSpec, threads: i
         max_batch=1,
         max_seq_len=capacity,
     )
+    return model.SerializeToString()
+
+
+def session(model: bytes, threads: int):
+    """An onnxruntime CPU session with the runtime's options."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
 def measure_call_costs(spec: ModelSpec, exit_vocab: int, *, rounds: int = ROUNDS) -> CallCosts:
-    """Time each call of a decode step `rounds` times, interleaved; return the medians."""
+    """Time each call of a decode step `rounds` times, interleaved; return the medians.
+
+    Decoding runs every layer in turn, so no layer's weights stay in the CPU's caches from one call to its
+    next: the layer is timed round-robin over LAYER_COPIES sessions of its own (each holding its weights),
+    and the heads after them, as decoding reaches them.
+    """
     try:
         from paradecode.runtime.backends.onnxruntime_backend import Bound
     except ImportError as err:
@@ -94,49 +118,56 @@ def measure_call_costs(spec: ModelSpec, exit_vocab: int, *, rounds: int = ROUNDS
             f"measuring call costs needs onnxruntime ({err}): `pip install paradecode[cpu]`, or pass "
             "--costs parameters to estimate them from parameter counts."
         ) from err
+    from paradecode.export.config import ExportConfig
+
     torch.manual_seed(0)
     threads = max(1, os.cpu_count() or 1)
     context = min(CONTEXT, spec.max_position_embeddings - MAX_TOKENS)
     capacity = context + MAX_TOKENS
     full = [layer for layer in range(1, spec.num_layers + 1) if spec.window(layer) is None]
     layer = full[len(full) // 2] if full else max(1, spec.num_layers // 2)
+    logits = next(f.default for f in dataclasses.fields(ExportConfig) if f.name == "with_logits")  # as exported
     common = dict(dtype="float32", max_seq_len=capacity)
     ios = {
         "layer": subgraph_io(spec, "layer", layer, **common),
-        "exit": subgraph_io(spec, "exit", min(layer, spec.num_layers - 1), **common, head_vocab=exit_vocab),
-        "final": subgraph_io(spec, "final", **common),
+        "exit": subgraph_io(
+            spec, "exit", min(layer, spec.num_layers - 1), **common, with_logits=logits, head_vocab=exit_vocab
+        ),
+        "final": subgraph_io(spec, "final", **common, with_logits=logits),
         "embed": subgraph_io(spec, "embed", **common),
     }
     modules = {
         "layer": LayerGraph(spec, layer),
-        "exit": HeadGraph(spec, transform=True, vocab=exit_vocab),
-        "final": HeadGraph(spec),
+        "exit": HeadGraph(spec, transform=True, vocab=exit_vocab, with_logits=logits),
+        "final": HeadGraph(spec, with_logits=logits),
         "embed": EmbedGraph(spec),
     }
-    sessions = {kind: session_from_module(modules[kind], ios[kind], spec, threads, capacity) for kind in ios}
+    graphs = {kind: onnx_from_graph_module(modules[kind], ios[kind], spec, capacity) for kind in ios}
+    copies = [session(graphs["layer"], threads) for _ in range(min(LAYER_COPIES, spec.num_layers))]
+    heads = {kind: session(graphs[kind], threads) for kind in ("exit", "final", "embed")}
     cache = (1, spec.num_kv_heads, capacity, spec.head_dim)
     past_key, past_value = torch.randn(cache), torch.randn(cache)
     sizes = sorted({1, 2, MAX_TOKENS})
+    hidden = {t: torch.randn(1, t, spec.hidden_size) for t in sizes}
+    positions = {t: torch.arange(context, context + t).unsqueeze(0) for t in sizes}
+    head_outputs = (TOKEN, PROB, MARGIN)  # what greedy decoding copies out (logits stay in the graph)
 
-    def positions(t: int) -> torch.Tensor:
-        return torch.arange(context, context + t).unsqueeze(0)
-
-    calls = {}
+    calls: list[tuple[str, Bound, dict, tuple[str, ...]]] = []
     for t in sizes:
-        hidden = torch.randn(1, t, spec.hidden_size)
-        layer_feeds = {HIDDEN: hidden, POSITIONS: positions(t), PAST_KEY: past_key, PAST_VALUE: past_value}
-        calls[f"layer{t}"] = (Bound(sessions["layer"], ios["layer"], t), layer_feeds)
-        calls[f"final{t}"] = (Bound(sessions["final"], ios["final"], t), {HIDDEN: hidden})
-    calls["exit"] = (Bound(sessions["exit"], ios["exit"], 1), {HIDDEN: torch.randn(1, 1, spec.hidden_size)})
+        feeds = {HIDDEN: hidden[t], POSITIONS: positions[t], PAST_KEY: past_key, PAST_VALUE: past_value}
+        calls += [(f"layer{t}", Bound(copy, ios["layer"], t), feeds, (HIDDEN_OUT,)) for copy in copies]
+        if t == 1:
+            calls.append(("exit", Bound(heads["exit"], ios["exit"], 1), {HIDDEN: hidden[1]}, head_outputs))
+        calls.append((f"final{t}", Bound(heads["final"], ios["final"], t), {HIDDEN: hidden[t]}, head_outputs))
     embed_feeds = {INPUT_IDS: torch.tensor([[1]])}
     if POSITIONS in ios["embed"].input_names:
-        embed_feeds[POSITIONS] = positions(1)
-    calls["embed"] = (Bound(sessions["embed"], ios["embed"], 1), embed_feeds)
-    times: dict[str, list[float]] = {name: [] for name in calls}
+        embed_feeds[POSITIONS] = positions[1]
+    calls.append(("embed", Bound(heads["embed"], ios["embed"], 1), embed_feeds, (HIDDEN,)))
+    times: dict[str, list[float]] = {name: [] for name, *_ in calls}
     for round_ in range(WARMUP + rounds):
-        for name, (call, feeds) in calls.items():
+        for name, call, feeds, wanted in calls:
             start = time.perf_counter()
-            call(feeds)
+            call(feeds, wanted)
             if round_ >= WARMUP:
                 times[name].append(time.perf_counter() - start)
     median = {name: statistics.median(values) for name, values in times.items()}

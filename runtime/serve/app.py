@@ -1,0 +1,183 @@
+"""The FastAPI app: OpenAI's `/v1/models`, `/v1/completions`, `/v1/chat/completions`, and `/health`, `/metrics`.
+
+`build_app(service)` serves a running `Service` (its owner closes it); `app_from_config(config)`
+makes an app that loads its own service at startup and closes it at shutdown (the ASGI lifespan),
+which is how a Ray Serve replica runs it. Every error is answered with OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from paradecode.runtime.serve.config import ServeConfig
+from paradecode.runtime.serve.errors import BodyTooLarge, HTTPError, RequestError
+from paradecode.runtime.serve.generation import (
+    ClientGone,
+    Follower,
+    error_response,
+    http_error_of,
+    outcome_of,
+    streamed,
+    whole,
+)
+from paradecode.runtime.serve.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from paradecode.runtime.serve.responses import Answer, ChatAnswer, CompletionAnswer
+from paradecode.runtime.serve.service import Service
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = {
+    "completions": (CompletionRequest, CompletionAnswer),
+    "chat": (ChatCompletionRequest, ChatAnswer),
+}
+
+
+def build_app(service: Service) -> FastAPI:
+    """The app over `service`, which the caller keeps and closes."""
+    app = new_app()
+    app.state.service = service
+    return app
+
+
+def app_from_config(config: ServeConfig) -> FastAPI:
+    """An app that loads `config`'s replicas at startup and frees them at shutdown (for Ray Serve, or
+    `uvicorn --factory`)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service = await asyncio.to_thread(Service, config)
+        app.state.service = service
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(service.close)
+
+    return new_app(lifespan)
+
+
+def new_app(lifespan=None) -> FastAPI:
+    app = FastAPI(title="paradecode", summary="OpenAI-compatible ParaDecode server", lifespan=lifespan)
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_exception_handler(StarletteHTTPException, route_error)
+    app.add_exception_handler(Exception, internal_error)
+    return app
+
+
+def service_of(request: Request) -> Service:
+    return request.app.state.service
+
+
+async def models(request: Request) -> JSONResponse:
+    service = service_of(request)
+    manifest = service.reference.manifest
+    card = {
+        "id": service.config.served_model_name,
+        "object": "model",
+        "created": int(service.started),
+        "owned_by": "paradecode",
+        "root": str(service.config.export),
+        "parent": None,
+        "max_model_len": manifest.max_seq_len,
+        "paradecode": {"exit_layers": list(manifest.exit_layers), "replicas": service.config.replicas},
+    }
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> JSONResponse:
+    """200 with the queue's state: the server answers once its replicas are loaded, and until it stops."""
+    service = service_of(request)
+    waiting, running = service.pool.counts()
+    return JSONResponse({"status": "ok", "replicas": service.config.replicas, "waiting": waiting, "running": running})
+
+
+async def metrics(request: Request) -> Response:
+    service = service_of(request)
+    return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, "completions")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, "chat")
+
+
+async def generate(request: Request, endpoint: str) -> Response:
+    """Parse, prepare and queue the request, then answer it whole or streamed; count its outcome once."""
+    arrived = time.monotonic()
+    service = service_of(request)
+    kind, answer_class = ENDPOINTS[endpoint]
+    record = lambda outcome: service.metrics.request(endpoint, outcome, time.monotonic() - arrived)
+    follow = None
+    try:
+        parsed = parse_request(kind, await read_body(request, service.config.max_body_bytes))
+        prepared = await asyncio.to_thread(service.prepare, parsed)
+        job = service.submit(prepared, arrived)
+        follow = Follower(service.pool, job, request, service.config.request_timeout)
+        answer: Answer = answer_class(
+            service.config.served_model_name, prepared.prompt_ids, parsed.return_token_ids, parsed.include_usage
+        )
+        if parsed.stream:
+            response = await streamed(follow, answer, record)
+            follow = None  # the stream owns it now, and records the outcome when it ends
+            return response
+        response = await whole(follow, answer)
+        record("success")
+        return response
+    except ClientGone as err:
+        record(outcome_of(err))
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    except asyncio.CancelledError:  # the server cancelled the request (shutdown)
+        record("cancelled")
+        raise
+    except Exception as err:
+        error = http_error_of(err)
+        if error.status >= 500 and not isinstance(err, HTTPError):
+            logger.error("request failed", exc_info=err)
+        record(outcome_of(error))
+        return error_response(error, service.config.retry_after)
+    finally:
+        if follow is not None:
+            follow.close()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (413 beyond, before reading it all)."""
+    declared = request.headers.get("content-length", "")
+    too_large = lambda size: BodyTooLarge(
+        f"the request body has {size} bytes, more than this server accepts ({limit}).", code="request_too_large"
+    )
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(f"more than {len(body)}")
+    if not body:
+        raise RequestError("the request has no body: send a JSON object.")
+    return bytes(body)
+
+
+async def route_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    """Unknown paths (404) and methods (405), as OpenAI's error object."""
+    error = RequestError(f"{request.method} {request.url.path}: {err.detail}.")
+    return JSONResponse(error.body(), status_code=err.status_code, headers=getattr(err, "headers", None))
+
+
+async def internal_error(request: Request, err: Exception) -> JSONResponse:
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
+    error = http_error_of(err)
+    return JSONResponse(error.body(), status_code=error.status)

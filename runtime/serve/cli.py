@@ -1,0 +1,245 @@
+"""`paradecode-serve DIR`: serve an export over OpenAI's HTTP API (uvicorn, or Ray Serve with --ray).
+
+Exit codes: 2 bad input or a bad export, 3 a missing library (the `serve` or `ray` extra), and after
+SIGTERM or Ctrl-C, once in-flight requests have finished (or were cancelled after
+--shutdown-timeout), 143 or 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from paradecode.graphs.errors import MissingDependencyError, UserInputError, run_command
+from paradecode.runtime.cli import positive_int
+
+PROG = "paradecode-serve"
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value:g}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"max_replicas\": 4}}', got {text!r}")
+    return value
+
+
+def default(config_class, name: str) -> str:
+    """A config field's default, for a help text (the defaults live in the config classes only)."""
+    return str(config_class.__dataclass_fields__[name].default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from paradecode.runtime.backends import BACKENDS
+    from paradecode.runtime.config import MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.serve.config import RayConfig, ServeConfig
+
+    serve_default = lambda name: default(ServeConfig, name)
+    ray_default = lambda name: default(RayConfig, name)
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Serve a paradecode export over OpenAI's HTTP API: /v1/completions, /v1/chat/completions "
+        "(streamed as Server-Sent Events with stream=true), /v1/models, /health and Prometheus /metrics.",
+    )
+    parser.add_argument("export", metavar="DIR", help="a folder written by paradecode-export")
+    parser.add_argument(
+        "--host", help=f"address to listen on (default {serve_default('host')}; 0.0.0.0: every interface)"
+    )
+    parser.add_argument("--port", type=non_negative_int, help=f"port (default {serve_default('port')})")
+    parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: DIR)")
+    load = parser.add_argument_group("replicas and limits")
+    load.add_argument(
+        "--replicas",
+        type=positive_int,
+        help=f"models loaded (default {serve_default('replicas')}); each holds its own weights, KV cache and lanes",
+    )
+    load.add_argument(
+        "--max-queue",
+        type=non_negative_int,
+        help=f"requests waiting for a replica (default {serve_default('max_queue')})",
+    )
+    load.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"seconds per request, queueing included (default {serve_default('request_timeout')})",
+    )
+    load.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"seconds in-flight requests get after SIGTERM (default {serve_default('shutdown_timeout')})",
+    )
+    load.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        metavar="N",
+        help=f"largest request body (default {serve_default('max_body_bytes')})",
+    )
+    load.add_argument("--backend", choices=tuple(BACKENDS), help=f"default {serve_default('backend')}")
+    load.add_argument("--device", choices=("cpu", "cuda"), help=f"default {serve_default('device')}")
+    load.add_argument("--lanes", type=positive_int, help=f"lanes per replica (default {serve_default('lanes')})")
+    load.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: cores / all lanes)")
+    load.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
+    decoding = parser.add_argument_group("decoding (every request)")
+    decoding.add_argument("--mode", choices=MODES, help=f"default {default(GenerationConfig, 'mode')}")
+    decoding.add_argument("--threshold", metavar="G", help="exit threshold, in [0, 1] or 'never' (default: export's)")
+    decoding.add_argument("--overlap", choices=OVERLAPS, help=f"default {default(GenerationConfig, 'overlap')}")
+    decoding.add_argument(
+        "--max-unverified",
+        type=positive_int,
+        metavar="K",
+        help=f"default {default(GenerationConfig, 'max_unverified')}",
+    )
+    ray = parser.add_argument_group("Ray Serve (needs the ray extra)")
+    ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve: --replicas Ray replicas, one model each")
+    ray.add_argument("--ray-address", metavar="ADDR", help="a Ray cluster to join (default: RAY_ADDRESS, else local)")
+    ray.add_argument(
+        "--num-cpus", type=float, metavar="N", help=f"Ray CPUs per replica (default {ray_default('num_cpus')})"
+    )
+    ray.add_argument(
+        "--num-gpus", type=float, metavar="N", help=f"Ray GPUs per replica (default {ray_default('num_gpus')})"
+    )
+    ray.add_argument(
+        "--autoscaling",
+        type=json_object,
+        metavar="JSON",
+        help='Ray Serve autoscaling_config, e.g. \'{"min_replicas": 1, "max_replicas": 4}\' (replaces --replicas)',
+    )
+    ray.add_argument(
+        "--max-ongoing-requests",
+        type=positive_int,
+        metavar="N",
+        help="requests Ray sends one replica at once (default: twice what it holds)",
+    )
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    return parser
+
+
+def given(**fields) -> dict:
+    """The fields that were given (None: left to the config's default)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def configs_of(args: argparse.Namespace):
+    """(ServeConfig, RayConfig or None) from the flags; every default is the configs' own."""
+    from paradecode.runtime.config import GenerationConfig, parse_threshold
+    from paradecode.runtime.serve.config import RayConfig, ServeConfig
+
+    generation = GenerationConfig(
+        **given(
+            mode=args.mode,
+            overlap=args.overlap,
+            thresholds=parse_threshold(args.threshold) if args.threshold is not None else None,
+            max_unverified=args.max_unverified,
+        )
+    )
+    config = ServeConfig(
+        args.export,
+        **given(
+            served_model_name=args.served_model_name,
+            host=args.host,
+            port=args.port,
+            replicas=None if args.ray else args.replicas,
+            max_queue=args.max_queue,
+            request_timeout=args.request_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            max_body_bytes=args.max_body_bytes,
+            backend=args.backend,
+            device=args.device,
+            lanes=args.lanes,
+            threads=args.threads,
+        ),
+        verify=not args.no_verify,
+        generation=generation,
+    )
+    ray_flags = given(
+        address=args.ray_address,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        autoscaling=args.autoscaling,
+        max_ongoing_requests=args.max_ongoing_requests,
+    )
+    if not args.ray:
+        if ray_flags:
+            raise UserInputError(f"{', '.join('--' + k.replace('_', '-') for k in ray_flags)} need --ray.")
+        return config, None
+    return config, RayConfig(**given(replicas=args.replicas), **ray_flags)
+
+
+def serve(config) -> None:
+    """Load the replicas, serve until SIGTERM or Ctrl-C, let in-flight requests finish, free the replicas."""
+    try:
+        import uvicorn
+    except ImportError as err:
+        raise MissingDependencyError(f"{PROG} needs the serve extra: `pip install paradecode[serve]` ({err}).") from err
+    from paradecode.runtime.serve.app import build_app
+    from paradecode.runtime.serve.service import Service
+
+    with Service(config) as service:
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(service),
+                host=config.host,
+                port=config.port,
+                timeout_graceful_shutdown=config.shutdown_timeout,
+                log_config=None,  # our handlers (main) print uvicorn's records too
+            )
+        )
+        # uvicorn takes SIGTERM and SIGINT while it runs: it stops accepting, lets in-flight requests finish
+        # (cancelling what is left after the timeout), then raises the signal again for run_command.
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's way out when it cannot listen (it logged the reason)
+            if server.started:
+                raise
+            raise UserInputError(
+                f"could not listen on {config.host}:{config.port} (the reason is above): choose another --port, or "
+                "stop what listens there."
+            ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {PROG}: %(levelname)s %(name)s: %(message)s")
+
+    def work():
+        config, ray_config = configs_of(args)
+        if ray_config is None:
+            serve(config)
+        else:
+            from paradecode.runtime.serve.ray_serve import run
+
+            run(config, ray_config)
+
+    code, _ = run_command(PROG, work, interrupted="stopped")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

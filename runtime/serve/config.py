@@ -1,0 +1,148 @@
+"""`ServeConfig` and `RayConfig`: how the server loads its replicas and admits requests; defaults live here.
+
+Both are frozen and validate themselves on construction; the CLI maps its flags to their fields by
+keyword, and the Ray Serve entry point takes them as they are (they pickle, so a Ray cluster gets
+the same settings).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime.backends import BACKENDS
+from paradecode.runtime.config import GenerationConfig, is_integer, positive_integer
+
+DEVICES = ("cpu", "cuda")
+
+
+def positive_number(value, name: str, unit: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise UserInputError(f"{name} must be a positive number{unit}, got {value!r}.")
+    return float(value)
+
+
+def non_negative_integer(value, name: str) -> int:
+    if not is_integer(value) or value < 0:
+        raise UserInputError(f"{name} must be an integer >= 0, got {value!r}.")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One server: an export, its replicas (each a whole model: weights, KV cache, lanes), and its limits.
+
+    `generation` holds the decoding defaults every request starts from (mode, thresholds, overlap, K);
+    a request sets only what the OpenAI API names (max_tokens, stop, ...). `threads` None divides the
+    machine's cores between every lane of every replica, so replicas do not oversubscribe the CPU.
+    """
+
+    export: Path
+    served_model_name: str | None = None  # None: the export folder as given (vLLM names a model by its path)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    max_queue: int = 16  # requests waiting for a free replica; one more gets 429
+    request_timeout: float = 600.0  # seconds from arrival (queueing included) to the last token
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    retry_after: int = 1  # seconds, the Retry-After header of a 429
+    max_body_bytes: int = 4 << 20  # a larger request body gets 413
+    completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    backend: str = "onnxruntime"
+    device: str = "cpu"
+    lanes: int = 2
+    threads: int | None = None
+    verify: bool = True
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.export, (str, os.PathLike)):
+            raise UserInputError(f"export must be a folder path, got {self.export!r}.")
+        object.__setattr__(self, "export", Path(self.export))
+        name = self.served_model_name
+        if name is None:
+            name = str(self.export).rstrip("/") or str(self.export)
+        if not isinstance(name, str) or not name.strip():
+            raise UserInputError(f"served_model_name must be a non-empty string, got {name!r}.")
+        object.__setattr__(self, "served_model_name", name)
+        if not isinstance(self.host, str) or not self.host:
+            raise UserInputError(f"host must be a host name or address, got {self.host!r}.")
+        if not is_integer(self.port) or not 1 <= self.port <= 65535:
+            raise UserInputError(f"port must be an integer in 1..65535, got {self.port!r}.")
+        positive_integer(self.replicas, "replicas")
+        non_negative_integer(self.max_queue, "max_queue")
+        positive_number(self.request_timeout, "request_timeout", " of seconds")
+        positive_number(self.shutdown_timeout, "shutdown_timeout", " of seconds")
+        positive_integer(self.retry_after, "retry_after", " (seconds)")
+        positive_integer(self.max_body_bytes, "max_body_bytes")
+        positive_integer(self.completion_max_tokens, "completion_max_tokens")
+        if self.backend not in BACKENDS:
+            raise UserInputError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}.")
+        if self.device not in DEVICES:
+            raise UserInputError(f"device {self.device!r} is not one of {', '.join(DEVICES)}.")
+        positive_integer(self.lanes, "lanes")
+        if self.threads is not None:
+            positive_integer(self.threads, "threads")
+        if not isinstance(self.verify, bool):
+            raise UserInputError(f"verify must be True or False, got {self.verify!r}.")
+        if not isinstance(self.generation, GenerationConfig):
+            raise UserInputError(f"generation must be a GenerationConfig, got {type(self.generation).__name__}.")
+
+    @property
+    def threads_per_call(self) -> int:
+        """onnxruntime threads per call: as given, or the cores shared by every lane of every replica."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, (os.cpu_count() or 1) // (self.lanes * self.replicas))
+
+    def model_options(self) -> dict[str, Any]:
+        """The keyword arguments of `paradecode.runtime.load` for one replica."""
+        options: dict[str, Any] = dict(backend=self.backend, device=self.device, lanes=self.lanes, verify=self.verify)
+        if self.backend == "onnxruntime":
+            options["threads"] = self.threads_per_call
+        return options
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """A Ray Serve deployment of the server: `replicas` Ray actors, each one `ServeConfig` with one model.
+
+    `num_cpus` / `num_gpus` are each replica's Ray resources. `autoscaling` is passed to Ray Serve
+    unchanged (its `autoscaling_config`: min_replicas, max_replicas, target_ongoing_requests, ...)
+    and replaces the fixed `replicas`. `max_ongoing_requests` is how many requests Ray sends one
+    replica at once; None: twice what the replica holds (one decoding plus `max_queue` waiting), so a
+    full replica answers 429 itself rather than Ray queueing without bound. `address` None starts
+    or joins Ray the way `ray.init()` does (RAY_ADDRESS, else a local instance).
+    """
+
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    autoscaling: dict[str, Any] | None = None
+    max_ongoing_requests: int | None = None
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        positive_integer(self.replicas, "replicas")
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+                raise UserInputError(f"{name} must be a number >= 0 (Ray resources per replica), got {value!r}.")
+        if self.autoscaling is not None:
+            if not isinstance(self.autoscaling, dict) or not all(isinstance(k, str) for k in self.autoscaling):
+                raise UserInputError(
+                    "autoscaling must be a JSON object of Ray Serve autoscaling_config fields such as "
+                    f'{{"min_replicas": 1, "max_replicas": 4}}, got {self.autoscaling!r}.'
+                )
+            object.__setattr__(self, "autoscaling", json.loads(json.dumps(self.autoscaling)))  # a plain copy
+        if self.max_ongoing_requests is not None:
+            positive_integer(self.max_ongoing_requests, "max_ongoing_requests")
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise UserInputError(
+                f"address must be a Ray address such as 'auto' or 'ray://host:10001', got {self.address!r}."
+            )

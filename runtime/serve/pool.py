@@ -1,0 +1,221 @@
+"""`ReplicaPool`: N loaded models, one worker thread each, fed from one bounded FIFO queue of jobs.
+
+Threading model
+---------------
+- The event loop's thread (uvicorn's, or a Ray replica's) admits jobs (`submit`), cancels them
+  (`cancel`) and reads their events from `job.events`, an `asyncio.Queue` that only it touches. It
+  never calls a model: a model call blocks for as long as it decodes.
+- One worker thread per replica (`paradecode-replica-I`) owns that replica's `ParaDecodeModel`: only
+  it calls `stream` on it, iterates and closes the stream. It takes the oldest waiting job, decodes
+  it, and hands every verified token to the loop with `loop.call_soon_threadsafe`, which puts it on
+  `job.events`; a slow client never holds a replica (its tokens wait in its own queue).
+- `_lock` (a Condition the workers wait on) guards `_waiting` (the queue), `_running` (the jobs
+  being decoded), every job's `state`, and `_closing`. Nothing else is shared: a job's prompt and
+  config are immutable once submitted, and `job.cancelled` is a `threading.Event`.
+- `cancel(job)` from any thread: a waiting job leaves the queue at once (its place frees); a running
+  one has `cancelled` set, and its worker closes the stream after the token it is computing (the
+  runtime cannot stop a token half-way from another thread), which frees the model for the next job.
+- `close()` refuses new jobs, fails the waiting ones (`ServiceUnavailable`), cancels the running ones,
+  joins the workers and closes the models.
+
+Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
+subgraph), its own KV cache and its own lanes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from paradecode.graphs.errors import ParadecodeError
+from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.model import ParaDecodeModel, load
+from paradecode.runtime.serve.config import ServeConfig
+from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable
+from paradecode.runtime.stats import GenerationResult
+
+logger = logging.getLogger(__name__)
+
+WAITING, RUNNING, DONE, CANCELLED = "waiting", "running", "done", "cancelled"
+
+
+@dataclass(frozen=True)
+class Token:
+    token: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's decoding: made on the event loop, run by a replica's worker."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.monotonic)  # time.monotonic() when the request came in
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Token..., then Finished or Failed
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    state: str = WAITING  # under the pool's lock
+    started: float | None = None  # set by the worker that takes the job
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.started if self.started is not None else time.monotonic()) - self.arrived
+
+    def emit(self, event) -> None:
+        """From a worker: hand `event` to the loop. A closed loop (the server is gone) cancels the job."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            self.cancelled.set()
+
+
+class PoolMetrics:
+    """What the pool reports as it works; `metrics.Metrics` implements it for Prometheus."""
+
+    def depth(self, waiting: int, running: int) -> None: ...
+    def started(self, queue_seconds: float) -> None: ...
+    def token(self, seconds: float, first: bool) -> None: ...
+    def finished(self, result: GenerationResult) -> None: ...
+
+
+class ReplicaPool:
+    def __init__(self, config: ServeConfig, metrics: PoolMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or PoolMetrics()
+        self.models: list[ParaDecodeModel] = []
+        self._lock = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: set[Job] = set()
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+        try:
+            for i in range(config.replicas):
+                logger.info("loading replica %d/%d of %s", i + 1, config.replicas, config.export)
+                self.models.append(load(config.export, **config.model_options()))
+        except BaseException:
+            for model in self.models:
+                model.close()
+            raise
+        for i, model in enumerate(self.models):
+            thread = threading.Thread(target=self._work, args=(model,), name=f"paradecode-replica-{i}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        self.metrics.depth(0, 0)
+
+    @property
+    def capacity(self) -> int:
+        """Jobs the pool holds at once: one decoding per replica, plus the queue."""
+        return self.config.replicas + self.config.max_queue
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running) jobs."""
+        with self._lock:
+            return len(self._waiting), len(self._running)
+
+    # --- the event loop's side -----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise QueueFull (every replica busy, the queue full) / ServiceUnavailable (closing)."""
+        with self._lock:
+            if self._closing:
+                raise ServiceUnavailable("the server is shutting down; send the request to another replica or retry.")
+            if len(self._waiting) + len(self._running) >= self.capacity:
+                raise QueueFull(
+                    f"all {self.config.replicas} replica(s) are busy and {len(self._waiting)} request(s) are waiting "
+                    f"(--max-queue {self.config.max_queue}); retry after {self.config.retry_after} s."
+                )
+            self._waiting.append(job)
+            self._changed()
+            self._lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        """End `job` as soon as possible; nothing happens to a job that has finished."""
+        with self._lock:
+            if job.state == WAITING:
+                self._waiting.remove(job)
+                job.state = CANCELLED
+                self._changed()
+            elif job.state == RUNNING:
+                job.cancelled.set()
+
+    def close(self) -> None:
+        """Fail waiting jobs, cancel running ones, stop the workers and free the models. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            for job in waiting:
+                job.state = CANCELLED
+                job.emit(Failed(ServiceUnavailable("the server shut down before this request reached a replica.")))
+            for job in self._running:
+                job.cancelled.set()
+            self._changed()
+            self._lock.notify_all()
+        for thread in self._threads:  # each ends after the token it is computing
+            thread.join()
+        for model in self.models:
+            model.close()
+        logger.info("replicas closed")
+
+    # --- the workers' side ---------------------------------------------------------------------
+    def _changed(self) -> None:
+        self.metrics.depth(len(self._waiting), len(self._running))
+
+    def _next(self) -> Job | None:
+        with self._lock:
+            while not self._waiting and not self._closing:
+                self._lock.wait()
+            if self._closing:
+                return None
+            job = self._waiting.popleft()
+            job.state = RUNNING
+            job.started = time.monotonic()
+            self._running.add(job)
+            self._changed()
+            return job
+
+    def _work(self, model: ParaDecodeModel) -> None:
+        while (job := self._next()) is not None:
+            try:
+                self._decode(model, job)
+            finally:
+                with self._lock:
+                    job.state = DONE
+                    self._running.discard(job)
+                    self._changed()
+
+    def _decode(self, model: ParaDecodeModel, job: Job) -> None:
+        self.metrics.started(job.queue_seconds)
+        last, first = job.arrived, True
+        try:
+            with model.stream(prompt_ids=job.prompt_ids, config=job.config) as stream:
+                for piece in stream:
+                    now = time.monotonic()
+                    self.metrics.token(now - last, first=first)
+                    last, first = now, False
+                    job.emit(Token(piece.token, piece.text))
+                    if job.cancelled.is_set():
+                        break  # leaving the `with` closes the stream: the model is free
+            self.metrics.finished(stream.result)
+            job.emit(Finished(stream.result))
+        except ParadecodeError as err:
+            job.emit(Failed(err))
+        except Exception as err:
+            logger.exception("decoding a request failed")
+            job.emit(Failed(err))

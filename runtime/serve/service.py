@@ -1,0 +1,122 @@
+"""`Service`: one server's replicas, metrics and request preparation, without HTTP.
+
+`prepare` turns a parsed request into prompt ids and a `GenerationConfig` (it tokenizes and renders
+chats, so the app calls it in a worker thread, never on the event loop); `submit` queues the job.
+Preparing reads only the tokenizer, chat template and manifest of a replica, which decoding never
+changes, so it may run while that replica decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.model import ParaDecodeModel
+from paradecode.runtime.serve.config import ServeConfig
+from paradecode.runtime.serve.errors import ModelNotFound, PromptTooLong, RequestError
+from paradecode.runtime.serve.metrics import Metrics
+from paradecode.runtime.serve.pool import Job, ReplicaPool
+from paradecode.runtime.serve.requests import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    config: GenerationConfig
+
+
+class Service:
+    """Loads `config.replicas` models at once; `close()` (or leaving `with`) frees them."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.started = time.time()
+        self.metrics = Metrics(config.replicas)
+        self.pool = ReplicaPool(config, self.metrics)
+        self.metrics.declare_exit_layers(self.reference.manifest.exit_layers)
+
+    @property
+    def reference(self) -> ParaDecodeModel:
+        """A replica whose tokenizer, template and manifest stand for all (they load the same export)."""
+        return self.pool.models[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.reference.manifest.max_seq_len
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """The prompt ids and decoding settings of `request`, or the error its client gets (404, 413, 400)."""
+        name = self.config.served_model_name
+        if request.model != name:
+            raise ModelNotFound(f"the model {request.model!r} does not exist: this server serves {name!r}.", "model")
+        request.check_supported()
+        prompt = request.prompt_kwargs()
+        param = "messages" if "messages" in prompt else "prompt"
+        ids = self._prompt_ids(prompt, param)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(ids)} tokens, and this model's context (the export's max_seq_len) is "
+                f"{self.max_model_len} tokens: nothing is left for a completion. Shorten the prompt, or re-export "
+                "the model with a larger --max-seq-len.",
+                param,
+            )
+        asked, field = request.requested_max_tokens()
+        if asked is not None and asked > room:
+            raise RequestError(
+                f"{field} {asked} is more than this model's context leaves: the context is {self.max_model_len} "
+                f"tokens and the prompt takes {len(ids)}, so at most {room} new tokens. Ask for fewer.",
+                field,
+            )
+        default = request.default_max_tokens(self.config.completion_max_tokens)
+        max_new = asked if asked is not None else min(room, default if default is not None else room)
+        try:
+            config = replace(self.config.generation, max_new_tokens=max_new, **request.config_settings())
+        except UserInputError as err:
+            raise RequestError(str(err)) from err
+        return Prepared(ids, config)
+
+    def _prompt_ids(self, prompt: dict, param: str) -> list[int]:
+        """The prompt's token ids, before the length check (so a long prompt gets 413, not 400)."""
+        model = self.reference
+        try:
+            if "prompt_ids" in prompt:
+                ids = prompt["prompt_ids"]
+            elif model.tokenizer is None:
+                raise RequestError(
+                    f"this export has no tokenizer: send the prompt as a list of token ids, not as {param} text.", param
+                )
+            # The runtime's own encoding (ParaDecodeModel.prompt_ids) refuses a long prompt with a plain
+            # UserInputError, which cannot be told from other refusals; this encodes the same way.
+            elif "messages" in prompt:
+                ids = model.tokenizer.encode(model.render_chat(prompt["messages"]), add_special_tokens=False)
+            else:
+                ids = model.tokenizer.encode(prompt["prompt"])
+            if len(ids) <= self.max_model_len:  # the runtime's checks: empty, token ids in the vocabulary
+                ids = model.prompt_ids(prompt_ids=ids)
+        except RequestError:
+            raise
+        except UserInputError as err:
+            raise RequestError(str(err), param) from err
+        return ids
+
+    def submit(self, prepared: Prepared, arrived: float) -> Job:
+        """Queue a prepared request; on the event loop (the job's tokens come back to it)."""
+        job = Job(prepared.prompt_ids, prepared.config, asyncio.get_running_loop(), arrived)
+        self.pool.submit(job)
+        return job

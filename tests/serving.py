@@ -1,0 +1,150 @@
+"""Helpers for the server's tests: a real uvicorn server on a free localhost port, slowed replicas, SSE reading.
+
+Every request goes to 127.0.0.1 only, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+from paradecode.runtime.serve.config import ServeConfig
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check: Callable[[], bool], seconds: float = 10.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {seconds:g} s")
+        time.sleep(0.01)
+
+
+class Server:
+    """A `Service` behind uvicorn in a background thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, config: ServeConfig):
+        import uvicorn
+
+        from paradecode.runtime.serve.app import build_app
+        from paradecode.runtime.serve.service import Service
+
+        self.config = config
+        self.service = Service(config)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(build_app(self.service), log_config=None, timeout_graceful_shutdown=5)
+        )
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "the server's start")
+        self.http = httpx.Client(base_url=self.url, timeout=60)
+
+    @property
+    def pool(self):
+        return self.service.pool
+
+    def openai(self, **options):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60, **options)
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return self.http.post(path, content=content, headers={"content-type": "application/json"}, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """/metrics as {(sample name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        response = self.http.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+        }
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.service.close()
+        self.sock.close()
+
+
+def sse_events(lines) -> list:
+    """The `data:` payloads of a Server-Sent Events body, JSON-decoded ("[DONE]" kept as is)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+class SlowStreams:
+    """Makes a replica's next `count` streams wait `delay` s before each token after the first (a slow device),
+    and before the first too with `before_first`.
+
+    `results` collects each slowed stream's GenerationResult once the server closes it, so a test can
+    see how far it went and why it stopped.
+    """
+
+    def __init__(self, model, monkeypatch, delay: float, count: int = 1, before_first: bool = False):
+        self.real = model.stream
+        self.delay = delay
+        self.before_first = before_first
+        self.left = count
+        self.results = []
+        monkeypatch.setattr(model, "stream", self.stream)
+
+    def stream(self, *args, **kwargs):
+        real = self.real(*args, **kwargs)
+        if self.left <= 0:
+            return real
+        self.left -= 1
+        return SlowStream(real, self.delay, self.results, self.before_first)
+
+
+class SlowStream:
+    def __init__(self, real, delay: float, results: list, before_first: bool):
+        self.real = real
+        self.delay = delay
+        self.results = results
+        self.before_first = before_first
+
+    def __iter__(self):
+        if self.before_first:
+            time.sleep(self.delay)
+        for i, piece in enumerate(self.real):
+            if i:
+                time.sleep(self.delay)
+            yield piece
+
+    @property
+    def result(self):
+        return self.real.result
+
+    def close(self) -> None:
+        self.real.close()
+        self.results.append(self.real.result)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
