@@ -239,7 +239,7 @@ def trained(model_dirs, tmp_path_factory):
     budget), trained on its own greedy text, calibrated with call costs measured here."""
     out = tmp_path_factory.mktemp("heads") / "heads.safetensors"
     args = [str(model_dirs["llama"]), "--exit-layers", "1,2,3", "-o", str(out), "--steps", "60", "--lr", "1e-2"]
-    assert train_heads.main([*args, "--new-tokens", "48", "--head-budget", "0.2"]) == 0
+    assert train_heads.main([*args, "--new-tokens", "48", "--head-budget", "0.2", "--max-prompts", "20"]) == 0
     transforms, metadata, vocab = load_heads(out)
     return out, transforms, metadata, vocab
 
@@ -247,6 +247,7 @@ def trained(model_dirs, tmp_path_factory):
 def test_heads_file_carries_the_reduced_vocabulary_and_the_report(trained):
     _, transforms, metadata, vocab = trained
     assert sorted(transforms) == [1, 2, 3] and transforms[1].shape == (48, 48)
+    assert metadata["data"]["sequences"] == 20 and metadata["data"]["prompts_available"] == 24  # --max-prompts
     assert vocab.dtype == torch.int64 and len(vocab) == 38 == metadata["vocab"]["size"]
     assert len(set(vocab.tolist())) == 38 and int(vocab.min()) >= 0 and int(vocab.max()) < 97
     assert metadata["vocab"]["head_parameters"] <= 0.2 * TINY_LAYER

@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         "model continues each greedily (default: a built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
+    parser.add_argument(
+        "--max-prompts",
+        type=positive_int,
+        help=f"use a seeded sample of this many prompts when there are more ({default('max_prompts')})",
+    )
     parser.add_argument("--new-tokens", type=positive_int, help=f"greedy tokens per prompt ({default('new_tokens')})")
     parser.add_argument(
         "--generation-batch", type=positive_int, help=f"prompts generated at once ({default('generation_batch')})"

@@ -40,6 +40,7 @@ class HeadsConfig:
     exit_layers: tuple[int, ...] | None = None  # default: the export's, L/4, L/2, 3L/4
     prompts: str | Path | None = None  # a file or a prompt set's name (`tools.prompt_sets`); default: DEFAULT_PROMPTS
     text: Path | None = None  # train on this text's windows instead of generations
+    max_prompts: int = 120  # a larger prompt set is sampled down to this many (seeded)
     new_tokens: int = 128  # greedy tokens per prompt
     generation_batch: int = 32  # prompts generated at once
     window: int = 256  # tokens per --text window
@@ -55,7 +56,7 @@ class HeadsConfig:
     def __post_init__(self) -> None:
         if self.prompts is not None and self.text is not None:
             raise UserInputError("give --prompts or --text, not both.")
-        for name in ("new_tokens", "generation_batch", "window", "batch"):
+        for name in ("max_prompts", "new_tokens", "generation_batch", "window", "batch"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise UserInputError(f"{name} must be a positive integer, got {value!r}.")
@@ -142,6 +143,11 @@ def record(config: HeadsConfig, source, model, family, spec, exit_layers, genera
         texts = [p.prompt for p in load_prompts(config.prompts)]
     else:
         texts = list(DEFAULT_PROMPTS)
+    available = len(texts)
+    if available > config.max_prompts:  # a seeded sample, in the file's order
+        keep = torch.randperm(available, generator=torch.Generator().manual_seed(config.seed))[: config.max_prompts]
+        texts = [texts[i] for i in sorted(keep.tolist())]
+        logger.info("using %d of the %d prompts (--max-prompts)", len(texts), available)
     if tokenizer is not None:
         prompts = prompt_ids_of(tokenizer, texts, config.model)
     else:  # a model without a tokenizer: random short prompts
@@ -171,6 +177,7 @@ def record(config: HeadsConfig, source, model, family, spec, exit_layers, genera
     data = {
         "kind": "generations",
         "prompts": str(config.prompts) if config.prompts else "built-in",
+        "prompts_available": available,
         "sequences": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "new_tokens": config.new_tokens,
