@@ -1,29 +1,39 @@
-"""`paradecode-train-heads MODEL -o FILE`: train exit heads by distillation and calibrate thresholds.
+"""`paradecode-train-heads MODEL -o FILE`: distil cheap exit heads and calibrate them for speed.
 
-The heads file feeds `paradecode-export MODEL --heads FILE`, which refuses heads trained for
-another model and writes the calibrated thresholds into the export's manifest.
+The heads predict over a reduced vocabulary (the tokens the final layer predicts most often, as
+many as `--head-budget` decoder layers' parameters allow); the exit layers and thresholds are the
+ones with the best expected tokens/s under call costs measured on this machine. The heads file
+feeds `paradecode-export MODEL --heads FILE`, which refuses heads trained for another model and
+writes the chosen thresholds into the export's manifest.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
-from paradecode.graphs.errors import UserInputError, run_command
-from paradecode.tools.prompt_sets import NAMES_HELP
+from paradecode.graphs.errors import run_command
 
 logger = logging.getLogger("paradecode.train_heads")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.export.cli import MODEL_HELP, layer_list, positive_int
+    from paradecode.tools.heads.pipeline import COSTS, HeadsConfig
+    from paradecode.tools.prompt_sets import NAMES_HELP
+
+    def default(name: str) -> str:
+        return f"default {HeadsConfig.default(name)}"
 
     parser = argparse.ArgumentParser(prog="paradecode-train-heads", description=__doc__.splitlines()[0])
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="the heads file to write")
-    parser.add_argument("--exit-layers", type=layer_list, metavar="E1,E2,...", help="default: L/4, L/2, 3L/4")
+    parser.add_argument(
+        "--exit-layers", type=layer_list, metavar="E1,E2,...", help="candidate exit layers (default L/4, L/2, 3L/4)"
+    )
     data = parser.add_mutually_exclusive_group()
     data.add_argument(
         "--prompts",
@@ -33,36 +43,43 @@ def build_parser() -> argparse.ArgumentParser:
         "model continues each greedily (default: a built-in set of code and prose prompts)",
     )
     data.add_argument("--text", type=Path, metavar="FILE", help="train on this text instead of generations")
-    parser.add_argument("--new-tokens", type=positive_int, default=128, help="greedy tokens per prompt (default 128)")
-    parser.add_argument("--window", type=positive_int, default=256, help="tokens per --text window (default 256)")
-    parser.add_argument("--steps", type=int, default=300, help="Adam steps (default 300)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--batch", type=positive_int, default=1024, help="positions per step (default 1024)")
-    parser.add_argument("--held-out", type=float, default=0.2, help="share of sequences held out (default 0.2)")
     parser.add_argument(
-        "--target-agreement",
+        "--max-prompts",
+        type=positive_int,
+        help=f"use a seeded sample of this many prompts when there are more ({default('max_prompts')})",
+    )
+    parser.add_argument("--new-tokens", type=positive_int, help=f"greedy tokens per prompt ({default('new_tokens')})")
+    parser.add_argument(
+        "--generation-batch", type=positive_int, help=f"prompts generated at once ({default('generation_batch')})"
+    )
+    parser.add_argument("--window", type=positive_int, help=f"tokens per --text window ({default('window')})")
+    parser.add_argument("--steps", type=int, help=f"distillation steps ({default('steps')})")
+    parser.add_argument("--lr", type=float, help=f"Adam learning rate ({default('lr')})")
+    parser.add_argument("--batch", type=positive_int, help=f"positions per step ({default('batch')})")
+    parser.add_argument("--held-out", type=float, help=f"share of sequences held out ({default('held_out')})")
+    parser.add_argument(
+        "--head-budget",
         type=float,
-        default=0.95,
-        help="calibrate each threshold so early tokens agree with the final ones at least this often (default 0.95)",
+        metavar="LAYERS",
+        help="the most decoder layers' worth of parameters an exit head may read; sets the reduced "
+        f"vocabulary's size ({default('head_budget')})",
     )
     parser.add_argument(
-        "--head-cost",
-        type=float,
-        metavar="C",
-        help="cost of one head call in decoder layers, for choosing which exit layers to use "
-        "(default: estimated from parameter counts)",
+        "--costs",
+        choices=COSTS,
+        help="call costs for the speed calibration: timed here with onnxruntime, or estimated from parameter "
+        f"counts ({default('costs')})",
     )
-    parser.add_argument(
-        "--use-all-exits",
-        action="store_true",
-        help="give every calibrated exit layer a threshold instead of the cost-model selection",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    parser.add_argument("--seed", type=int, help=f"for the held-out split and the training batches ({default('seed')})")
+    parser.add_argument("--force", action="store_true", default=None, help="replace FILE if it exists")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads OpenMP: threads that spin while waiting for a descheduled peer make every
+    # operation wait on a busy CPU; measured on 2 shared cores, generating 384 tokens took 206 s
+    # spinning and 33 s passive. A value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     code, result = run_command("paradecode-train-heads", lambda: run(args), "interrupted; nothing was written")
@@ -72,193 +89,108 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace):
-    import torch
-    from transformers.utils import logging as hf_logging
+    from paradecode.export.cli import quiet_dependency_logs
+    from paradecode.tools.heads.pipeline import HeadsConfig, train_exit_heads
 
-    from paradecode.export.config import default_exit_layers
-    from paradecode.export.families import family_for
-    from paradecode.export.heads import save_heads
-    from paradecode.export.pipeline import load_hf_model
-    from paradecode.export.source import resolve_model
-    from paradecode.export.tokenizer import hf_tokenizer
-    from paradecode.tools.heads.calibration import calibrate
-    from paradecode.tools.heads.cost import CostModel
-    from paradecode.tools.heads.data import DEFAULT_PROMPTS, collect, greedy_sequences, split_held_out
-    from paradecode.tools.heads.training import HeadsTraining, Unembedding, evaluate_heads, train_heads
-    from paradecode.tools.prompt_sets import is_evaluation_set, load_prompts
-
-    hf_logging.disable_progress_bar()
-    if args.output.exists() and not args.force:
-        raise UserInputError(f"{args.output} exists. Pass --force to replace it.")
-    if not 0 < args.held_out < 1:
-        raise UserInputError(f"--held-out must be a share in (0, 1), got {args.held_out}.")
-    if not 0 < args.target_agreement <= 1:
-        raise UserInputError(f"--target-agreement must be in (0, 1], got {args.target_agreement}.")
-    if args.prompts is not None and is_evaluation_set(args.prompts):
-        raise UserInputError(
-            f"--prompts {args.prompts} is the held-out evaluation set, which heads never train on (it measures "
-            "them): train on the training set, --prompts heads, or on a file of your own."
-        )
-    source = resolve_model(args.model)
-    family = family_for(source.config_dict().get("model_type"))
-    model = load_hf_model(source)
-    spec = family.spec(model.config, model)
-    exit_layers = tuple(sorted(args.exit_layers)) if args.exit_layers else default_exit_layers(spec.num_layers)
-    bad = [e for e in exit_layers if not 1 <= e < spec.num_layers]
-    if bad:
-        raise UserInputError(f"exit layers {bad} are out of range: choose layers within 1..{spec.num_layers - 1}.")
-    cost = None
-    if not args.use_all_exits:
-        cost = CostModel.estimate(spec) if args.head_cost is None else CostModel(spec.num_layers, args.head_cost)
-    tokenizer = hf_tokenizer(source)
-    generator = torch.Generator().manual_seed(args.seed)
-
-    if args.text is not None:
-        if tokenizer is None:
-            raise UserInputError(f"{args.model} has no tokenizer to read --text with.")
-        ids = tokenizer(read_text(args.text))["input_ids"]
-        sequences = [ids[i : i + args.window] for i in range(0, len(ids) - 1, args.window)]
-        sequences = [s for s in sequences if len(s) > 1]
-        data = {"kind": "text", "file": str(args.text), "windows": len(sequences)}
-    else:
-        if args.prompts is not None:
-            if tokenizer is None:
-                raise UserInputError(f"{args.model} has no tokenizer to read --prompts with.")
-            texts = [p.prompt for p in load_prompts(args.prompts)]
-        else:
-            texts = list(DEFAULT_PROMPTS)
-        if tokenizer is not None:
-            prompts = prompt_ids_of(tokenizer, texts, args.model)
-        else:  # a model without a tokenizer: random short prompts
-            prompts = [torch.randint(0, spec.vocab_size, (4,), generator=generator).tolist() for _ in texts]
-        logger.info("generating %d greedy continuations of %d tokens", len(prompts), args.new_tokens)
-        sequences = greedy_sequences(model, prompts, args.new_tokens)
-        data = {
-            "kind": "generations",
-            "prompts": str(args.prompts) if args.prompts else "built-in",
-            "sequences": len(sequences),
-            "new_tokens": args.new_tokens,
-        }
-    if len(sequences) < 2:
-        raise UserInputError("need at least two sequences (one to train on, one held out); give more prompts or text.")
-    features = collect(model, sequences, exit_layers)
-    held_out = split_held_out(features, args.held_out, args.seed)
-    data.update(positions=len(held_out), held_out_positions=int(held_out.sum()))
-    logger.info(
-        "%d positions (%d held out); training heads after layers %s for %d steps",
-        data["positions"],
-        data["held_out_positions"],
-        ",".join(map(str, exit_layers)),
-        args.steps,
-    )
-
-    unembedding = Unembedding.of(model, family)
-    before = evaluate_heads(unembedding, features, held_out, dict.fromkeys(exit_layers))
-    transforms, history = train_heads(
-        unembedding, features, held_out, steps=args.steps, lr=args.lr, batch=args.batch, seed=args.seed
-    )
-    after = evaluate_heads(unembedding, features, held_out, transforms)
-    table = {
-        e: {
-            "untrained": round(float(before[1][e].float().mean()), 4),
-            "trained": round(float(after[1][e].float().mean()), 4),
-        }
-        for e in exit_layers
-    }
-    calibration = calibrate(after[0], after[1], args.target_agreement, cost)
-    result = HeadsTraining(transforms, table, calibration, data, history)
-    identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
-    metadata = {
-        "base_model": identity["source"],
-        "base_weights_sha256": identity["weights_sha256"],
-        "data": data,
-        "training": {
-            "steps": args.steps,
-            "lr": args.lr,
-            "batch": args.batch,
-            "seed": args.seed,
-            "final_loss": history[-1].get("loss"),
-        },
-        "agreement": {str(e): v for e, v in table.items()},
-        "calibration": calibration,
-    }
-    save_heads(args.output, transforms, metadata)
-    report(table, calibration)
+    quiet_dependency_logs()
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    result = train_exit_heads(HeadsConfig(**given))
+    report(result.metadata)
     return result
 
 
-def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
-    """Every prompt's token ids: a text with the tokenizer's special tokens, a chat (a list of messages)
-    rendered with the tokenizer's chat template and encoded as it is (as `apply_chat_template` does)."""
-    import jinja2
-
-    ids = []
-    for number, prompt in enumerate(prompts, 1):
-        if isinstance(prompt, str):
-            ids.append(tokenizer(prompt)["input_ids"])
-            continue
-        where = f"prompt {number} (of {len(prompts)})"
-        if tokenizer.chat_template is None:
-            raise UserInputError(
-                f"{where} is a chat, but the tokenizer of {model} has no chat template: give its text as "
-                '{"prompt": "..."} instead.'
-            )
-        try:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        except jinja2.TemplateError as err:
-            raise UserInputError(f"{where}: the chat template of {model} refused its messages: {err}") from err
-        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids
-
-
-def read_text(path: Path) -> str:
-    if not path.is_file():
-        raise UserInputError(f"--text {path}: no such file.")
-    return path.read_text()
-
-
-def report(table: dict, calibration: dict) -> None:
+def report(metadata: dict) -> None:
+    data, vocab, calibration = metadata["data"], metadata["vocab"], metadata["calibration"]
     logger.info(
-        "top-1 agreement with the final layer on held-out positions, and calibrated thresholds "
-        "(target agreement %.2f):",
-        calibration["target_agreement"],
+        "data: %d positions from %d %s (%d held out), recorded in %.0f s",
+        data["positions"],
+        data.get("sequences", data.get("windows", 0)),
+        "continuations" if data["kind"] == "generations" else "text windows",
+        data["held_out_positions"],
+        data["seconds"],
     )
     logger.info(
-        "  %-6s %-10s %-8s %-10s %-10s %-9s %-9s %s",
-        "layer",
-        "untrained",
-        "trained",
-        "threshold",
-        "precision",
-        "exits",
-        "cascade",
-        "used",
+        "reduced vocabulary: %d tokens (%.1f%% of held-out final tokens); a head reads %.2f layers' parameters "
+        "(the final head %.2f)",
+        vocab["size"],
+        100 * vocab["held_out_coverage"],
+        vocab["head_layers_by_parameters"],
+        vocab["final_head_layers_by_parameters"],
     )
-    for e, row in table.items():
-        c = calibration["layers"][str(e)]
-        threshold = f"{c['threshold']:.3f}" if c["threshold"] is not None else "never"
-        precision = f"{c['precision']:.3f}" if c["precision"] is not None else "-"
+    cost = calibration["cost_model"]
+    costs = calibration.get("call_costs")
+    if costs is not None:
         logger.info(
-            "  %-6s %-10.3f %-8.3f %-10s %-10s %-9.3f %-9.3f %s",
+            "measured per call (%s, median of %d): layer %s ms at T = %s; exit head %.3f ms; final head %s ms; "
+            "embedding %.3f ms",
+            costs["backend"],
+            costs["rounds"],
+            " / ".join(f"{v:.3f}" for v in costs["layer_ms"].values()),
+            " / ".join(costs["layer_ms"]),
+            costs["exit_head_ms"],
+            " / ".join(f"{v:.3f}" for v in costs["final_head_ms"].values()),
+            costs["embed_ms"],
+        )
+    logger.info(
+        "cost model (%s, in layer calls): exit head %.2f, final head %.2f, merge %.3f per position per layer, "
+        "final merge %.3f, rollback %.1f; plain decoding %.2f per token",
+        cost["source"],
+        cost["head"],
+        cost["final"],
+        cost["merge"],
+        cost["final_merge"],
+        cost["lost"],
+        cost["ar"],
+    )
+    logger.info("top-1 agreement with the final layer on held-out positions, and the speed calibration:")
+    logger.info(
+        "  %-6s %-10s %-8s %-10s %-8s %-10s %-9s %s", "layer", "untrained", "trained", "threshold", "exits",
+        "precision", "cascade", "alone",
+    )  # fmt: skip
+    for e, row in metadata["agreement"].items():
+        c = calibration["layers"][e]
+        alone = c["alone"]
+        logger.info(
+            "  %-6s %-10.3f %-8.3f %-10s %-8.3f %-10s %-9.3f %s",
             e,
             row["untrained"],
             row["trained"],
-            threshold,
-            precision,
+            f"{c['threshold']:.2f}" if c["threshold"] is not None else "never",
             c["exit_rate"],
+            f"{c['precision']:.3f}" if c["precision"] is not None else "-",
             c["cascade_exit_rate"],
-            "yes" if c["selected"] else "no",
+            f"{alone['speedup']:.3f}x at {alone['thresholds'][0]:.2f}" if alone else "-",
         )
-    if calibration["cost_model"] is not None:
-        best = ", ".join(f"{s['layers']}: {s['speedup']:.2f}x" for s in calibration["subsets"][:4])
+    best = ", ".join(f"{s['layers']} at {s['thresholds']}: {s['speedup']:.3f}x" for s in calibration["subsets"][:4])
+    logger.info("expected speedup of the best sets searched (before refining): %s", best or "none")
+    check = calibration["check"]
+    if calibration["selected_layers"]:
         logger.info(
-            "cost model (layer units: head %.2f, merge %.2f): expected speedup of the best exit-layer sets "
-            "searched: %s",
-            calibration["cost_model"]["head"],
-            calibration["cost_model"]["merge"],
-            best,
+            "chosen: exit layers %s with thresholds %s: %.1f%% of tokens exit early, %.1f%% exit and are accepted; "
+            "expected speedup %.3fx on the %d positions that chose it, %.3fx on %d %s positions%s",
+            calibration["selected_layers"],
+            [calibration["thresholds"][str(e)] for e in calibration["selected_layers"]],
+            100 * calibration["expected_exits"]["exit_rate"],
+            100 * calibration["expected_exits"]["accepted_rate"],
+            calibration["expected_speedup"],
+            calibration["positions"],
+            check["expected_speedup"],
+            check["positions"],
+            "of the same (only one held-out sequence)" if check["in_sample"] else "other held-out",
+            ""
+            if "expected_tokens_per_s" not in calibration
+            else " (about {ar} -> {paradecode} tokens/s by the measured costs)".format(
+                **calibration["expected_tokens_per_s"]
+            ),
         )
-        logger.info("using exit layers %s", calibration["selected_layers"] or "none (no set is expected to help)")
+    else:
+        logger.info(
+            "chosen: no exit layer: no choice is expected to beat plain decoding (best found: %s at %s, %.3fx), "
+            "so no layer gets a threshold and the export will never exit by default",
+            calibration["best_found"]["layers"],
+            calibration["best_found"]["thresholds"],
+            calibration["best_found"]["speedup"],
+        )
 
 
 if __name__ == "__main__":

@@ -178,9 +178,8 @@ def test_heads_trained_on_the_gguf_model_match_its_export(tiny, exported, tmp_pa
 
     path, _ = tiny
     heads = tmp_path / "heads.safetensors"
-    code = train_heads.main(
-        [str(path), "-o", str(heads), "--exit-layers", "1,2", "--new-tokens", "6", "--steps", "3", "--use-all-exits"]
-    )
+    args = ["--exit-layers", "1,2", "--new-tokens", "6", "--steps", "3", "--costs", "parameters"]
+    code = train_heads.main([str(path), "-o", str(heads), *args])
     assert code == 0
     transforms, metadata, _ = load_heads(heads)
     manifest = read_manifest(exported[0])

@@ -543,8 +543,8 @@ def test_bench_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
 def test_train_heads_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
     from transformers import AutoTokenizer
 
+    from paradecode.tools.heads.pipeline import prompt_ids_of
     from paradecode.tools.prompts import read_prompts
-    from paradecode.tools.train_heads import prompt_ids_of
 
     _, model_dir = chat_export
     chat = CHATS["system and turns"]

@@ -1,10 +1,12 @@
 """Exit heads: the data they learn from, their distillation, and the choice of where and when they fire.
 
-- `data`: the model's own greedy text, hidden states after each exit layer, the held-out split;
-- `training`: one d x d transform per exit layer, distilled from the final layer (DESIGN.md §2);
-- `cost`: the decode cost model that says whether an exit layer pays for its head;
-- `calibration`: per exit layer the lowest threshold meeting a target agreement, and the set of
-  exit layers to use.
+- `data`: the model's own greedy continuations, generated in batches, recorded by hooks as they go;
+- `vocab`: the reduced vocabulary (the final layer's most frequent predictions) and its size budget;
+- `training`: one d x d transform per exit layer over that vocabulary, distilled from the final layer;
+- `timing`: what each call of a decode step costs on this machine (onnxruntime);
+- `cost`: the decode cost model built from those costs;
+- `calibration`: the exit layers and thresholds with the best expected speed;
+- `pipeline`: all of it in order, for `paradecode-train-heads`.
 
 The heads file itself (save, load, check against a model) is `paradecode.export.heads`, since the
 exporter reads it.
