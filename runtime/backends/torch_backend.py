@@ -33,16 +33,19 @@ class GraphedCall:
 
     def __init__(self, fn: Callable, inputs: list[torch.Tensor], pool):
         self.inputs = [x.clone() for x in inputs]
+        # CUDA refuses a capture on the legacy default stream, which the main lane runs on: warm up and
+        # capture on a private stream ordered after the lane's work, then let the lane wait for it.
+        # Replays run on whichever stream is current at the call (the lane's).
         stream = torch.cuda.current_stream()
-        warmup = torch.cuda.Stream(device=stream.device)
-        warmup.wait_stream(stream)
-        with torch.cuda.stream(warmup):
+        capture = torch.cuda.Stream(device=stream.device)
+        capture.wait_stream(stream)
+        with torch.cuda.stream(capture):
             for _ in range(2):
                 fn(*self.inputs)
-        stream.wait_stream(warmup)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, stream=capture, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
+        stream.wait_stream(capture)
 
     def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         for static, value in zip(self.inputs, inputs):
