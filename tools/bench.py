@@ -202,7 +202,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
-        modes += hf_modes(hf_path, manifest, ignore, args.temperature, args.hf_modes)
+        modes += hf_modes(hf_path, manifest, ignore, args.temperature, args.hf_modes, device=args.device)
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),
@@ -212,7 +212,8 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
     costs = bm.call_costs(main_model, args.max_unverified + 1)
-    logger.info("measured call costs (ms): %s", {k: round(v * 1e3, 3) for k, v in costs.as_dict().items()})
+    times = {k: round(v * 1e3, 3) for k, v in costs.as_dict().items() if k != "batch"}
+    logger.info("measured call costs (ms; a batch is %d positions): %s", costs.batch, times)
 
     def bound(mode, accepted: dict, tokens: int) -> float | None:
         """DESIGN.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
@@ -284,8 +285,12 @@ def local_source(manifest) -> str | None:
 HF_MODES = ("greedy", "prompt-lookup", "early-exit")
 
 
-def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.0, which=HF_MODES) -> list:
-    """Hugging Face generate on the original model, loaded as paradecode-export loads it."""
+def hf_modes(
+    reference: str, manifest, ignore_eos: bool, temperature: float = 0.0, which=HF_MODES, device: str = "cpu"
+) -> list:
+    """Hugging Face generate on the original model, loaded as paradecode-export loads it, then moved to the
+    export's dtype and the benchmark's device (the same weights, precision and hardware as ours)."""
+    import torch
     from transformers.utils import logging as hf_logging
 
     from paradecode.export.pipeline import load_hf_model
@@ -295,7 +300,7 @@ def hf_modes(reference: str, manifest, ignore_eos: bool, temperature: float = 0.
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     source = resolve_model(reference)
-    model = load_hf_model(source)
+    model = load_hf_model(source).to(device=device, dtype=getattr(torch, manifest.dtype))
     ours, theirs = source.identity()["weights_sha256"], manifest.model.get("weights_sha256")
     if ours != theirs:
         logger.warning(

@@ -150,7 +150,7 @@ def hf_mode(name: str, model, kwargs: dict[str, Any], *, ignore_eos: bool) -> Mo
         started = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt_ids]),
+                torch.tensor([prompt_ids], device=model.device),
                 max_new_tokens=max_new_tokens,
                 streamer=streamer,
                 pad_token_id=0,
@@ -295,29 +295,32 @@ def call_costs(model, batch: int, repeat: int = 20) -> CallCosts:
     backend, spec = model.backend, model.manifest.spec
     cache = backend.allocate_cache()
     position = min(64, model.manifest.max_seq_len - batch)
+    dtype = getattr(torch, model.manifest.dtype)  # hidden states in the export's dtype, as decoding feeds them
+    # a call on a GPU returns before its kernels finish: wait for them, or only the launch is timed
+    settle = torch.cuda.synchronize if str(getattr(backend, "device", "cpu")).startswith("cuda") else (lambda: None)
+
+    def one(name: str, feeds: dict, outputs: tuple[str, ...]) -> float:
+        settle()
+        began = time.perf_counter()
+        backend.run(name, feeds, "main", outputs)
+        settle()
+        return time.perf_counter() - began
 
     def timed(name: str, feeds: dict) -> float:
-        times = []
-        for _ in range(repeat):
-            began = time.perf_counter()
-            backend.run(name, feeds, "main", ("hidden_out",) if name.startswith("layer_") else ("token",))
-            times.append(time.perf_counter() - began)
-        return statistics.median(times[2:])
+        return statistics.median([one(name, feeds, ("token",)) for _ in range(repeat)][2:])
 
     def layers(tokens: int) -> float:
-        hidden = torch.randn(1, tokens, spec.hidden_size) * 0.1
+        hidden = (torch.randn(1, tokens, spec.hidden_size) * 0.1).to(dtype)
         positions = torch.arange(position, position + tokens)[None]
         per_layer = []
         for _ in range(3):
             for layer in range(1, spec.num_layers + 1):
                 key, value = cache.layer(layer)
                 feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
-                began = time.perf_counter()
-                backend.run(f"layer_{layer}", feeds, "main", ("hidden_out",))
-                per_layer.append(time.perf_counter() - began)
+                per_layer.append(one(f"layer_{layer}", feeds, ("hidden_out",)))
         return statistics.median(per_layer[spec.num_layers :])
 
-    hidden = {"hidden": torch.randn(1, 1, spec.hidden_size) * 0.1}
+    hidden = {"hidden": (torch.randn(1, 1, spec.hidden_size) * 0.1).to(dtype)}
     exit_name = next((s.io.name for s in model.manifest.subgraphs if s.io.kind == "exit"), "final")
     costs = CallCosts(layers(1), layers(batch), batch, timed(exit_name, hidden), timed("final", hidden))
     model.cache.reset()  # the runs above wrote into a cache of their own; the model's is untouched
