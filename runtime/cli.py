@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lanes", type=positive_int, default=2, help="concurrent lanes, the calling thread included (default 2)"
     )
-    parser.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: cores / lanes)")
+    parser.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: every core)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")

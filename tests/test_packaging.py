@@ -60,6 +60,8 @@ def test_wheel_contains_every_module(tmp_path):
     demo = {n for n in names if n.startswith("paradecode/tools/demo_model/")}
     for name in ("config.json", "model.safetensors", "heads.safetensors", "tokenizer.json", "README.md"):
         assert f"paradecode/tools/demo_model/{name}" in demo, f"{name} of the demo model is missing from the wheel"
+    for name in ("heads.safetensors", "README.md"):
+        assert f"paradecode/tools/models/smollm2/{name}" in names, f"SmolLM2's {name} is missing from the wheel"
     for name in ("eval_chat.jsonl", "heads_chat.jsonl", "README.md"):
         assert f"paradecode/tools/data/{name}" in names, f"the prompt set file {name} is missing from the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
