@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="prompt lookup: propose up to N tokens that followed an earlier occurrence of the newest tokens "
-        "(verified like early exits; 0: off, the default)",
+        "(verified like early exits; default 5; 0: off)",
     )
     parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 3)")
     parser.add_argument(

@@ -74,8 +74,10 @@ class GenerationConfig:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     # Prompt lookup (runtime/lookup.py): the most tokens proposed at once (0: off), and the longest and
-    # shortest suffix matched, longest first.
-    lookup_tokens: int = 0
+    # shortest suffix matched, longest first. 5 was the fastest of 0/3/5/8 with SmolLM2's trained heads on
+    # the tuning prompts (`heads`, 21 prompts, 7 categories: 1.10x / 1.33x / 1.43x / 1.44x of ar;
+    # tools/results/cpu-2core/lookup-tuning.md); 8 proposed no more, as at most max_unverified are pending.
+    lookup_tokens: int = 5
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 2
     # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
-from paradecode.runtime.config import OVERLAPS
+from paradecode.runtime.config import OVERLAPS, GenerationConfig
 from paradecode.tools.options import choice_list
 from paradecode.tools.prompt_sets import NAMES_HELP
 
@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lookup",
-        default="0",
+        default=str(GenerationConfig.lookup_tokens),
         metavar="N1,N2",
         help="prompt-lookup settings to try (most tokens proposed at once; 0: off): each threshold and overlap "
-        "runs once per value (default 0)",
+        f"runs once per value (default {GenerationConfig.lookup_tokens}, the runtime's)",
     )
     parser.add_argument(
         "--temperature",
