@@ -24,6 +24,7 @@ SCRIPTS = (
     "paradecode-demo",
     "paradecode-footprint",
     "paradecode-serve",
+    "paradecode-loadtest",
 )
 
 

@@ -16,11 +16,13 @@ replica workers update them, the event loop renders them.
     paradecode_rollbacks_total
     paradecode_requests_waiting / _requests_running   the queue depth, and requests being decoded
     paradecode_replicas
+    process_resident_memory_bytes, process_cpu_seconds_total, ...   prometheus_client's process collector
+                                                      (Linux; the whole server process, every replica)
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from paradecode.runtime.serve.pool import PoolMetrics
@@ -79,6 +81,7 @@ class Metrics(PoolMetrics):
         self.waiting = Gauge("paradecode_requests_waiting", "Requests waiting for a replica", registry=registry)
         self.running = Gauge("paradecode_requests_running", "Requests being decoded", registry=registry)
         Gauge("paradecode_replicas", "Models loaded in this server", registry=registry).set(replicas)
+        ProcessCollector(registry=registry)  # the default registry's RSS, CPU time and open files, in ours
         for endpoint in ("completions", "chat"):  # every series exists from the start, at 0
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)

@@ -538,6 +538,7 @@ def test_metrics_count_what_was_served(serve, chat_export):
     before = running.metrics()
     assert before[("paradecode_replicas", ())] == 1 and before[("paradecode_generation_tokens_total", ())] == 0
     assert before[("paradecode_early_exits_total", (("layer", "1"),))] == 0  # every exit layer, from the start
+    assert before[("process_resident_memory_bytes", ())] > 0  # the process collector (Linux): the server's RSS
     keep_going = {"ignore_eos": True}
     answers = [
         client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, extra_body=keep_going),

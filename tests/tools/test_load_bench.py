@@ -1,0 +1,95 @@
+"""paradecode-loadtest: a small load run against real servers in subprocesses, and its argument checks."""
+
+import json
+
+import pytest
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.tools import load_bench
+from paradecode.tools.load_client import LoadSettings, request_of
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_load_run_against_paradecode_and_ar(stories_export, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    argv = [str(stories_export[0]), "--requests", "8", "--concurrency", "4", "--modes", "paradecode,ar"]
+    argv += ["--max-tokens", "8", "--replicas", "1", "--ignore-eos", "--rounds", "2", "--json", str(out)]
+    assert load_bench.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| mode | requests | errors | TTFT p50 |" in table and "paradecode tokens/s over ar: " in table
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("paradecode-loadtest ") and "cpus" in data["machine"]
+    assert set(data["servers"]) == {"paradecode", "ar"}
+    for mode in ("paradecode", "ar"):
+        records = [r for r in data["records"] if r["target"] == mode]
+        assert len(records) == 8 and sorted(r["index"] for r in records) == list(range(8))
+        assert {r["round"] for r in records} == {0, 1}
+        for r in records:
+            assert r["error"] is None, r
+            assert 0 < r["first_token_seconds"] <= r["latency_seconds"], r
+            assert r["completion_tokens"] == 8 and r["tokens_from"] == "usage", r  # --ignore-eos: all 8
+            assert r["endpoint"] == "completions" and r["finish_reason"] == "length", r  # no chat template: text
+        row = data["summary"][mode]
+        assert row["requests"] == 8 and row["errors"] == 0 and row["completion_tokens"] == 64
+        assert row["tokens_per_second"] > 0 and row["ttft_ms_p50"] <= row["ttft_ms_p95"]
+        assert row["rss_mb_before"] > 0 and row["rss_mb_after"] > 0 and row["rss_mb_growth"] is not None
+    assert data["paradecode_vs_ar"] > 0
+
+
+def parse(*flags: str):
+    return load_bench.build_parser().parse_args(["DIR", *flags])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--requests", "0"), "--requests must be an integer of at least 1, got 0"),
+        (("--concurrency", "-2"), "--concurrency must be an integer of at least 1, got -2"),
+        (
+            ("--modes", "paradecode,fast"),
+            "--modes 'paradecode,fast': expected comma-separated modes from ar, paradecode; not 'fast'",
+        ),
+        (("--modes", ","), "--modes ',': expected comma-separated modes"),
+        (("--modes", "ar,ar"), "--modes 'ar,ar' names a mode more than once"),
+        (("--rounds", "0"), "--rounds must be an integer of at least 1"),
+        (("--max-tokens", "0"), "--max-tokens must be an integer of at least 1"),
+        (("--replicas", "0"), "--replicas must be at least 1"),
+        (("--temperature", "3"), "--temperature must be in [0, 2]"),
+        (("--request-timeout", "0"), "--request-timeout must be a positive number"),
+        (("--url", "localhost:8000"), "--url 'localhost:8000': expected the server's address"),
+        (("--url", "http://127.0.0.1:1", "--modes", "ar"), "--modes set how this tool starts its servers"),
+    ],
+)
+def test_bad_flags_are_named(flags, message):
+    with pytest.raises(UserInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_bench.check_args(parse(*flags))
+
+
+def test_targets_settings_and_requests_from_the_flags(capsys):
+    assert load_bench.check_args(parse()) == (["paradecode", "ar"], LoadSettings())
+    assert load_bench.check_args(parse("--modes", " ar "))[0] == ["ar"]
+    names, settings = load_bench.check_args(parse("--url", "http://127.0.0.1:8000", "--requests", "3", "--ignore-eos"))
+    assert names == [load_bench.URL_TARGET] and settings == LoadSettings(requests=3, rounds=3, ignore_eos=True)
+    assert LoadSettings(requests=10, rounds=4).edges() == [0, 2, 5, 7, 10]  # every request in one round
+    with pytest.raises(UserInputError, match="give DIR"):
+        load_bench.check_args(load_bench.build_parser().parse_args([]))
+    assert load_bench.main(["--requests", "0"]) == 2
+    assert "paradecode-loadtest: error: --requests must be an integer of at least 1, got 0" in capsys.readouterr().err
+
+    endpoint, request = request_of("Once upon", 3, LoadSettings(max_tokens=5))
+    assert endpoint == "completions" and request == {
+        "prompt": "Once upon",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    chat = [{"role": "user", "content": "Hi"}]
+    endpoint, request = request_of(chat, 3, LoadSettings(temperature=0.7, ignore_eos=True))
+    assert endpoint == "chat" and request["messages"] == chat
+    assert request["temperature"] == 0.7 and request["seed"] == 3 and request["extra_body"] == {"ignore_eos": True}
+
+
+def test_percentiles_are_measured_values():
+    assert load_bench.percentiles_ms([]) == (None, None)
+    assert load_bench.percentiles_ms([0.001 * i for i in range(1, 21)]) == pytest.approx((11.0, 19.0))
