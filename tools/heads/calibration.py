@@ -118,7 +118,7 @@ class LayerSearch:
         change = (
             exits * self.exit_costs(cascade)
             + np.count_nonzero(reaches & self.c.wrong, axis=1) * self.cost.lost
-            - np.where(exiting, cascade.costs, 0.0).sum(axis=1)  # what the positions now exiting there cost before
+            - exiting.astype(np.float64) @ cascade.costs  # what the positions now exiting there cost before
             + (np.count_nonzero(reaches, axis=1) - exits) * self.cost.head
         )
         totals = (cascade.costs.sum() + change) / cascade.costs.size
@@ -129,7 +129,8 @@ class LayerSearch:
         """The cascade with candidate i added (its layer not in it yet), with the cost of each position under it."""
         reaches = cascade.first > i
         exiting = reaches & self.c.exits[i]
-        exit_cost = self.exit_costs(cascade)[i] + self.c.wrong[i] * self.cost.lost
+        below = sum(1 for j in cascade.chosen if self.c.layer[j] < self.c.layer[i])  # heads called on the way
+        exit_cost = self.cost.exit(float(self.depth[i]), below + 1) + self.c.wrong[i] * self.cost.lost
         costs = np.where(exiting, exit_cost, np.where(reaches, cascade.costs + self.cost.head, cascade.costs))
         return Cascade(tuple(sorted((*cascade.chosen, i))), np.where(exiting, i, cascade.first), costs)
 
@@ -146,10 +147,19 @@ class LayerSearch:
         for _ in range(len(set(self.c.layer.tolist()))):
             offers: dict[tuple[int, ...], tuple[float, Cascade, int]] = {}  # set -> (cost, cascade, candidate added)
             for cascade in beam:
-                for i, total in enumerate(self.totals(cascade).tolist()):
+                totals = np.round(self.totals(cascade), 9)
+                # Only a cascade's SEARCH_WIDTH cheapest additions (ties included) can be among the SEARCH_WIDTH
+                # cheapest sets of this size overall, so only those are keyed and ranked.
+                finite = np.isfinite(totals)
+                if not finite.any():
+                    continue
+                cut = np.partition(totals[finite], min(SEARCH_WIDTH, int(finite.sum())) - 1)[
+                    min(SEARCH_WIDTH, int(finite.sum())) - 1
+                ]
+                for i in np.nonzero(finite & (totals <= cut))[0].tolist():
                     key = tuple(sorted((*cascade.chosen, i)))
-                    if np.isfinite(total) and key not in offers:
-                        offers[key] = (total, cascade, i)
+                    if key not in offers:
+                        offers[key] = (float(totals[i]), cascade, i)
             ranked = sorted(offers.items(), key=lambda item: ranking(item[1][0], item[0]))
             evaluated.update((key, total) for key, (total, _, _) in ranked)
             if not ranked or ranking(ranked[0][1][0], ()) >= ranking(best, ()):
@@ -165,9 +175,10 @@ class LayerSearch:
             improved = False
             for layer in sorted({int(self.c.layer[i]) for i in chosen}):
                 others = tuple(i for i in chosen if self.c.layer[i] != layer)
+                base = self.build(others)  # candidates add in any order: each option is one step from it
                 for option in [None, *np.nonzero(self.c.layer == layer)[0].tolist()]:
                     trial = tuple(sorted(others + ((option,) if option is not None else ())))
-                    total = self.build(trial).total
+                    total = (base if option is None else self.added(base, option)).total
                     if ranking(total, trial) < ranking(best, chosen):
                         chosen, best, improved = trial, total, True
             if not improved:
