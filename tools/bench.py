@@ -184,7 +184,8 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
     lookups = parse_lookups(args.lookup)
-    sampling = {"temperature": args.temperature} if args.temperature else {}
+    # one seed for every run: draws are keyed by (seed, position, purpose), so the ar rows sample alike
+    sampling = {"temperature": args.temperature, "seed": 0} if args.temperature else {}
     modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:
         for threshold in thresholds:
