@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from paradecode.runtime import NEVER
+from paradecode.tools.parity_report import scorer
 
 NEAR_TIE = 1e-4  # logit margin below which float rounding may pick either token
 
@@ -84,20 +85,4 @@ def hf_scorer(model) -> Scorer:
 def export_scorer(model) -> Scorer:
     """Greedy choices and margins of a loaded paradecode export (its own subgraphs, one prefill-like call
     per layer over the whole sequence, in a cache of its own)."""
-
-    def score(sequence: list[int]) -> tuple[list[int], list[float]]:
-        backend = model.backend
-        cache = backend.allocate_cache()
-        positions = torch.arange(len(sequence))[None]
-        feeds = {"input_ids": torch.tensor([sequence])}
-        if backend.spec.positions == "learned":
-            feeds["positions"] = positions
-        hidden = backend.run("embed", feeds)["hidden"]
-        for layer in range(1, backend.spec.num_layers + 1):
-            key, value = cache.layer(layer)
-            feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
-            hidden = backend.run(f"layer_{layer}", feeds)["hidden_out"]
-        out = backend.run("final", {"hidden": hidden})
-        return out["token"].reshape(-1).tolist(), out["margin"].reshape(-1).tolist()
-
-    return score
+    return scorer(model)

@@ -43,22 +43,28 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def teacher_forced(model, sequence: list[int]) -> dict[str, torch.Tensor]:
+    """The final head's outputs after every position of `sequence`, from the export's own subgraphs: one
+    prefill-like call per layer over the whole sequence, in a cache of its own (the model's is untouched)."""
+    backend = model.backend
+    cache = backend.allocate_cache()
+    positions = torch.arange(len(sequence), device=backend.device)[None]
+    feeds = {"input_ids": torch.tensor([sequence], device=backend.device)}
+    if backend.spec.positions == "learned":
+        feeds["positions"] = positions
+    hidden = backend.run("embed", feeds)["hidden"]
+    for layer in range(1, backend.spec.num_layers + 1):
+        key, value = cache.layer(layer)
+        feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
+        hidden = backend.run(f"layer_{layer}", feeds)["hidden_out"]
+    return backend.run("final", {"hidden": hidden})
+
+
 def scorer(model):
-    """prompt+tokens -> (top-1 per position, top-1/top-2 margin per position), one call per layer."""
+    """prompt+tokens -> (top-1 per position, top-1/top-2 margin per position)."""
 
     def score(sequence: list[int]) -> tuple[list[int], list[float]]:
-        backend = model.backend
-        cache = backend.allocate_cache()
-        positions = torch.arange(len(sequence), device=backend.device)[None]
-        feeds = {"input_ids": torch.tensor([sequence], device=backend.device)}
-        if backend.spec.positions == "learned":
-            feeds["positions"] = positions
-        hidden = backend.run("embed", feeds)["hidden"]
-        for layer in range(1, backend.spec.num_layers + 1):
-            key, value = cache.layer(layer)
-            feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
-            hidden = backend.run(f"layer_{layer}", feeds)["hidden_out"]
-        out = backend.run("final", {"hidden": hidden})
+        out = teacher_forced(model, sequence)
         return out["token"].reshape(-1).tolist(), out["margin"].float().reshape(-1).tolist()
 
     return score

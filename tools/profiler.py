@@ -153,7 +153,8 @@ def kernel_intervals(trace: Path) -> dict[int, list[tuple[float, float]]]:
 
 def kernel_report(trace: Path, png: Path, window_ms: float = 5.0) -> list[str]:
     """What the GPU did: kernel time per stream, the time two streams' kernels ran at once, the share of the
-    traced wall time the GPU ran any kernel, and a PNG of the busiest `window_ms` of the two busiest streams."""
+    traced wall time the GPU ran any kernel, and a PNG of the two busiest streams over `window_ms` from where
+    they first overlap."""
     streams = kernel_intervals(trace)
     if not streams:
         return [f"  {trace}: no CUDA kernels recorded"]
@@ -178,6 +179,7 @@ def kernel_report(trace: Path, png: Path, window_ms: float = 5.0) -> list[str]:
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, merged interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
@@ -232,14 +234,7 @@ def overlap_seconds(spans, lane_a: str, lane_b: str) -> float:
     """Total time during which both lanes were inside a call."""
     a = _merged([(s.start, s.end) for s in spans if s.lane == lane_a])
     b = _merged([(s.start, s.end) for s in spans if s.lane == lane_b])
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+    return _overlap(a, b)
 
 
 def chrome_trace(spans, metadata: dict) -> dict:

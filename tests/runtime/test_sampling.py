@@ -17,6 +17,7 @@ import torch
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
 from paradecode.runtime.sampling import Draws, Proposal, SamplingParams, distribution, verify
+from paradecode.tools.parity_report import teacher_forced
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,18 +29,7 @@ PARAMS = SamplingParams(temperature=1.0, top_k=5, top_p=0.95)
 
 def final_distributions(model, sequence: list[int], params: SamplingParams) -> torch.Tensor:
     """The target distribution after every position of `sequence`, from the export's own subgraphs."""
-    backend = model.backend
-    cache = backend.allocate_cache()
-    positions = torch.arange(len(sequence))[None]
-    feeds = {"input_ids": torch.tensor([sequence])}
-    if backend.spec.positions == "learned":
-        feeds["positions"] = positions
-    hidden = backend.run("embed", feeds)["hidden"]
-    for layer in range(1, backend.spec.num_layers + 1):
-        key, value = cache.layer(layer)
-        feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
-        hidden = backend.run(f"layer_{layer}", feeds)["hidden_out"]
-    logits = backend.run("final", {"hidden": hidden})["logits"][0]
+    logits = teacher_forced(model, sequence)["logits"][0]
     return torch.stack([distribution(row, params) for row in logits])
 
 
