@@ -45,7 +45,9 @@ from paradecode.runtime.tokenizer import TextStream, TextTokenizer
 logger = logging.getLogger(__name__)
 
 # Which overlap `auto` means per device. CPU: batched was fastest in `paradecode-bench` on the demo model
-# (tools/results/cpu-2core/bench-demo.md). CUDA: both, not yet measured on a GPU.
+# (tools/results/cpu-2core/bench-demo.md). CUDA: both, not settled by the one GPU run so far
+# (tools/results/NVIDIA-H100-80GB-HBM3/: batched followed its bound in the 0.5B characterisation while streams
+# and both did not, but both was ahead on SmolLM2 in a single noisy run; decoding there is host-bound).
 AUTO_OVERLAP = {"cpu": "batched", "cuda": "both"}
 
 
