@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from paradecode.export.known_models import known_models_help
+from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
 from paradecode.graphs.tensors import DTYPES
 
@@ -41,16 +42,6 @@ def dtype_name(text: str) -> str:
     if name not in DTYPES:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; expected one of {', '.join(DTYPES)}")
     return name
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,17 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
+from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import UserInputError, run_command
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def id_list(text: str) -> list[int]:

@@ -21,7 +21,8 @@ logger = logging.getLogger("paradecode.train_heads")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from paradecode.export.cli import MODEL_HELP, layer_list, positive_int
+    from paradecode.export.cli import MODEL_HELP, layer_list
+    from paradecode.graphs.arguments import positive_int
     from paradecode.tools.heads.pipeline import COSTS, HeadsConfig
     from paradecode.tools.prompt_sets import NAMES_HELP
 

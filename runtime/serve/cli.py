@@ -12,30 +12,10 @@ import json
 import logging
 import sys
 
+from paradecode.graphs.arguments import non_negative_int, positive_float, positive_int
 from paradecode.graphs.errors import MissingDependencyError, UserInputError, run_command
-from paradecode.runtime.cli import positive_int
 
 PROG = "paradecode-serve"
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value:g}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def json_object(text: str) -> dict:
