@@ -13,9 +13,11 @@ import logging
 import sys
 from pathlib import Path
 
+from paradecode.export.config import WEIGHT_SETTINGS
 from paradecode.export.known_models import known_models_help
 from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
+from paradecode.graphs.quantization import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
 
 MODEL_HELP = (
@@ -69,6 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dtype", type=dtype_name, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_SETTINGS,
+        default="auto",
+        help="how weights are stored: auto (default) keeps a GGUF file's own 4/5/6/8-bit blocks exactly (Q4_0, Q4_1, "
+        "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and is float for other sources; float stores them in --dtype; "
+        "int8/int4 quantize a float model's matrices blockwise with onnxruntime's quantizer",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="int8",
+        help="what quantized weights multiply: int8 (default; activations rounded to 8 bits per block, as "
+        "onnxruntime-genai and llama.cpp do: the faster) or float (float32 activations: the reference, "
+        "closer to PyTorch on the dequantized weights)",
     )
     parser.add_argument(
         "--max-seq-len",
@@ -146,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             exit_layers=args.exit_layers,
             heads=args.heads,
             dtype=args.dtype,
+            weights=args.weights,
+            activations=args.activations,
             max_seq_len=args.max_seq_len,
             max_batch=args.max_batch,
             max_unverified=args.max_unverified,

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.quantization import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
 
 ENGINES = ("onnx", "tensorrt")
+WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/quantize.py
 MIN_OPSET = 24  # TensorScatter, the in-place KV-cache write, is an opset-24 operator
 MAX_OPSET = 24  # the highest opset the exporter and onnxruntime are tested with here
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -22,6 +24,11 @@ class ExportConfig:
     exit_layers: tuple[int, ...] | None = None  # None: an even spread (L/4, L/2, 3L/4), or the heads file's
     heads: Path | None = None
     dtype: str = "float32"
+    # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
+    # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/quantize.py)
+    weights: str = "auto"
+    # what quantized graphs compute with: int8 (activations quantized per block, the faster) or float
+    activations: str = "int8"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
     max_batch: int = 1
     max_unverified: int = 5
@@ -40,6 +47,19 @@ class ExportConfig:
             object.__setattr__(self, "heads", Path(self.heads))
         if self.dtype not in DTYPES:
             raise UserInputError(f"dtype {self.dtype!r} is not supported; expected one of {', '.join(DTYPES)}.")
+        if self.weights not in WEIGHT_SETTINGS:
+            raise UserInputError(
+                f"weights {self.weights!r} is not supported; expected one of {', '.join(WEIGHT_SETTINGS)}."
+            )
+        if self.activations not in ACTIVATIONS:
+            raise UserInputError(
+                f"activations {self.activations!r} is not supported; expected one of {', '.join(ACTIVATIONS)}."
+            )
+        if self.weights in ("int8", "int4") and self.dtype != "float32":
+            raise UserInputError(
+                f"--weights {self.weights} exports compute in float32 (onnxruntime's MatMulNBits on the CPU); "
+                f"--dtype {self.dtype} is for dense exports: pass --weights float with it, or drop --dtype."
+            )
         if self.engine not in ENGINES:
             raise UserInputError(f"engine {self.engine!r} is not supported; expected one of {', '.join(ENGINES)}.")
         if not MIN_OPSET <= self.opset <= MAX_OPSET:

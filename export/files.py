@@ -19,8 +19,7 @@ import torch
 from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain, raise_if_interrupted
 from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
 from paradecode.graphs.ops import TORCH_DTYPES
-from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import SubgraphIO
+from paradecode.graphs.quantized import QuantizedWeight
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports an OS error
@@ -100,11 +99,16 @@ def megabytes(size: int) -> str:
     return f"{size / 1e6:,.1f} MB"
 
 
-def export_bytes(spec: ModelSpec, plan: list[SubgraphIO], weights: dict[str, torch.Tensor], dtype: str) -> int:
-    """About how many bytes an export takes: the weights file holds every weight once and the ONNX graphs
-    point into it (TensorRT engines, which hold their own weights, come on top)."""
+def export_bytes(weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], dtype: str) -> int:
+    """About how many bytes an export takes: the weights file holds every weight once (quantized ones as their
+    blocks) and the ONNX graphs point into it (TensorRT engines, which hold their own weights, come on top)."""
     itemsize = TORCH_DTYPES[dtype].itemsize
-    return sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for t in weights.values())
+    dense = sum(
+        t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+        for name, t in weights.items()
+        if name not in quantized
+    )
+    return dense + sum(t.numel() * t.element_size() for q in quantized.values() for t in q.parts().values())
 
 
 def publishable(folder: Path) -> None:
@@ -115,19 +119,26 @@ def publishable(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def save_weights(path: Path, weights: dict[str, torch.Tensor], dtype: str) -> None:
+def save_weights(
+    path: Path, weights: dict[str, torch.Tensor], dtype: str, quantized: dict[str, QuantizedWeight] | None = None
+) -> None:
     """The export's one weights file: every canonical weight once, in the export dtype (rotary frequencies
-    stay float32, token ids int64). The torch backend loads it; every ONNX graph points into it."""
+    stay float32, token ids int64), a quantized one as its stored parts (`{name}.qweight`, ...). The torch
+    backend loads it; every ONNX graph points into it."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    quantized = quantized or {}
     cast = {
         k: (v if k == "rope.inv_freq" or not v.is_floating_point() else v.to(TORCH_DTYPES[dtype]))
         .detach()
         .contiguous()
         .clone()
         for k, v in weights.items()
+        if k not in quantized
     }
+    for name, weight in quantized.items():
+        cast.update({k: v.contiguous() for k, v in weight.stored(name).items()})
     try:
         save_file(cast, str(path), metadata={"format": "paradecode-weights/1"})
     except SafetensorError as err:  # Rust's I/O errors arrive as text: give OS errors back their errno

@@ -25,7 +25,9 @@ import torch
 from onnx import TensorProto, numpy_helper
 from torch.export import Dim
 
+from paradecode.export import onnx_quant
 from paradecode.graphs.errors import ValidationError
+from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.tensors import BATCH, POSITIONS, TOKENS, SubgraphIO
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,14 @@ DTYPE_NAMES = {
     TensorProto.FLOAT16: "float16",
     TensorProto.BFLOAT16: "bfloat16",
     TensorProto.INT64: "int64",
+}
+# safetensors' dtype codes as ONNX element types (the stored parts of quantized weights included).
+ONNX_TYPES = {
+    "F32": TensorProto.FLOAT,
+    "F16": TensorProto.FLOAT16,
+    "BF16": TensorProto.BFLOAT16,
+    "I64": TensorProto.INT64,
+    "U8": TensorProto.UINT8,
 }
 SMALL_CONSTANT = 64  # unmatched float initializers up to this size are structural constants (scales, eps)
 
@@ -132,12 +142,13 @@ def tensor_of(init: TensorProto) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Where one canonical weight lies in the export's weights file (a safetensors file)."""
+    """Where one tensor lies in the export's weights file (a safetensors file)."""
 
     location: str  # the file's name, relative to the folder of the graphs that read it
     offset: int  # of the tensor's first byte in the file
     length: int  # bytes
     shape: tuple[int, ...]
+    dtype: str  # safetensors' dtype code: "F32", "F16", "U8", ...
 
 
 def stored_tensors(path: Path) -> dict[str, StoredTensor]:
@@ -152,6 +163,7 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
             start + info["data_offsets"][0],
             info["data_offsets"][1] - info["data_offsets"][0],
             tuple(info["shape"]),
+            info["dtype"],
         )
         for name, info in header.items()
         if name != "__metadata__"
@@ -204,7 +216,11 @@ class GraphTemplate:
         return cls(model, sources, foreign)
 
     def instantiate(
-        self, io: SubgraphIO, canonical: dict[str, str], stored: dict[str, StoredTensor]
+        self,
+        io: SubgraphIO,
+        canonical: dict[str, str],
+        stored: dict[str, StoredTensor],
+        quantization: Quantization | None = None,
     ) -> onnx.ModelProto:
         """This graph for subgraph `io`, its weights read from the weights file.
 
@@ -212,17 +228,23 @@ class GraphTemplate:
         `stored` says where each canonical weight lies in the weights file. Every matched initializer
         becomes an external reference into that file (one copy of each weight on disk, whichever graphs
         read it); one the exporter had transposed reads the stored layout through a Transpose node, which
-        onnxruntime folds when it loads the graph.
+        onnxruntime folds when it loads the graph. The readers of a weight that `quantization` lists are
+        rewritten to read its quantized parts (export/onnx_quant.py).
         """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
         graph = model.graph
-        kept, transposes = [], []
+        graph.name = io.name
+        formats = quantization.weights if quantization is not None else {}
+        kept, transposes, readers = [], [], {}
         for init in graph.initializer:
             if init.name not in self.sources:
                 kept.append(init)
                 continue
             source, transposed = self.sources[init.name]
+            if canonical[source] in formats:
+                readers[init.name] = (canonical[source], transposed, formats[canonical[source]])
+                continue
             weight = stored[canonical[source]]
             itemsize = ONNX_ITEMSIZE[init.data_type]
             numel = int(torch.tensor(list(init.dims)).prod()) if init.dims else 1
@@ -242,7 +264,14 @@ class GraphTemplate:
         nodes = transposes + list(graph.node)
         del graph.node[:]
         graph.node.extend(nodes)
-        graph.name = io.name
+        if readers:
+
+            def part(name: str) -> TensorProto:
+                return external_initializer(name, ONNX_TYPES[stored[name].dtype], stored[name].shape, stored[name])
+
+            onnx_quant.rewrite(graph, readers, part, quantization.activations)
+            if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
         check_contract(model, io)
         return model
 

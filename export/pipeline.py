@@ -29,6 +29,7 @@ from paradecode.export.files import (
 )
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
+from paradecode.export.quantize import head_quantized, quantized_weights
 from paradecode.export.source import ModelSource, resolve_model
 from paradecode.export.tokenizer import save_tokenizer
 from paradecode.graphs.errors import UserInputError, ValidationError
@@ -42,6 +43,7 @@ from paradecode.graphs.manifest import (
 )
 from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
+from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
 
@@ -75,7 +77,14 @@ def export_model(config: ExportConfig) -> ExportResult:
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
+    quantized = quantized_weights(config.weights, source.gguf_path, weights)
     weights.update(head_weights(spec, weights, transforms, vocab))
+    quantized.update(head_quantized(quantized, weights, vocab))
+    quantization = None
+    if quantized:
+        quantization = Quantization(config.activations, {name: q.format for name, q in quantized.items()})
+    # What the graphs compute with: the float weights, each quantized one as its blocks dequantize.
+    reference = {**weights, **{name: q.dequantize() for name, q in quantized.items()}}
     plan = export_plan(
         spec,
         exit_layers,
@@ -94,21 +103,22 @@ def export_model(config: ExportConfig) -> ExportResult:
         spec.num_layers,
         spec.hidden_size,
         config.output,
-        config.dtype,
+        weights_summary(config, quantization),
         max_seq_len,
         ",".join(map(str, exit_layers)),
         "trained" if transforms else "identity",
     )
 
-    with staged_folder(config.output, config.force, export_bytes(spec, plan, weights, config.dtype)) as folder:
+    needed = export_bytes(weights, quantized, config.dtype)
+    with staged_folder(config.output, config.force, needed) as folder:
         tokenizer_files = save_tokenizer(source, folder / TOKENIZER_DIR)
         (folder / WEIGHTS_NAME).parent.mkdir(parents=True, exist_ok=True)
-        save_weights(folder / WEIGHTS_NAME, weights, config.dtype)  # first: the graphs point into it
+        save_weights(folder / WEIGHTS_NAME, weights, config.dtype, quantized)  # first: the graphs point into it
         checklist, onnx_files = write_subgraphs(
             folder,
             hf_model,
             spec,
-            weights,
+            Weights(weights, reference, quantization),
             plan,
             config,
             max_seq_len,
@@ -144,6 +154,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             files=file_hashes(folder),
             tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
             tensorrt=tensorrt,
+            quantization=quantization,
             paradecode_version=package_version(),
         )
         manifest.write(folder)
@@ -313,11 +324,29 @@ def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
     return (io.kind,)
 
 
+@dataclass(frozen=True)
+class Weights:
+    """An export's weights three ways: as the source gave them (`float`, what slicing is checked with), as the
+    graphs compute with them (`reference`: each quantized weight as its blocks dequantize, the rest as given),
+    and which are quantized and how (`quantization`, None for a float export)."""
+
+    float: dict[str, torch.Tensor]
+    reference: dict[str, torch.Tensor]
+    quantization: Quantization | None
+
+
+def weights_summary(config: ExportConfig, quantization: Quantization | None) -> str:
+    if quantization is None:
+        return f"{config.dtype} weights"
+    sources = ", ".join(f"{n} {kind}" for kind, n in quantization.sources().items())
+    return f"quantized weights ({sources}), {quantization.activations} activations"
+
+
 def write_subgraphs(
     folder: Path,
     hf_model,
     spec: ModelSpec,
-    weights: dict,
+    all_weights: Weights,
     plan: list[SubgraphIO],
     config: ExportConfig,
     max_seq_len: int,
@@ -325,13 +354,17 @@ def write_subgraphs(
 ) -> tuple[validate.Checklist, dict[str, str]]:
     """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
     dtype = TORCH_DTYPES[config.dtype]
+    weights, quantization = all_weights.reference, all_weights.quantization
+    tolerance = validate.tolerance_of(config.dtype, quantization)
     checklist = validate.Checklist()
-    fp32 = {io.name: build_subgraph(spec, io, weights, with_logits=config.with_logits) for io in plan}
+    fp32 = {io.name: build_subgraph(spec, io, all_weights.float, with_logits=config.with_logits) for io in plan}
     checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
+    # A tolerance relative to the logits needs them from the heads' modules, whatever the graphs output.
+    logits = config.with_logits or tolerance.of_max
     modules = (
         fp32
-        if dtype == torch.float32
-        else {io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits) for io in plan}
+        if dtype == torch.float32 and quantization is None
+        else {io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=logits) for io in plan}
     )
     real = validate.real_inputs(modules, plan, spec, ids, max_seq_len=max_seq_len, dtype=dtype)
     export_args = dict(
@@ -359,7 +392,7 @@ def write_subgraphs(
             how = "traced"
         canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights).items()}
         relative = onnx_path(io.name)
-        save_onnx(template.instantiate(io, canonical, stored), folder / relative)
+        save_onnx(template.instantiate(io, canonical, stored, quantization), folder / relative)
         files[io.name] = relative
         cases = [
             (
@@ -377,7 +410,9 @@ def write_subgraphs(
             for t in (1, 4)
         ]
         cases += [(f"real {n}", inputs) for n, inputs in enumerate(real[io.name])]
-        check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, config.dtype))
+        check = checklist.add(
+            validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, tolerance)
+        )
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
         logger.info(
             "[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import ManifestError, UnsupportedModelError
+from paradecode.graphs.quantization import Quantization, canonical_shape
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import BATCH, DTYPES, KINDS, LOGITS, TOKENS, SubgraphIO, TensorSpec, export_plan
 from paradecode.graphs.untrusted import (
@@ -59,7 +60,10 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 2  # 2: files record {"sha256", "bytes"}; the structure is checked against the contract
+# 2: files record {"sha256", "bytes"}; the structure is checked against the contract. 3: quantized weights
+# (`quantization`). A version-2 manifest is read as what it is, an export with float weights.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest of a 100-layer model is well under 1 MiB
 WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external data points into it
 TOKENIZER_DIR = "tokenizer"
@@ -186,6 +190,7 @@ class Manifest:
     tensorrt: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
+    quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
     paradecode_version: str = "unknown"
     format_version: int = FORMAT_VERSION
 
@@ -227,6 +232,7 @@ class Manifest:
             "weights": self.weights,
             "tokenizer": list(self.tokenizer),
             "tensorrt": self.tensorrt,
+            "quantization": None if self.quantization is None else self.quantization.to_dict(),
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
         }
 
@@ -269,6 +275,7 @@ class Manifest:
             ),
             weights=check_relative(data.get("weights", WEIGHTS_NAME), "weights"),
             tensorrt=_tensorrt(data.get("tensorrt")),
+            quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
             calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
             paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
             format_version=json_integer(json_field(data, "format_version", ""), "format_version"),
@@ -307,6 +314,21 @@ class Manifest:
             json_integer(eos, "model.eos_token_id", minimum=0)
         self._check_subgraphs()
         self._check_named_files()
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.dtype != "float32":
+            raise ManifestError(f"quantization is set and dtype is {show(self.dtype)}; quantized exports are float32.")
+        for name, fmt in sorted(self.quantization.weights.items()):
+            shape = canonical_shape(self.spec, name, self.head_vocab)
+            if shape is None:
+                raise ManifestError(f"quantization.weights names {show(name)}, which this model does not have.")
+            if fmt.shape != shape:
+                raise ManifestError(
+                    f"quantization.weights.{name}.shape is {list(fmt.shape)}; the spec gives {list(shape)}."
+                )
 
     def _check_subgraphs(self) -> None:
         settings = dict(
@@ -428,12 +450,15 @@ def read_manifest(folder: str | Path) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
         raise ManifestError(f"{path} is not valid JSON ({type(err).__name__}: {err}). {REEXPORT}") from err
     version = data.get("format_version") if isinstance(data, dict) else None
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         why = " (version 1 records no file sizes, which are needed to check files safely)" if version == 1 else ""
         raise ManifestError(
-            f"{path} has manifest format version {show(version)}; this paradecode reads version "
-            f"{FORMAT_VERSION}{why}. Re-export the model with this version: `paradecode-export MODEL -o DIR --force`."
+            f"{path} has manifest format version {show(version)}; this paradecode reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}{why}. Re-export the model with this version: "
+            "`paradecode-export MODEL -o DIR --force`."
         )
+    if version == 2 and isinstance(data, dict) and data.get("quantization") is not None:
+        raise ManifestError(f"{path} is a version-2 manifest with quantized weights, which version 2 cannot have.")
     try:
         return Manifest.from_dict(data)
     except ManifestError as err:

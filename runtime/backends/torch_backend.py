@@ -1,7 +1,8 @@
 """The torch backend: runs the `graphs` modules directly, on a CPU or a CUDA device.
 
 It is the reference the other backends are compared with, and the GPU path where TensorRT is
-absent. Weights come from the export's `weights.safetensors`, under the canonical names.
+absent. Weights come from the export's `weights.safetensors`, under the canonical names; quantized
+ones are dequantized on load (graphs/quantized.py), so they are held in float.
 
 On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count, lane)
 is captured at its first use, from that very call's inputs (so the warm-up runs before the capture
@@ -21,6 +22,7 @@ import torch
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.modules import build_subgraph
+from paradecode.graphs.quantized import dequantized
 from paradecode.graphs.tensors import IN_PLACE, LOGITS, subgraph_io
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.loader import ExportFolder
@@ -69,6 +71,9 @@ class TorchBackend(Backend):
         except Exception as err:  # safetensors raises its own error type for a damaged file
             raise ManifestError(f"cannot read {path} ({err}); re-export the model.") from err
         manifest = self.manifest
+        # Quantized weights run dequantized (to float32, then the export's dtype): the reference their
+        # onnxruntime graphs were validated against.
+        weights = dequantized(weights, manifest.quantization)
         self.modules: dict[str, torch.nn.Module] = {}
         for sub in manifest.subgraphs:
             with_logits = LOGITS in sub.io.output_names

@@ -116,7 +116,7 @@ def hashed_bytes(monkeypatch) -> list[int]:
 @pytest.mark.timeout(60)
 def test_an_export_records_each_files_size_and_opens_through_checked_paths(folder):
     data = json.loads((folder / "manifest.json").read_text())
-    assert data["format_version"] == FORMAT_VERSION == 2
+    assert data["format_version"] == FORMAT_VERSION == 3
     for name, entry in data["files"].items():
         assert entry == record(folder / name), name
     export = open_export(folder)
@@ -471,7 +471,7 @@ def test_a_version_1_manifest_asks_for_a_re_export(folder):
     rewrite(folder, to_version_1)
     refused(
         folder,
-        r"manifest\.json has manifest format version 1; this paradecode reads version 2 \(version 1 records no file "
+        r"manifest\.json has manifest format version 1; this paradecode reads versions 2, 3 \(version 1 records no file "
         r"sizes, which are needed to check files safely\)\. Re-export the model with this version: "
         r"`paradecode-export MODEL -o DIR --force`",
     )

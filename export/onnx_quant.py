@@ -1,0 +1,275 @@
+"""Quantized weights in the ONNX graphs: a traced graph's float MatMul and Gather rewritten to read them.
+
+Templates are traced from float modules (export/onnx_export.py). When a graph is instantiated for a
+subgraph whose weight is quantized (graphs/quantized.py), the nodes that read that weight are
+rewritten to read its stored parts from the export's weights file, as they are:
+
+- `MatMul(x, W^T)` (a Linear) becomes onnxruntime's `com.microsoft.MatMulNBits(x, qweight, scales,
+  zero_points)`, with `accuracy_level` 4 for int8 activations (the faster, the default) or 0 for float
+  activations. A weight with minima adds their product with x's per-block sums, a small dense product:
+  y = MatMulNBits(x) + blocksum(x) @ mins^T (the decomposition llama.cpp computes for Q4_1 and the
+  K-quants; MatMulNBits' own float zero points would be exact too but were ~20x slower here), with
+  the values centred on their midpoint (`_centred_mins`). With float
+  activations, 8-bit weights are dequantized in the graph instead (onnxruntime folds that into a float
+  weight when it loads the graph): MatMulNBits' float kernel for 8 bits was ~30x slower than a float MatMul.
+- `Gather(W, ids)` (an embedding) gathers the rows' stored parts and dequantizes only them, with the
+  same operations as `QuantizedWeight.dequantize`, so an embedding is exact.
+
+Scales and minima stored as float16 are cast to float32 in the graph (folded when onnxruntime loads it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from paradecode.graphs.errors import ValidationError
+from paradecode.graphs.quantization import WeightFormat
+
+MS_DOMAIN = "com.microsoft"
+ACCURACY_LEVEL = {"int8": 4, "float": 0}
+
+
+class Rewriter:
+    """Builds the nodes and constants that replace the readers of one graph's quantized weights.
+
+    `stored(name)` gives the external initializer of a stored part (`{weight}.qweight`, ...); each is added
+    to the graph once however many nodes read it.
+    """
+
+    def __init__(self, graph_name: str, stored: Callable[[str], TensorProto], activations: str):
+        self.graph_name, self.stored, self.activations = graph_name, stored, activations
+        self.nodes: dict[str, list[onnx.NodeProto]] = {}  # output of a replaced node -> its replacement
+        self.initializers: dict[str, TensorProto] = {}
+        self.counter = 0
+
+    def _name(self, hint: str) -> str:
+        self.counter += 1
+        return f"/quant/{hint}_{self.counter}"
+
+    def _part(self, weight: str, part: str) -> str:
+        name = f"{weight}.{part}"
+        if name not in self.initializers:
+            self.initializers[name] = self.stored(name)
+        return name
+
+    def _const(self, hint: str, value: np.ndarray) -> str:
+        name = self._name(hint)
+        self.initializers[name] = numpy_helper.from_array(value, name)
+        return name
+
+    def _float(self, nodes: list, weight: str, part: str, fmt_dtype: str) -> str:
+        """A stored float part as float32: a Cast where it is stored as float16."""
+        name = self._part(weight, part)
+        if fmt_dtype == "float32":
+            return name
+        out = self._name(f"{part}_f32")
+        nodes.append(helper.make_node("Cast", [name], [out], to=TensorProto.FLOAT))
+        return out
+
+    # --- MatMul -------------------------------------------------------------------------------
+    def matmul(self, node: onnx.NodeProto, weight: str, fmt: WeightFormat) -> None:
+        """Replace `MatMul(x, W^T)` [.., K] x [K, N] with its quantized form."""
+        x, (out,) = node.input[0], node.output
+        nodes: list[onnx.NodeProto] = []
+        if fmt.bits == 8 and self.activations == "float":
+            dense = self._dequantized(nodes, weight, fmt, transpose=True)
+            nodes.append(helper.make_node("MatMul", [x, dense], [out]))
+            self.nodes[out] = nodes
+            return
+        n, k = fmt.shape
+        scales = self._float(nodes, weight, "scales", fmt.scales)
+        inputs = [x, self._part(weight, "qweight"), scales]
+        if fmt.zero_points and fmt.mins is None:
+            inputs.append(self._part(weight, "zero_points"))
+        product = out if fmt.mins is None else self._name("nbits")
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                inputs,
+                [product],
+                domain=MS_DOMAIN,
+                K=k,
+                N=n,
+                bits=fmt.bits,
+                block_size=fmt.block_size,
+                accuracy_level=ACCURACY_LEVEL[self.activations],
+            )
+        )
+        if fmt.mins is not None:
+            if k % fmt.block_size:
+                raise ValidationError(f"{weight}: minima need whole blocks (K {k}, block size {fmt.block_size}).")
+            blocked, sums, mins_t, correction = (self._name(h) for h in ("blocked", "sums", "mins_t", "correction"))
+            shape = self._const("shape", np.array([0, 0, fmt.blocks, fmt.block_size], dtype=np.int64))
+            axes = self._const("axes", np.array([-1], dtype=np.int64))
+            mins = self._centred_mins(nodes, weight, fmt, scales)
+            nodes += [
+                helper.make_node("Reshape", [x, shape], [blocked]),
+                helper.make_node("ReduceSum", [blocked, axes], [sums], keepdims=0),
+                helper.make_node("Transpose", [mins], [mins_t], perm=[1, 0]),
+                helper.make_node("MatMul", [sums, mins_t], [correction]),
+                helper.make_node("Add", [product, correction], [out]),
+            ]
+        self.nodes[out] = nodes
+
+    def _centred_mins(self, nodes: list, weight: str, fmt: WeightFormat, scales: str) -> str:
+        """The minima for values centred on the midpoint c = 2**(bits - 1): scale * (q - z) + min equals
+        scale * (q - c) + (min + (c - z) * scale), float32 [N, B].
+
+        A weight with minima multiplies values q - c that lie around zero (GGUF's values are stored so), not
+        the uncentred q - z: with int8 activations, MatMulNBits' rounding error is then a share of the centred
+        product rather than of two large terms that cancel (measured on SmolLM2's Q4_1 layers: 5-7% of a
+        layer's output uncentred). Computed from initializers only, so onnxruntime folds it when it loads."""
+        mins = self._float(nodes, weight, "mins", fmt.mins)
+        if not fmt.zero_points:
+            return mins
+        zero = self._unpacked(nodes, self._part(weight, "zero_points"), fmt.bits, rank=2)
+        cut, shift, scaled, centred = (self._name(h) for h in ("zero_cut", "shift", "shift_scaled", "mins_c"))
+        midpoint = self._const("midpoint", np.array(float(1 << (fmt.bits - 1)), dtype=np.float32))
+        nodes += [
+            self._slice_last(zero, cut, fmt.blocks),
+            helper.make_node("Sub", [midpoint, cut], [shift]),
+            helper.make_node("Mul", [shift, scales], [scaled]),
+            helper.make_node("Add", [mins, scaled], [centred]),
+        ]
+        return centred
+
+    def _dequantized(self, nodes: list, weight: str, fmt: WeightFormat, *, transpose: bool) -> str:
+        """The whole weight dequantized in the graph: float32 [N, K], or [K, N] with `transpose`."""
+        values = self._name("values")
+        nodes.append(helper.make_node("Cast", [self._part(weight, "qweight")], [values], to=TensorProto.FLOAT))
+        dense = self._affine(nodes, weight, fmt, values, gathered=None)
+        flat, cut = self._name("flat"), self._name("dense")
+        n, k = fmt.shape
+        nodes.append(
+            helper.make_node("Reshape", [dense, self._const("shape", np.array([n, -1], dtype=np.int64))], [flat])
+        )
+        nodes.append(self._slice_last(flat, cut, k))
+        if not transpose:
+            return cut
+        out = self._name("dense_t")
+        nodes.append(helper.make_node("Transpose", [cut], [out], perm=[1, 0]))
+        return out
+
+    # --- Gather -------------------------------------------------------------------------------
+    def gather(self, node: onnx.NodeProto, weight: str, fmt: WeightFormat) -> None:
+        """Replace `Gather(W, ids)` (axis 0) with a gather of the rows' stored parts, dequantized."""
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if axis != 0:
+            raise ValidationError(f"{weight}: a Gather on axis {axis} cannot read a quantized weight (rows only).")
+        ids, (out,) = node.input[1], node.output
+        nodes: list[onnx.NodeProto] = []
+        raw = self._name("rows")
+        nodes.append(helper.make_node("Gather", [self._part(weight, "qweight"), ids], [raw], axis=0))
+        values = self._unpacked(nodes, raw, fmt.bits, rank=4)  # ids [b, t] -> [b, t, B, block] float32
+        dense = self._affine(nodes, weight, fmt, values, gathered=ids)
+        flat = self._name("flat")
+        shape = self._const("shape", np.array([0, 0, -1], dtype=np.int64))
+        nodes.append(helper.make_node("Reshape", [dense, shape], [flat]))
+        nodes.append(self._slice_last(flat, out, fmt.shape[1]))
+        self.nodes[out] = nodes
+
+    def _unpacked(self, nodes: list, packed: str, bits: int, rank: int) -> str:
+        """uint8 bytes [.., m] (of rank `rank`) -> float32 values [.., m * 8 / bits] (4-bit: low nibble first)."""
+        out = self._name("values")
+        if bits == 8:
+            nodes.append(helper.make_node("Cast", [packed], [out], to=TensorProto.FLOAT))
+            return out
+        low, high, low_u, high_u, pair, merged = (
+            self._name(h) for h in ("low", "high", "low_u", "high_u", "pair", "merged")
+        )
+        last = self._const("axis", np.array([-1], dtype=np.int64))
+        shape = self._const("shape", np.array([0] * (rank - 1) + [-1], dtype=np.int64))  # [.., m, 2] -> [.., 2m]
+        mask, four = self._const("mask", np.array(0x0F, dtype=np.uint8)), self._const("four", np.array(4, np.uint8))
+        nodes += [
+            helper.make_node("BitwiseAnd", [packed, mask], [low]),
+            helper.make_node("BitShift", [packed, four], [high], direction="RIGHT"),
+            helper.make_node("Unsqueeze", [low, last], [low_u]),
+            helper.make_node("Unsqueeze", [high, last], [high_u]),
+            helper.make_node("Concat", [low_u, high_u], [pair], axis=-1),
+            helper.make_node("Reshape", [pair, shape], [merged]),
+            helper.make_node("Cast", [merged], [out], to=TensorProto.FLOAT),
+        ]
+        return out
+
+    def _affine(self, nodes: list, weight: str, fmt: WeightFormat, values: str, gathered: str | None) -> str:
+        """scale * (values - zero point) (+ min), per block: values [.., B, block] float32 -> [.., B, block].
+
+        `gathered`: the ids whose rows `values` holds (an embedding), None for the whole weight."""
+
+        def per_block(part: str, dtype: str | None) -> str:
+            name = self._part(weight, part)
+            if gathered is not None:
+                rows = self._name(f"{part}_rows")
+                nodes.append(helper.make_node("Gather", [name, gathered], [rows], axis=0))
+                name = rows
+            if part == "zero_points":
+                unpacked = self._unpacked(nodes, name, fmt.bits, rank=2 if gathered is None else 3)  # [.., B' >= B]
+                cut = self._name("zero_points_cut")
+                nodes.append(self._slice_last(unpacked, cut, fmt.blocks))
+                name = cut
+            elif dtype == "float16":
+                cast = self._name(f"{part}_f32")
+                nodes.append(helper.make_node("Cast", [name], [cast], to=TensorProto.FLOAT))
+                name = cast
+            expanded, last = self._name(f"{part}_b"), self._const("axis", np.array([-1], np.int64))
+            nodes.append(helper.make_node("Unsqueeze", [name, last], [expanded]))
+            return expanded
+
+        if fmt.zero_points:
+            zero = per_block("zero_points", None)
+        else:
+            zero = self._const("zero", np.array(float(1 << (fmt.bits - 1)), dtype=np.float32))
+        centred, scaled = self._name("centred"), self._name("scaled")
+        nodes += [
+            helper.make_node("Sub", [values, zero], [centred]),
+            helper.make_node("Mul", [per_block("scales", fmt.scales), centred], [scaled]),
+        ]
+        if fmt.mins is None:
+            return scaled
+        shifted = self._name("shifted")
+        nodes.append(helper.make_node("Add", [scaled, per_block("mins", fmt.mins)], [shifted]))
+        return shifted
+
+    def _slice_last(self, x: str, out: str, length: int) -> onnx.NodeProto:
+        """x[..., :length] (a no-op where it is that long already: blocks padded past K are cut)."""
+        starts = self._const("starts", np.array([0], dtype=np.int64))
+        ends = self._const("ends", np.array([length], dtype=np.int64))
+        axes = self._const("axes", np.array([-1], dtype=np.int64))
+        return helper.make_node("Slice", [x, starts, ends, axes], [out])
+
+
+def rewrite(
+    graph: onnx.GraphProto,
+    readers: Mapping[str, tuple[str, bool, WeightFormat]],
+    stored: Callable[[str], TensorProto],
+    activations: str,
+) -> None:
+    """Rewrite every node of `graph` that reads one of `readers` (initializer name -> (canonical weight,
+    transposed, format)) to read the quantized weight instead. Fails on a reader it cannot rewrite."""
+    rewriter = Rewriter(graph.name, stored, activations)
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            if name not in readers:
+                continue
+            weight, transposed, fmt = readers[name]
+            if node.op_type == "MatMul" and position == 1 and transposed:
+                rewriter.matmul(node, weight, fmt)
+            elif node.op_type == "Gather" and position == 0 and not transposed:
+                rewriter.gather(node, weight, fmt)
+            else:
+                raise ValidationError(
+                    f"{graph.name}: the quantized weight {weight} is read by {node.op_type} (input {position}"
+                    f"{', transposed' if transposed else ''}); only a Linear's MatMul and an embedding's Gather "
+                    "can read a quantized weight."
+                )
+    nodes = []
+    for node in graph.node:
+        replacement = rewriter.nodes.get(node.output[0]) if node.output else None
+        nodes.extend(replacement if replacement is not None else [node])
+    del graph.node[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(rewriter.initializers.values())
