@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from tests.tiny_gguf.blocks import FILE_TYPES, WEIGHT_STD, block_size, block_type, dequantized, random_tensor
+from tests.tiny_gguf.blocks import FILE_TYPES, block_size, block_type, dequantized, random_tensor, weight_std
 from tests.tiny_gguf.layouts import Layout, TensorSpec, TinyShape, layout_for
 from tests.tiny_gguf.vocab import VOCAB_SIZE, write_tokenizer
 
@@ -109,24 +109,28 @@ def mixed_q4_k(layers: int, tied: bool) -> dict[str, str]:
     return types
 
 
-def matrix_types(block_types: BlockTypes, specs: list[TensorSpec]) -> dict[str, GGMLQuantizationType]:
-    """GGUF name -> type of every matrix: an exact "blk.1.ffn_down" entry, else its kind's, else "default"."""
+def matrix_types(block_types: BlockTypes, specs: list[TensorSpec], layers: int) -> dict[str, GGMLQuantizationType]:
+    """GGUF name -> type of every matrix: an exact "blk.1.ffn_down" entry, else its kind's, else "default".
+
+    A mapping may name kinds and layer tensors another family has (gpt2 has no attn_v), so that one
+    mapping serves every family; any other name is refused as a typo.
+    """
     given = as_mapping(block_types)
-    matrices = [s for s in specs if s.role == "matrix"]
-    known = {"default", *MATRIX_KINDS, *(s.base_name for s in matrices)}
-    if unknown := sorted(set(given) - known):
+    per_layer = {f"blk.{i}.{kind}" for i in range(layers) for kind in MATRIX_KINDS}
+    if unknown := sorted(set(given) - {"default", *MATRIX_KINDS, *per_layer}):
         raise ValueError(
             f"block_types names {unknown}, which are no matrix of this file; expected 'default', a kind "
-            f"({', '.join(MATRIX_KINDS)}) or a tensor such as {matrices[-1].base_name!r}."
+            f"({', '.join(MATRIX_KINDS)}) or a tensor such as 'blk.{layers - 1}.ffn_down'."
         )
+    matrices = [s for s in specs if s.role == "matrix"]
     return {s.name: block_type(given.get(s.base_name, given.get(s.kind, given["default"]))) for s in matrices}
 
 
 def float_tensor(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
-    """Norm weights near 1, biases near 0, learned positions like the matrices: F32 as llama.cpp stores them."""
+    """Norm weights near 1, biases near 0, learned positions like token embeddings: F32, as llama.cpp stores them."""
     noise = rng.standard_normal(spec.shape)
-    values = {"norm": 1.0 + 0.1 * noise, "bias": 0.05 * noise, "positions": WEIGHT_STD * noise}[spec.role]
-    return values.astype(np.float32)
+    spread = {"norm": 0.1, "bias": 0.05, "positions": weight_std(spec.shape[-1])}[spec.role]
+    return ((1.0 if spec.role == "norm" else 0.0) + spread * noise).astype(np.float32)
 
 
 def write_tiny_gguf(
@@ -151,12 +155,12 @@ def write_tiny_gguf(
     shape = shape or shape_for(family, block_types)
     layout.check(shape, with_tokenizer)
     specs = layout.tensors(shape, VOCAB_SIZE, tied)
-    types = matrix_types(block_types, specs)
+    types = matrix_types(block_types, specs, shape.layers)
     rng = np.random.default_rng(seed)
     tensors: dict[str, TinyTensor] = {}
     for spec in specs:
         if spec.name in types:
-            data = random_tensor(types[spec.name], spec.shape, rng)
+            data = random_tensor(types[spec.name], spec.shape, rng, spec.name)
             tensors[spec.name] = TinyTensor(spec, types[spec.name], data)
         else:
             tensors[spec.name] = TinyTensor(spec, GGMLQuantizationType.F32, float_tensor(spec, rng))
