@@ -2,8 +2,9 @@
 
 Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 are quantized from random float weights with `gguf.quants.quantize`.
 gguf.quants can only dequantize the K-quants, so Q4_K, Q5_K and Q6_K blocks are written byte by byte:
-random but valid (positive, normal fp16 super-block scales, random 6-bit sub-block scales and
-minimums over their whole range, random quants). F32 and F16 are plain floats.
+random but valid: positive, normal fp16 super-block scales; random 6-bit sub-block scales over their
+whole range, with minimums near half a sub-block's range (as llama.cpp's quantizer makes them, so the
+weights straddle zero) plus noise; random quants. F32 and F16 are plain floats.
 
 Every matrix's weights have a spread of `weight_std(row length)`: 0.2 for rows of 64, 0.1 for rows of
 256, 0.05 for 1024, so that a layer's output has the same size whatever the hidden size (with 0.2 at
