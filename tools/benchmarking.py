@@ -187,6 +187,8 @@ def summarize(
             "first_token_ms": 1e3 * statistics.median(s.first_token_seconds for s in runs),
             "new_tokens": statistics.median(len(s.token_ids) for s in runs),
             "exact_match_vs_ar": results.matches(mode.name, baseline) / len(runs),
+            "leading_match_vs_ar": results.leading_match(mode.name, baseline),
+            "identical_to_ar_per_prompt": results.identical_per_prompt(mode.name, baseline),
             "peak_rss_mb": max((s.peak_rss_mb for s in runs if s.peak_rss_mb is not None), default=None),
         }
         for label, base in (("ar", baseline), ("hf", hf)):
