@@ -91,6 +91,12 @@ def build_genai_model(source: ModelSource, precision: str, folder: Path, *, weig
     """Run onnxruntime-genai's model builder on `source` into `folder` (staged, renamed into place at the end)."""
     from paradecode.export.files import staged_folder
 
+    if source.gguf_path is None and not any((source.path / name).is_file() for name in TOKENIZER_NAMES):
+        raise UnsupportedModelError(
+            f"onnxruntime-genai's model builder needs the model's tokenizer, and {source.path} has none "
+            f"({', '.join(TOKENIZER_NAMES)}). Save it there (`tokenizer.save_pretrained(folder)`), or leave "
+            "ort-genai out of --peers."
+        )
     log = folder.with_name(f"{precision}.build.log")  # kept beside the model, so a failed build leaves its log
     started = time.perf_counter()
     logger.info(
@@ -108,12 +114,6 @@ def build_genai_model(source: ModelSource, precision: str, folder: Path, *, weig
     ):
         scratch = Path(scratch)
         hf_folder = source.path
-        if source.gguf_path is None and not any((hf_folder / name).is_file() for name in TOKENIZER_NAMES):
-            raise UnsupportedModelError(
-                f"onnxruntime-genai's model builder needs the model's tokenizer, and {hf_folder} has none "
-                f"({', '.join(TOKENIZER_NAMES)}). Save it there (`tokenizer.save_pretrained(folder)`), or leave "
-                "ort-genai out of --peers."
-            )
         if source.gguf_path is not None:
             hf_folder = scratch / "float-model"
             write_float_folder(source, hf_folder)
@@ -124,7 +124,7 @@ def build_genai_model(source: ModelSource, precision: str, folder: Path, *, weig
         if code != 0 or not (staged / "genai_config.json").is_file():
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             raise UnsupportedModelError(
-                f"onnxruntime-genai's model builder could not build a {precision} CPU model of {source.reference} "
+                f"onnxruntime-genai's model builder could not build the {precision} CPU model of {source.reference} "
                 f"(exit code {code}; the whole log is {log}). Its last lines:\n{tail}\nLeave ort-genai out of "
                 "--peers for this model."
             )

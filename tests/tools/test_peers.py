@@ -142,7 +142,19 @@ def test_genai_builder_needs_a_tokenizer_in_the_folder(tmp_path):
     source = ModelSource("tiny", tmp_path / "model")
     with pytest.raises(UnsupportedModelError, match="needs the model's tokenizer"):
         peer_models.build_genai_model(source, "fp32", tmp_path / "cache" / "fp32", weights="w", version="v")
-    assert not [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")], "staging left behind"
+    assert not (tmp_path / "cache").exists(), "nothing is written for a model the builder cannot build"
+
+
+def test_a_failed_build_says_why_keeps_its_log_and_leaves_no_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(peer_models, "BUILDER", "paradecode_no_such_builder")  # `python -m` of it fails at once
+    folder = tmp_path / "cache" / "int4"
+    source = ModelSource(str(DEMO_MODEL), DEMO_MODEL)
+    with pytest.raises(UnsupportedModelError, match=r"could not build the int4 CPU model") as error:
+        peer_models.build_genai_model(source, "int4", folder, weights="w", version="v")
+    assert "No module named paradecode_no_such_builder" in str(error.value) and "ort-genai out of --peers" in str(
+        error.value
+    )
+    assert not folder.exists() and sorted(p.name for p in folder.parent.iterdir()) == ["int4.build.log"]
 
 
 # --- the runner lifecycle and stopping rules (a fake peer) ------------------------------------------------
