@@ -166,9 +166,10 @@ def summarize(
     results: Results, *, baseline: str | None = None, bound: Callable[[Mode, dict, int], float | None] | None = None
 ) -> dict[str, dict[str, Any]]:
     """bench's summary per mode: medians, latency percentiles, speedups vs ar and vs HF (median, min, max over
-    repeats), exits; `_baseline` names the ar and HF modes the speedups are against (the ar one: `baseline`,
-    or where None the results' own). `bound(mode, accepted per layer, tokens)` gives a mode's speedup bound
-    at its measured acceptance (None where it has none)."""
+    repeats), agreement with ar (exact runs, identical leading tokens, per prompt), exits; `_baseline` names
+    the ar and HF modes the speedups are against (the ar one: `baseline`, or where None the results' own).
+    `bound(mode, accepted per layer, tokens)` gives a mode's speedup bound at its measured acceptance (None
+    where it has none)."""
     baseline = baseline or results.baseline
     hf = "hf" if results.runs("hf") else None
     summary = {}
