@@ -1,7 +1,9 @@
-"""`paradecode-bench DIR`: ar vs ParaDecode vs Hugging Face generate, side by side, on one machine.
+"""`paradecode-bench DIR`: ar vs ParaDecode vs Hugging Face generate (and, with --peers, onnxruntime-genai and
+llama.cpp), side by side, on one machine.
 
 Prints a Markdown table and writes the JSON (--json) and a PNG (--plot): speedup against the
-threshold per overlap mode, and early exits per layer.
+threshold per overlap mode, with the peers' and Hugging Face's speedups as reference lines, and early
+exits per layer.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import logging
 import math
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import OVERLAPS, GenerationConfig
 from paradecode.tools.options import choice_list
+from paradecode.tools.peers import PEERS, PRECISIONS
 from paradecode.tools.prompt_sets import NAMES_HELP
 
 logger = logging.getLogger("paradecode.bench")
@@ -51,6 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
         type=choice_list(HF_MODES, "--hf-modes"),
         default=",".join(HF_MODES),
         help=f"which Hugging Face modes to run, from {', '.join(HF_MODES)} (default all)",
+    )
+    parser.add_argument(
+        "--peers",
+        type=choice_list(PEERS, "--peers"),
+        metavar="NAME,NAME",
+        help="the ecosystem's runtimes to measure beside ar and ParaDecode, greedy, on the same prompt ids, "
+        "interleaved, each with every core: ort-genai (onnxruntime-genai on its model builder's model of the same "
+        "source, plain and with its n-gram speculation) and llama.cpp (llama-cpp-python on the GGUF file); "
+        "needs `pip install 'paradecode[peers]'`",
+    )
+    parser.add_argument(
+        "--peer-precision",
+        choices=PRECISIONS,
+        default="int4",
+        help="the weights onnxruntime-genai's model builder writes (default int4)",
+    )
+    parser.add_argument(
+        "--peer-source",
+        metavar="MODEL",
+        help="the original model the peers run, as paradecode-export takes it (a folder, a .gguf file or a known "
+        "short name such as smollm2; default: the manifest's source, where it is on this machine)",
+    )
+    parser.add_argument(
+        "--peer-cache",
+        type=Path,
+        metavar="DIR",
+        help="where onnxruntime-genai's models are built once and kept (default ~/.cache/paradecode/peers)",
     )
     parser.add_argument(
         "--thresholds",
@@ -122,13 +153,42 @@ def run(args) -> str:
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     thresholds = parse_thresholds(args.thresholds)
+    peers = peer_settings(args)
     prompts = load_prompts(args.prompts) if args.prompts else None
-    with opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models):
+    with (
+        opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models),
+        ExitStack() as peer_runners,
+    ):
         if prompts is None:
             prompts = default_prompts(main_model)
         if args.per_category is not None:
             prompts = first_of_each_category(prompts, args.per_category)
-        return measure(args, prompts, thresholds, main_model, ar_models)
+        extra = []
+        if peers is not None:
+            from paradecode.tools.peers import peer_modes
+
+            extra = peer_modes(peers, main_model, peer_runners, ignore_eos=args.ignore_eos)
+        return measure(args, prompts, thresholds, main_model, ar_models, extra)
+
+
+def peer_settings(args):
+    """--peers and its options as PeerSettings (None without --peers), checked before anything is loaded."""
+    from paradecode.tools.peers import PeerSettings, check_peer_packages
+
+    if not args.peers:
+        given = [f for f, v in (("--peer-source", args.peer_source), ("--peer-cache", args.peer_cache)) if v]
+        if given:
+            raise UserInputError(f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} up --peers: add --peers.")
+        return None
+    if args.temperature:
+        raise UserInputError(
+            f"--peers compares greedy decoding, and --temperature {args.temperature:g} samples: drop one of them."
+        )
+    if args.device != "cpu":
+        raise UserInputError(f"--peers runs the peers on the CPU, and --device is {args.device}: use --device cpu.")
+    check_peer_packages(args.peers)
+    cache = {"cache": args.peer_cache} if args.peer_cache else {}
+    return PeerSettings(args.peers, precision=args.peer_precision, source=args.peer_source, **cache)
 
 
 def first_of_each_category(prompts: list, count: int) -> list:
@@ -174,7 +234,8 @@ def prompt_ids_of(model, prompts: list) -> list[list[int]]:
     return ids
 
 
-def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
+def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes=()) -> str:
+    """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report."""
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
     from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
@@ -204,6 +265,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models) -> str:
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:
         modes += hf_modes(hf_path, manifest, ignore, args.temperature, args.hf_modes, device=args.device)
+    modes += extra_modes
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),

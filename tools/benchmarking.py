@@ -166,9 +166,10 @@ def summarize(
     results: Results, *, baseline: str | None = None, bound: Callable[[Mode, dict, int], float | None] | None = None
 ) -> dict[str, dict[str, Any]]:
     """bench's summary per mode: medians, latency percentiles, speedups vs ar and vs HF (median, min, max over
-    repeats), exits; `_baseline` names the ar and HF modes the speedups are against (the ar one: `baseline`,
-    or where None the results' own). `bound(mode, accepted per layer, tokens)` gives a mode's speedup bound
-    at its measured acceptance (None where it has none)."""
+    repeats), agreement with ar (exact runs, identical leading tokens, per prompt), exits; `_baseline` names
+    the ar and HF modes the speedups are against (the ar one: `baseline`, or where None the results' own).
+    `bound(mode, accepted per layer, tokens)` gives a mode's speedup bound at its measured acceptance (None
+    where it has none)."""
     baseline = baseline or results.baseline
     hf = "hf" if results.runs("hf") else None
     summary = {}
@@ -187,6 +188,8 @@ def summarize(
             "first_token_ms": 1e3 * statistics.median(s.first_token_seconds for s in runs),
             "new_tokens": statistics.median(len(s.token_ids) for s in runs),
             "exact_match_vs_ar": results.matches(mode.name, baseline) / len(runs),
+            "leading_match_vs_ar": results.leading_match(mode.name, baseline),
+            "identical_to_ar_per_prompt": results.identical_per_prompt(mode.name, baseline),
             "peak_rss_mb": max((s.peak_rss_mb for s in runs if s.peak_rss_mb is not None), default=None),
         }
         for label, base in (("ar", baseline), ("hf", hf)):

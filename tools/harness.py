@@ -71,7 +71,7 @@ class Mode:
     """A way to decode: `run(prompt_ids, max_new_tokens)` returns a Sample (mode/prompt/repeat left empty)."""
 
     name: str
-    kind: str  # "ar" (a baseline candidate), "paradecode" or "hf"
+    kind: str  # "ar" (a baseline candidate), "paradecode", "hf" or "peer" (another runtime: tools/peers.py)
     run: Callable[[list[int], int], Sample]
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -226,6 +226,29 @@ class Results:
         reference = {(s.prompt, s.repeat): s.token_ids for s in self.runs(against)}
         return sum(s.token_ids == reference.get((s.prompt, s.repeat)) for s in self.runs(name))
 
+    def leading_match(self, name: str, against: str | None) -> float | None:
+        """The share of identical leading tokens against `against` (same prompt and repeat), averaged over runs.
+
+        A run's share is the length of the common prefix over the longer of the two outputs (an output
+        that stops early is not in full agreement); None where `against` has no run to compare with.
+        """
+        reference = {(s.prompt, s.repeat): s.token_ids for s in self.runs(against)}
+        shares = [
+            common_prefix_share(s.token_ids, reference[(s.prompt, s.repeat)])
+            for s in self.runs(name)
+            if (s.prompt, s.repeat) in reference
+        ]
+        return statistics.fmean(shares) if shares else None
+
+    def identical_per_prompt(self, name: str, against: str | None) -> dict[str, bool]:
+        """Per prompt (index, as a string): whether every repeat gave exactly the tokens `against` gave."""
+        reference = {(s.prompt, s.repeat): s.token_ids for s in self.runs(against)}
+        same: dict[str, bool] = {}
+        for s in self.runs(name):
+            key = str(s.prompt)
+            same[key] = same.get(key, True) and s.token_ids == reference.get((s.prompt, s.repeat))
+        return same
+
     def exits(self, name: str) -> dict[str, int]:
         """Early tokens proposed per exit layer over every run (keys as strings, in layer order)."""
         return _total(s.exits for s in self.runs(name))
@@ -241,6 +264,15 @@ class Results:
 
     def rollbacks(self, name: str) -> int:
         return sum(s.rollbacks for s in self.runs(name))
+
+
+def common_prefix_share(tokens: Sequence[int], reference: Sequence[int]) -> float:
+    """The length of the common prefix over the longer sequence's: [1, 2, 3] vs [1, 2, 4, 5] -> 2 / 4."""
+    longest = max(len(tokens), len(reference))
+    if longest == 0:
+        return 1.0
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    return same / longest
 
 
 def _total(dicts: Iterable[dict[int, int]]) -> dict[str, int]:

@@ -60,10 +60,18 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
     against = f"`{baseline.get('ar')}` (plain decoding, same export and backend)"
     if baseline.get("hf"):
         against += f" and `{baseline['hf']}` (Hugging Face generate)"
-    lines = [f"speedups are medians over repeats (min-max) against {against}", ""] if note else []
+    lines = (
+        [
+            f"speedups are medians over repeats (min-max) against {against}; match ar: the share of runs whose "
+            "tokens are exactly ar's (in brackets, the share of identical leading tokens)",
+            "",
+        ]
+        if note
+        else []
+    )
     lines += [
         "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | lookup (accepted) | "
-        "rollback rate | match ar | peak MB |",
+        "rollback rate | match ar (leading) | peak MB |",
         "| --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for name, row in summary.items():
@@ -83,17 +91,20 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
         )
         lookup_text = f"{row['lookup_proposed']} ({row['lookup_accepted']})" if row.get("lookup_proposed") else "-"
         bound_text = f"; bound {row['bound_vs_ar']:.2f}x" if "bound_vs_ar" in row else ""
+        leading = row.get("leading_match_vs_ar")
+        match_text = f"{row['exact_match_vs_ar']:.0%}" + (f" ({leading:.0%})" if leading is not None else "")
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
             f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')}{bound_text} | {speedup('speedup_vs_hf')} | "
             f"{exit_text} | {lookup_text} | "
-            f"{_fmt(row.get('rollback_rate'), 2)} | {row['exact_match_vs_ar']:.0%} | {_fmt(row['peak_rss_mb'])} |"
+            f"{_fmt(row.get('rollback_rate'), 2)} | {match_text} | {_fmt(row['peak_rss_mb'])} |"
         )
     return "\n".join(lines)
 
 
 def benchmark_figure(summary: dict[str, dict[str, Any]], title: str):
-    """Left: speedup over ar against the threshold, per overlap; right: early exits per layer."""
+    """Left: speedup over ar against the threshold, per overlap, with the other runtimes' (peers') speedups as
+    horizontal lines; right: early exits per layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,6 +126,11 @@ def benchmark_figure(summary: dict[str, dict[str, Any]], title: str):
         err = [[m - p[1]["min"] for m, p in zip(med, points)], [p[1]["max"] - m for m, p in zip(med, points)]]
         left.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=overlap)
     left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    peers = [(n, r) for n, r in summary.items() if r.get("kind") == "peer" and "speedup_vs_ar" in r]
+    for (name, row), color in zip(peers, ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")):
+        speedup = row["speedup_vs_ar"]
+        left.axhspan(speedup["min"], speedup["max"], color=color, alpha=0.12, lw=0)
+        left.axhline(speedup["median"], color=color, lw=1.2, ls=":", label=name)
     left.set_xlim(-0.15, 1.15)
     left.set_xlabel("threshold (-0.05: the export's default thresholds; 1.05: never exit)")
     left.set_ylabel("speedup over ar (median, min-max over repeats)")

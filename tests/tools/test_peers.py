@@ -1,0 +1,418 @@
+"""The benchmark's peers (tools/peers.py, tools/peer_models.py): arguments, errors, runners, agreement.
+
+Argument and error tests need none of the peers' packages. The runner tests need theirs and skip,
+saying so, without them: onnxruntime-genai (a wheel) builds its model from the demo model and from a
+tiny GGUF written in-process, and must decode exactly as transformers' greedy `generate` does in fp32;
+llama-cpp-python (compiled from source, so not in the test extra) runs the tiny GGUF.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paradecode.export.source import ModelSource
+from paradecode.graphs.errors import UnsupportedModelError, UserInputError
+from paradecode.tools import bench, harness, peer_models, peers, reporting
+from tests.tiny_gguf import BOS_ID, write_tiny_gguf
+
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "tools" / "demo_model"
+NEW_TOKENS = 24
+
+
+def genai_missing() -> str | None:
+    missing = peers.missing_packages(["ort-genai"])
+    if not missing:
+        return None
+    return f"onnxruntime-genai's packages are not installed ({', '.join(missing)}; `pip install 'paradecode[peers]'`)"
+
+
+needs_genai = pytest.mark.skipif(genai_missing() is not None, reason=genai_missing() or "")
+needs_llama_cpp = pytest.mark.skipif(
+    bool(peers.missing_packages(["llama.cpp"])),
+    reason="llama-cpp-python is not installed (it compiles llama.cpp from source: `pip install 'paradecode[peers]'`)",
+)
+
+
+def hide_modules(monkeypatch, *names: str) -> None:
+    """Make importlib.util.find_spec report `names` as not installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a))
+
+
+def run_bench(argv, capsys) -> tuple[int, str]:
+    code = bench.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+# --- arguments and errors, without the packages ----------------------------------------------------------
+
+
+def test_peers_flag_accepts_the_known_names_only(capsys):
+    args = bench.build_parser().parse_args(["DIR", "--peers", "llama.cpp,ort-genai"])
+    assert args.peers == ("llama.cpp", "ort-genai") and args.peer_precision == "int4"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.build_parser().parse_args(["DIR", "--peers", "ort-genai,vllm"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--peers 'ort-genai,vllm': expected comma-separated values from ort-genai, llama.cpp; not 'vllm'" in err
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["DIR", "--peers", "ort-genai", "--peer-precision", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_peer_settings_validate_themselves(tmp_path):
+    settings = peers.PeerSettings(("ort-genai",), cache=tmp_path)
+    assert settings.precision == "int4" and settings.threads >= 1 and settings.source is None
+    with pytest.raises(UserInputError, match=r"expected distinct names from ort-genai, llama.cpp; not 'vllm'"):
+        peers.PeerSettings(("vllm",))
+    with pytest.raises(UserInputError, match="distinct names"):
+        peers.PeerSettings(("llama.cpp", "llama.cpp"))
+    with pytest.raises(UserInputError, match=r"\(none\)"):
+        peers.PeerSettings(())
+    with pytest.raises(UserInputError, match="expected one of int4, fp32"):
+        peers.PeerSettings(("ort-genai",), precision="fp16")
+    with pytest.raises(UserInputError, match="positive integer"):
+        peers.PeerSettings(("ort-genai",), threads=0)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "peer_list", "named"),
+    [
+        (("onnxruntime_genai",), "ort-genai", ["onnxruntime-genai"]),
+        (("onnxruntime_genai", "onnx_ir", "llama_cpp"), "ort-genai,llama.cpp", ["onnxruntime-genai, onnx-ir", "llama"]),
+        (("llama_cpp",), "llama.cpp", ["llama-cpp-python"]),
+    ],
+)
+def test_a_missing_peer_package_is_named_before_the_export_is_read(hidden, peer_list, named, monkeypatch, capsys):
+    hide_modules(monkeypatch, *hidden)
+    code, out = run_bench(["/no/such/export", "--peers", peer_list], capsys)
+    assert code == 3, out  # MissingDependencyError, before the (missing) export is opened
+    assert f"--peers {peer_list} needs " in out and "pip install 'paradecode[peers]'" in out, out
+    assert all(name in out for name in named), out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--peer-source", "smollm2"], "--peer-source sets up --peers: add --peers"),
+        (["--peers", "ort-genai", "--temperature", "0.7"], "--peers compares greedy decoding"),
+        (["--peers", "ort-genai", "--device", "cuda"], "use --device cpu"),
+    ],
+)
+def test_peer_options_that_cannot_work_are_refused_up_front(argv, message, capsys):
+    code, out = run_bench(["/no/such/export", *argv], capsys)
+    assert code == 2 and message in out, out
+
+
+def test_importing_bench_imports_no_peer_package():
+    code = (
+        "import sys, paradecode.tools.bench, paradecode.tools.peers, paradecode.tools.peer_models\n"
+        "loaded = sorted(m for m in ('onnxruntime_genai', 'onnx_ir', 'llama_cpp') if m in sys.modules)\n"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_llama_cpp_needs_a_gguf_source(tmp_path):
+    with pytest.raises(UnsupportedModelError, match=r"llama.cpp runs GGUF files.*--peer-source FILE.gguf"):
+        peer_models.gguf_file_of(ModelSource("folder", tmp_path))
+    gguf = ModelSource("m.gguf", tmp_path, gguf_file="m.gguf")
+    assert peer_models.gguf_file_of(gguf) == tmp_path / "m.gguf"
+
+
+def test_an_export_whose_source_is_not_here_asks_for_peer_source():
+    manifest = SimpleNamespace(model={"source": "owner/not-downloaded", "weights_sha256": "0" * 64})
+    with pytest.raises(UserInputError, match=r"'owner/not-downloaded'.*Pass --peer-source MODEL"):
+        peer_models.peer_source(None, manifest)
+
+
+def test_genai_builder_needs_a_tokenizer_in_the_folder(tmp_path):
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("llama", tmp_path / "model")
+    source = ModelSource("tiny", tmp_path / "model")
+    with pytest.raises(UnsupportedModelError, match="needs the model's tokenizer"):
+        peer_models.build_genai_model(source, "fp32", tmp_path / "cache" / "fp32", weights="w", version="v")
+    assert not (tmp_path / "cache").exists(), "nothing is written for a model the builder cannot build"
+
+
+def test_a_failed_build_says_why_keeps_its_log_and_leaves_no_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(peer_models, "BUILDER", "paradecode_no_such_builder")  # `python -m` of it fails at once
+    folder = tmp_path / "cache" / "int4"
+    source = ModelSource(str(DEMO_MODEL), DEMO_MODEL)
+    with pytest.raises(UnsupportedModelError, match=r"could not build the int4 CPU model") as error:
+        peer_models.build_genai_model(source, "int4", folder, weights="w", version="v")
+    assert "No module named paradecode_no_such_builder" in str(error.value) and "ort-genai out of --peers" in str(
+        error.value
+    )
+    assert not folder.exists() and sorted(p.name for p in folder.parent.iterdir()) == ["int4.build.log"]
+
+
+# --- the runner lifecycle and stopping rules (a fake peer) ------------------------------------------------
+
+
+class CountingPeer(peers.PeerRunner):
+    """Emits 100, 101, 102, ... after any prompt; records what it was asked."""
+
+    name = "counting"
+
+    def __init__(self, **common):
+        super().__init__(**common)
+        self.events = []
+
+    def _load(self):
+        self.events.append("load")
+
+    def _tokens(self, ids, budget, stats):
+        self.events.append(("decode", len(ids), budget))
+        token = 100
+        try:
+            while True:
+                yield token
+                token += 1
+        finally:
+            stats["proposed"], stats["accepted"], stats["rollbacks"] = 3, 2, 1
+
+    def _close(self):
+        self.events.append("close")
+
+
+def test_runner_stops_at_the_stop_token_or_the_budget_and_reports_each_token():
+    runner = CountingPeer(threads=2, max_seq_len=10, eos_token_ids=(102,))
+    with pytest.raises(UserInputError, match="before load"):
+        runner.generate([1], 4)
+    seen = []
+    with runner as loaded:
+        out = loaded.generate([1, 2], 8, on_token=seen.append)
+        assert out == peers.PeerOutput([100, 101, 102], 3, 2, 1) and seen == [100, 101, 102]  # the stop token kept
+        assert loaded.generate([1, 2, 3, 4, 5, 6, 7, 8], 8).token_ids == [100, 101]  # max_seq_len 10, as ar stops
+        with pytest.raises(UserInputError, match="fills the 10 positions"):
+            loaded.generate(list(range(10)), 4)
+        with pytest.raises(UserInputError, match="max_new_tokens >= 1"):
+            loaded.generate([1], 0)
+    assert runner.events == ["load", ("decode", 2, 8), ("decode", 8, 2), "close"]
+    no_stop = CountingPeer(threads=1, max_seq_len=64).load()
+    assert no_stop.generate([1], 5).token_ids == [100, 101, 102, 103, 104]
+    with pytest.raises(UserInputError, match="threads must be >= 1"):
+        CountingPeer(threads=0, max_seq_len=64)
+
+
+def test_peer_mode_times_every_token_and_carries_the_speculation_counts():
+    mode = peers.peer_mode("counting", CountingPeer(threads=1, max_seq_len=64).load(), {"peer": "counting"})
+    sample = mode.run([1, 2], 5)
+    assert mode.kind == "peer" and sample.token_ids == [100, 101, 102, 103, 104] and len(sample.timestamps) == 5
+    assert (sample.lookup_proposed, sample.lookup_accepted, sample.rollbacks) == (3, 2, 1)
+
+
+# --- agreement with ar ------------------------------------------------------------------------------------
+
+
+def test_common_prefix_share_counts_identical_leading_tokens_over_the_longer_output():
+    share = harness.common_prefix_share
+    assert share([1, 2, 3], [1, 2, 4, 5]) == 2 / 4
+    assert share([1, 2, 3], [1, 2, 3]) == 1.0 and share([], []) == 1.0
+    assert share([1, 2], [1, 2, 3, 4]) == 0.5  # stopping early is not full agreement
+    assert share([9, 2, 3], [1, 2, 3]) == 0.0
+
+
+def test_summary_and_table_report_identity_and_leading_agreement_with_ar():
+    from paradecode.tools import benchmarking
+
+    def mode(name, kind, tokens_of):
+        def run(prompt_ids, max_new_tokens):
+            return harness.Sample(token_ids=tokens_of(prompt_ids[0]), tokens_per_second=10.0)
+
+        return harness.Mode(name, kind, run)
+
+    modes = [
+        mode("ar", "ar", lambda p: [1, 2, 3, 4]),
+        mode("peer", "peer", lambda p: [1, 2, 3, 4] if p == 10 else [1, 2, 9, 9]),
+    ]
+    results = harness.measure(modes, [[10], [20]], max_new_tokens=4, repeat=2)
+    assert results.leading_match("peer", "ar") == pytest.approx((1.0 + 0.5) / 2)
+    assert results.identical_per_prompt("peer", "ar") == {"0": True, "1": False}
+    assert results.leading_match("peer", None) is None
+    summary = benchmarking.summarize(results)
+    row = summary["peer"]
+    assert row["kind"] == "peer" and row["exact_match_vs_ar"] == 0.5 and row["leading_match_vs_ar"] == 0.75
+    assert row["identical_to_ar_per_prompt"] == {"0": True, "1": False}
+    table = reporting.markdown_table(summary)
+    assert "| match ar (leading) |" in table and "| 50% (75%) |" in table and "| 100% (100%) |" in table
+
+
+def test_plot_draws_the_peers_as_reference_lines():
+    summary = {
+        "pd": {"kind": "paradecode", "settings": {"overlap": "batched"}, "speedup_vs_ar": spread(1.2)},
+        "ort-genai int4 (2 threads)": {"kind": "peer", "settings": {}, "speedup_vs_ar": spread(3.0)},
+    }
+    figure = reporting.benchmark_figure(summary, "t")
+    labels = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert "ort-genai int4 (2 threads)" in labels and "batched" in labels
+
+
+def spread(median: float) -> dict[str, float]:
+    return {"median": median, "min": median * 0.9, "max": median * 1.1}
+
+
+# --- onnxruntime-genai, for real --------------------------------------------------------------------------
+
+
+def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens after `ids`, every prompt token attended to (generate would otherwise mask the
+    ones equal to its pad token, and the demo model's pad, BOS and EOS are all token 0)."""
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def demo_genai(tmp_path_factory) -> Path:
+    """onnxruntime-genai's fp32 model of the demo model (a real 9-layer Llama with a tokenizer)."""
+    if (reason := genai_missing()) is not None:
+        pytest.skip(reason)
+    source = ModelSource(str(DEMO_MODEL), DEMO_MODEL)
+    return peer_models.genai_model_folder(source, "fp32", tmp_path_factory.mktemp("peer-cache"))
+
+
+@needs_genai
+def test_genai_fp32_greedy_equals_transformers_generate(demo_genai):
+    from transformers import AutoModelForCausalLM
+
+    reference_model = AutoModelForCausalLM.from_pretrained(str(DEMO_MODEL), dtype=torch.float32).eval()
+    prompts = [[5, 17, 300, 41, 99, 8, 1200, 7], [0, 9, 262, 275, 14, 341]]
+    with (
+        peers.OrtGenaiRunner(demo_genai, threads=2, max_seq_len=512) as plain,
+        peers.OrtGenaiRunner(demo_genai, threads=2, max_seq_len=512, speculative=peers.NGRAM_OPTIONS) as ngram,
+    ):
+        for ids in prompts:
+            expected = transformers_greedy(reference_model, ids, NEW_TOKENS)
+            assert plain.generate(ids, NEW_TOKENS).token_ids == expected, ids
+            out = ngram.generate(ids, NEW_TOKENS)
+            assert out.token_ids == expected, ids  # n-gram speculation is lossless under greedy decoding
+            assert out.proposed >= out.accepted >= 0
+        assert any(ngram.generate(ids, NEW_TOKENS).proposed for ids in prompts), "the n-gram lookup never proposed"
+
+
+@needs_genai
+def test_genai_build_is_cached_and_recorded(demo_genai, caplog):
+    record = json.loads((demo_genai / "build.json").read_text())
+    assert record["precision"] == "fp32" and record["command"][1:3] == ["-m", peer_models.BUILDER]
+    assert record["onnxruntime_genai"] == peer_models.genai_version() and not record["float_folder_from_gguf"]
+    assert demo_genai.parts[-2:] == (f"ort-genai-{record['onnxruntime_genai']}", "fp32")
+    cache = demo_genai.parents[2]
+    with caplog.at_level("INFO"):
+        again = peer_models.genai_model_folder(ModelSource(str(DEMO_MODEL), DEMO_MODEL), "fp32", cache)
+    assert again == demo_genai and "(cached)" in caplog.text
+
+
+def transformers_gguf(path: Path):
+    """transformers' own loading of the GGUF file (dequantized to float32): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    pytest.importorskip("gguf", reason="the gguf package is needed to write a GGUF file (paradecode[gguf])")
+    path = tmp_path_factory.mktemp("peer-gguf") / "tiny-llama.Q8_0.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+PROMPT = [BOS_ID, 40, 41, 42, 60, 70, 33, 90, 100]
+
+
+@pytest.mark.slow
+@needs_genai
+def test_genai_model_of_a_gguf_is_built_from_its_dequantized_float_model(tiny_gguf, tmp_path):
+    from paradecode.export.source import resolve_model
+
+    folder = peer_models.genai_model_folder(resolve_model(str(tiny_gguf)), "fp32", tmp_path)
+    assert json.loads((folder / "build.json").read_text())["float_folder_from_gguf"] is True
+    assert not [p.name for p in folder.parent.iterdir() if p.name.startswith(".")], "scratch folders left behind"
+    with peers.OrtGenaiRunner(folder, threads=2, max_seq_len=128) as runner:
+        assert runner.generate(PROMPT, NEW_TOKENS).token_ids == transformers_greedy(
+            transformers_gguf(tiny_gguf), PROMPT, NEW_TOKENS
+        )
+
+
+@pytest.mark.slow
+@needs_genai
+def test_bench_with_the_genai_peers_end_to_end(tiny_gguf, tmp_path, capsys, caplog):
+    """A tiny GGUF exported, then benchmarked with --peers ort-genai: the peers' rows, in fp32, equal ar."""
+    from paradecode.export import cli
+
+    export = tmp_path / "export"
+    assert cli.main([str(tiny_gguf), "-o", str(export), "--max-seq-len", "64", "--exit-layers", "1,2"]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in (("the cat", "a"), ("at the", "b")))
+    )
+    capsys.readouterr()
+    caplog.set_level("INFO")
+    code, out = run_bench(
+        [
+            export,
+            *("--prompts", prompts, "--max-new-tokens", 8, "--repeat", 1, "--thresholds", "default"),
+            *("--overlaps", "batched", "--no-hf", "--peers", "ort-genai", "--peer-precision", "fp32"),
+            *("--peer-cache", tmp_path / "cache", "--json", tmp_path / "b.json"),
+        ],
+        capsys,
+    )
+    assert code == 0, out
+    assert "each uses" in caplog.text and "every core" in caplog.text
+    data = json.loads((tmp_path / "b.json").read_text())
+    names = [n for n, row in data["summary"].items() if not n.startswith("_") and row["kind"] == "peer"]
+    assert [n.split(" (")[0] for n in names] == ["ort-genai fp32", "ort-genai-ngram fp32"], names
+    for name in names:
+        row = data["summary"][name]
+        assert row["exact_match_vs_ar"] == 1.0 and row["leading_match_vs_ar"] == 1.0, (name, row)
+        assert row["identical_to_ar_per_prompt"] == {"0": True, "1": True} and "speedup_vs_ar" in row
+        assert row["settings"]["threads"] >= 1 and row["settings"]["precision"] == "fp32"
+        for category in ("a", "b"):
+            assert name in data["categories"][category]["summary"]
+    assert f"| {names[0]} |" in out and "## a (1 prompt)" in out
+
+
+# --- llama.cpp, for real (where llama-cpp-python is installed) -------------------------------------------
+
+
+@needs_llama_cpp
+def test_llama_cpp_decodes_greedily_from_a_fresh_context_every_call(tiny_gguf):
+    """The runner's tokens are llama.cpp's own argmax chain (its logits, step by step) on every call, whatever
+    came before. Against transformers only the first token is compared: llama.cpp multiplies Q8_0 weights with
+    8-bit-quantized activations, so later tokens of random weights may part at near-ties."""
+    import llama_cpp
+    import numpy as np
+
+    reference = llama_cpp.Llama(str(tiny_gguf), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+    reference.reset()
+    reference.eval(PROMPT)
+    chain = []
+    for _ in range(NEW_TOKENS):
+        chain.append(int(np.argmax(reference.scores[reference.n_tokens - 1])))
+        reference.eval([chain[-1]])
+    reference.close()
+    with peers.LlamaCppRunner(tiny_gguf, threads=2, max_seq_len=128) as runner:
+        first = runner.generate(PROMPT, NEW_TOKENS).token_ids
+        runner.generate([BOS_ID, 50, 51], 5)  # another prompt in between must leave nothing behind
+        assert first == runner.generate(PROMPT, NEW_TOKENS).token_ids == chain
+    assert first[0] == transformers_greedy(transformers_gguf(tiny_gguf), PROMPT, 1)[0]
