@@ -23,6 +23,7 @@ from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
     HIDDEN,
+    HIDDEN_OUT,
     INPUT_IDS,
     LOGITS,
     MARGIN,
@@ -67,6 +68,8 @@ def tolerance_of(dtype: str, quantization) -> Tolerance:
     if quantization is None:
         return TOLERANCES[dtype]
     return INT8_ACTIVATIONS if quantization.activations == "int8" else QUANTIZED_FLOAT
+
+
 SLICING_TOLERANCE = Tolerance(1e-3, 1e-3)  # fp32 modules vs transformers (different kernels, same math)
 
 
@@ -185,14 +188,18 @@ def run_ort(session, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[st
 
 
 def run_torch(module: torch.nn.Module, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run a subgraph module on copies of `inputs` (the module writes its caches in place). A head module
-    built with logits for a graph without them gives them too: a tolerance may be relative to them."""
+    """Run a subgraph module on copies of `inputs` (the module writes its caches in place). A head's outputs
+    come with its logits even where the graph outputs none: a tolerance may be relative to them."""
     args = [inputs[name].clone() for name in io.input_names]
     with torch.no_grad():
         out = module(*args)
-    out = out if isinstance(out, tuple) else (out,)
-    names = io.output_names + ([LOGITS] if len(out) == len(io.output_names) + 1 else [])
-    return dict(zip(names, out))
+        out = dict(zip(io.output_names, out if isinstance(out, tuple) else (out,)))
+        if TOKEN in out and LOGITS not in out:
+            if io.kind == "layer_exit":
+                out[LOGITS] = module.head.logits(out[HIDDEN_OUT][:, -1:])
+            else:
+                out[LOGITS] = module.logits(inputs[HIDDEN])
+    return out
 
 
 def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]], tol: Tolerance) -> Check:

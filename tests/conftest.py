@@ -108,6 +108,55 @@ def identity_exports(tmp_path_factory, model_dirs) -> Cache:
     return Cache(build)
 
 
+# A tiny GGUF of each family with every kept block type at once, one per matrix kind (GPT-2 has fused QKV and
+# no gate: it holds five of them), the unembedding untied and Q6_K where the family's file has one.
+MIXED_BLOCKS = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q5_0",
+    "attn_qkv": "Q4_1",
+    "attn_output": "Q5_1",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q5_K",
+    "ffn_down": "Q6_K",
+    "output": "Q6_K",
+}
+QUANTIZED_SOURCES = ("gguf", "int4", "int8")
+
+
+@pytest.fixture(scope="session")
+def quantized_exports(tmp_path_factory) -> Cache:
+    """(family, source) -> (export folder, ExportResult, GGUF file) of a tiny GGUF of `family` in MIXED_BLOCKS,
+    exported with its blocks kept (`gguf`: --weights auto) or its dequantized weights quantized again by
+    onnxruntime's quantizer (`int4` / `int8`). The GGUF fixtures, not the tiny float models: their greedy
+    output varies (several of the tiny float models repeat one token whatever the prompt). Like `exports`:
+    random trained heads over a reduced vocabulary, fused layer+exit graphs, logits; int8 activations (the
+    default)."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    def build(key):
+        family, source = key
+        folder = tmp_path_factory.mktemp(f"quantized-{family}-{source}")
+        model = folder / f"tiny-{family}.gguf"
+        write_tiny_gguf(model, family=family, block_types=MIXED_BLOCKS, tied=False)
+        heads = save_random_heads(model, folder / "heads.safetensors")
+        config = ExportConfig(
+            model=str(model),
+            output=folder / "export",
+            heads=heads,
+            max_seq_len=EXPORT_SEQ_LEN,
+            with_logits=True,
+            fused_exits=True,
+            weights="auto" if source == "gguf" else source,
+        )
+        return folder / "export", export_model(config), model
+
+    return Cache(build)
+
+
 @pytest.fixture(scope="session")
 def stories_export(stories_dir, tmp_path_factory):
     """(export folder, ExportResult) of stories260K with the default settings (max_seq_len 512, logits, no

@@ -186,15 +186,15 @@ def save_tiny_model(family: str, folder, seed: int = 0) -> None:
     tiny_model(family, seed).save_pretrained(folder)
 
 
-def save_random_heads(model_folder, path, seed: int = 0):
-    """A heads file for the model in `model_folder`: random transforms near identity at every intermediate
-    layer and a reduced vocabulary of two thirds of the token ids (so its graphs are like trained ones)."""
-    import json
-
+def save_random_heads(model, path, seed: int = 0):
+    """A heads file for `model` (a model folder or a GGUF file): random transforms near identity at every
+    intermediate layer and a reduced vocabulary of two thirds of the token ids (so its graphs are like
+    trained ones)."""
     from paradecode.export.heads import save_heads
     from paradecode.export.source import resolve_model
 
-    config = json.loads((model_folder / "config.json").read_text())
+    source = resolve_model(str(model))
+    config = source.config_dict()
     layers = config.get("num_hidden_layers", config.get("n_layer"))
     hidden, vocab = config.get("hidden_size", config.get("n_embd")), config["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
@@ -202,6 +202,6 @@ def save_random_heads(model_folder, path, seed: int = 0):
         e: torch.eye(hidden) + 0.05 * torch.randn(hidden, hidden, generator=generator) for e in range(1, layers)
     }
     ids = torch.sort(torch.randperm(vocab, generator=generator)[: max(2, 2 * vocab // 3)]).values
-    identity = resolve_model(str(model_folder)).identity()
-    metadata = {"base_model": str(model_folder), "base_weights_sha256": identity["weights_sha256"]}
+    identity = source.identity()
+    metadata = {"base_model": str(model), "base_weights_sha256": identity["weights_sha256"]}
     return save_heads(path, transforms, metadata, vocab=ids)

@@ -471,9 +471,9 @@ def test_a_version_1_manifest_asks_for_a_re_export(folder):
     rewrite(folder, to_version_1)
     refused(
         folder,
-        r"manifest\.json has manifest format version 1; this paradecode reads versions 2, 3 \(version 1 records no file "
-        r"sizes, which are needed to check files safely\)\. Re-export the model with this version: "
-        r"`paradecode-export MODEL -o DIR --force`",
+        r"manifest\.json has manifest format version 1; this paradecode reads versions 2, 3 "
+        r"\(version 1 records no file sizes, which are needed to check files safely\)\. "
+        r"Re-export the model with this version: `paradecode-export MODEL -o DIR --force`",
     )
 
 

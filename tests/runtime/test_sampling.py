@@ -91,20 +91,24 @@ def power_of_the_test(expected: dict[tuple, float], shift: float, runs: int = 40
     return rejections / runs
 
 
-@pytest.fixture(scope="module")
-def sampled(model_dirs, tmp_path_factory):
-    """A tiny llama exported with random trained exit heads over a reduced vocabulary, a prompt holding every
-    token of the vocabulary once (so prompt lookup finds every new token in it and proposes what followed),
-    and the exact distribution of the first NEW_TOKENS new tokens.
+@pytest.fixture(scope="module", params=["float", "int4"], ids=["float-weights", "int4-weights"])
+def sampled(model_dirs, tmp_path_factory, request):
+    """A tiny llama exported with random trained exit heads over a reduced vocabulary, with float weights or
+    int4 ones (int8 activations: the quantized default), a prompt holding every token of the vocabulary once
+    (so prompt lookup finds every new token in it and proposes what followed), and the exact distribution of
+    the first NEW_TOKENS new tokens, from that export's own subgraphs.
 
     Its own export, not `exports["llama"]`: that prompt (99 tokens) needs max_seq_len 128, not 64."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.tiny_models import save_random_heads
 
-    folder = tmp_path_factory.mktemp("sampling")
+    folder = tmp_path_factory.mktemp(f"sampling-{request.param}")
     heads = save_random_heads(model_dirs["llama"], folder / "heads.safetensors")
-    export_model(ExportConfig(model=str(model_dirs["llama"]), output=folder / "export", heads=heads, max_seq_len=128))
+    config = ExportConfig(
+        model=str(model_dirs["llama"]), output=folder / "export", heads=heads, max_seq_len=128, weights=request.param
+    )
+    export_model(config)
     model = load(folder / "export")
     vocab = model.manifest.spec.vocab_size
     prompt = [*torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist(), 3, 14]
