@@ -17,6 +17,7 @@ import io as _io
 import json
 import logging
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from torch.export import Dim
 from paradecode.export import onnx_quant
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.quantization import Quantization
+from paradecode.graphs.quantized import QuantizedWeight
 from paradecode.graphs.tensors import BATCH, POSITIONS, TOKENS, SubgraphIO
 
 logger = logging.getLogger(__name__)
@@ -221,6 +223,7 @@ class GraphTemplate:
         canonical: dict[str, str],
         stored: dict[str, StoredTensor],
         quantization: Quantization | None = None,
+        tensorrt: Mapping[str, QuantizedWeight] | None = None,
     ) -> onnx.ModelProto:
         """This graph for subgraph `io`, its weights read from the weights file.
 
@@ -229,7 +232,8 @@ class GraphTemplate:
         becomes an external reference into that file (one copy of each weight on disk, whichever graphs
         read it); one the exporter had transposed reads the stored layout through a Transpose node, which
         onnxruntime folds when it loads the graph. The readers of a weight that `quantization` lists are
-        rewritten to read its quantized parts (export/onnx_quant.py).
+        rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
+        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py).
         """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
@@ -269,7 +273,7 @@ class GraphTemplate:
             def part(name: str) -> TensorProto:
                 return external_initializer(name, ONNX_TYPES[stored[name].dtype], stored[name].shape, stored[name])
 
-            onnx_quant.rewrite(graph, readers, part, quantization.activations)
+            onnx_quant.rewrite(graph, readers, part, quantization.activations, tensorrt)
             if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
         check_contract(model, io)

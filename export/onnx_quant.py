@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.quantization import WeightFormat
+from paradecode.graphs.quantized import QuantizedWeight
 
 MS_DOMAIN = "com.microsoft"
 ACCURACY_LEVEL = {"int8": 4, "float": 0}
@@ -247,10 +248,19 @@ def rewrite(
     readers: Mapping[str, tuple[str, bool, WeightFormat]],
     stored: Callable[[str], TensorProto],
     activations: str,
+    tensorrt: Mapping[str, QuantizedWeight] | None = None,
 ) -> None:
     """Rewrite every node of `graph` that reads one of `readers` (initializer name -> (canonical weight,
-    transposed, format)) to read the quantized weight instead. Fails on a reader it cannot rewrite."""
-    rewriter = Rewriter(graph.name, stored, activations)
+    transposed, format)) to read the quantized weight instead. Fails on a reader it cannot rewrite.
+
+    With `tensorrt` (the quantized weights themselves), the graph is the variant TensorRT builds its engine
+    from instead (export/onnx_quant_tensorrt.py)."""
+    if tensorrt is None:
+        rewriter = Rewriter(graph.name, stored, activations)
+    else:
+        from paradecode.export.onnx_quant_tensorrt import TensorRTRewriter
+
+        rewriter = TensorRTRewriter(graph.name, stored, activations, tensorrt)
     for node in graph.node:
         for position, name in enumerate(node.input):
             if name not in readers:

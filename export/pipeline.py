@@ -44,6 +44,7 @@ from paradecode.graphs.manifest import (
 from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.quantization import Quantization
+from paradecode.graphs.quantized import QuantizedWeight
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
 
@@ -123,7 +124,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             folder,
             hf_model,
             spec,
-            Weights(weights, reference, quantization),
+            Weights(weights, reference, quantization, quantized),
             plan,
             config,
             max_seq_len,
@@ -140,7 +141,13 @@ def export_model(config: ExportConfig) -> ExportResult:
 
             settings = ProfileSettings(config.max_batch, max_seq_len, config.max_unverified)
             cache_dir = config.cache_dir or Path.home() / ".cache" / "paradecode"
-            engines = build_engines(folder, plan, onnx_files, settings, target, cache_dir)
+            sources = onnx_files
+            if quantization is not None:  # the graphs TensorRT reads (export/onnx_quant_tensorrt.py)
+                sources = {name: tensorrt_variant(path) for name, path in onnx_files.items()}
+            engines = build_engines(folder, plan, sources, settings, target, cache_dir)
+            for name, path in sources.items():
+                if path != onnx_files[name]:
+                    (folder / path).unlink()
             tensorrt = {"version": target.version, "gpu": target.gpu, "token_ranges": settings.token_ranges()}
         manifest = Manifest(
             model=identity,
@@ -333,11 +340,17 @@ def structure_key(io: SubgraphIO, spec: ModelSpec, weights: dict) -> tuple:
 class Weights:
     """An export's weights three ways: as the source gave them (`float`, what slicing is checked with), as the
     graphs compute with them (`reference`: each quantized weight as its blocks dequantize, the rest as given),
-    and which are quantized and how (`quantization`, None for a float export)."""
+    and which are quantized and how (`quantization`, None for a float export; `quantized`, their blocks)."""
 
     float: dict[str, torch.Tensor]
     reference: dict[str, torch.Tensor]
     quantization: Quantization | None
+    quantized: dict[str, QuantizedWeight]
+
+
+def tensorrt_variant(relative: str) -> str:
+    """Where the TensorRT variant of a quantized graph is written for the engine build."""
+    return relative.removesuffix(".onnx") + ".tensorrt.onnx"
 
 
 def weights_summary(config: ExportConfig, quantization: Quantization | None) -> str:
@@ -397,6 +410,9 @@ def write_subgraphs(
         relative = onnx_path(io.name)
         save_onnx(template.instantiate(io, canonical, stored, quantization), folder / relative)
         files[io.name] = relative
+        if config.engine == "tensorrt" and quantization is not None:  # what TensorRT builds from, removed after
+            variant = template.instantiate(io, canonical, stored, quantization, tensorrt=all_weights.quantized)
+            save_onnx(variant, folder / tensorrt_variant(relative))
         cases = [
             (
                 f"random T={t}",

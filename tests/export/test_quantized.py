@@ -15,6 +15,7 @@ import io
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -301,3 +302,61 @@ def test_a_tampered_quantization_record_is_refused(edit, message, quantized_expo
     (folder / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=message):
         read_manifest(folder)
+
+
+# --- the variant TensorRT builds from (no TensorRT here: run by onnxruntime, which reads the same ops) -----------
+
+
+def matmul_and_gather_graph(n: int, k: int) -> onnx.ModelProto:
+    """y = x @ W^T and rows = W[ids], W read from one initializer (as a traced Linear and embedding read it)."""
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_t"], ["y"]),
+        helper.make_node("Gather", ["w", "ids"], ["rows"], axis=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, k]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, n]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, 3, k]),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q8_0", "int4"])
+def test_the_tensorrt_variant_computes_the_same_products(kind, tmp_path):
+    """The symmetric INT4/INT8 DequantizeLinear form (plus the minima and zero points as a correction) gives
+    x @ W^T for W the dequantized weight, and the embedding its rows."""
+    import onnxruntime as ort
+
+    from paradecode.export import onnx_quant
+
+    if kind == "int4":
+        n, k = 24, 96
+        weight = from_float({"layers.1.mlp.up.weight": torch.randn(n, k)}, 4)["layers.1.mlp.up.weight"]
+    else:
+        written = write_tiny_gguf(tmp_path / "t.gguf", block_types=kind, tied=False)
+        tensor = next(t for t in written.tensors.values() if t.tensor_type.name == kind)
+        k = tensor.spec.shape[1]
+        n = min(24, tensor.spec.shape[0])
+        weight = quantized_from_gguf(tensor.data, kind, k).rows(torch.arange(n))
+    model = matmul_and_gather_graph(n, k)
+    readers = {"w_t": ("w", True, weight.format), "w": ("w", False, weight.format)}
+    onnx_quant.rewrite(model.graph, readers, lambda name: None, "float", tensorrt={"w": weight})
+    ops = {node.op_type for node in model.graph.node}
+    assert "DequantizeLinear" in ops and not ops & {"MatMulNBits", "BitShift", "BitwiseAnd"}, ops
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = torch.randn(1, 3, k)
+    ids = torch.tensor([[0, 5, n - 1]])
+    y, rows = session.run(None, {"x": x.numpy(), "ids": ids.numpy()})
+    dense = weight.dequantize()
+    assert torch.allclose(torch.from_numpy(y), x @ dense.t(), rtol=1e-4, atol=1e-4 * float(dense.abs().max()) * k)
+    assert torch.equal(torch.from_numpy(rows), dense[ids])
