@@ -84,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="where onnxruntime-genai's models are built once and kept (default ~/.cache/paradecode/peers)",
     )
     parser.add_argument(
+        "--compare-export",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR2",
+        help="another export of the same model (say its --weights float export beside a quantized one): its ar, in "
+        "both thread settings, is measured beside the others, interleaved, and reported as reference rows "
+        "(repeat the option for several)",
+    )
+    parser.add_argument(
         "--thresholds",
         default="default,0.5,0.75,0.9",
         help="comma-separated thresholds to try; 'default' = the export's (calibrated) ones",
@@ -164,11 +174,41 @@ def run(args) -> str:
         if args.per_category is not None:
             prompts = first_of_each_category(prompts, args.per_category)
         extra = []
+        for other in args.compare_export:
+            extra += compared_export_modes(args, other, main_model, peer_runners)
         if peers is not None:
             from paradecode.tools.peers import peer_modes
 
-            extra = peer_modes(peers, main_model, peer_runners, ignore_eos=args.ignore_eos)
+            extra += peer_modes(peers, main_model, peer_runners, ignore_eos=args.ignore_eos)
         return measure(args, prompts, thresholds, main_model, ar_models, extra)
+
+
+def compared_export_modes(args, export: Path, main_model, stack: ExitStack) -> list:
+    """ar on `export` (a --compare-export), in each thread setting the main export's ar runs in, as reference rows
+    (kind "peer": another engine's plain decoding, not a baseline). Its models are closed with `stack`."""
+    import dataclasses
+
+    from paradecode.tools import benchmarking as bm
+
+    other, baselines = stack.enter_context(
+        bm.opened_with_ar_baselines(export, backend=args.backend, device=args.device)
+    )
+    ours, theirs = main_model.manifest.model, other.manifest.model
+    if ours.get("weights_sha256") != theirs.get("weights_sha256"):
+        raise UserInputError(
+            f"--compare-export {export} was exported from another model than {args.export} (weights "
+            f"sha256 {str(theirs.get('weights_sha256'))[:12]}..., this export's {str(ours.get('weights_sha256'))[:12]}"
+            "...): the same prompts would not mean the same tokens. Compare two exports of one model."
+        )
+    name = Path(export).name
+    sampling = {"temperature": args.temperature, "seed": 0} if args.temperature else {}
+    return [
+        dataclasses.replace(
+            bm.stream_mode(f"{label} of {name}", model, {"mode": "ar", **sampling}, ignore_eos=args.ignore_eos),
+            kind="peer",
+        )
+        for label, model in baselines.items()
+    ]
 
 
 def peer_settings(args):

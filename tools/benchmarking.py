@@ -11,6 +11,7 @@ the plain-decoding baselines worth measuring beside it; the harness picks the fa
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -367,26 +368,25 @@ def copy_bandwidth(device: str, megabytes: int = 256) -> float:
 
 def weight_bytes_per_token(export_dir) -> int:
     """Bytes of weights a plain decode step reads: every layer, the final norm and head, one embedding row
-    (and one position row for learned positions); exit heads are not part of plain decoding."""
+    (and one position row for learned positions); exit heads are not part of plain decoding. A quantized
+    weight counts as its stored blocks (graphs/quantized.py), as its graphs read it."""
     from safetensors import safe_open
 
     from paradecode.runtime.loader import open_export
 
     export = open_export(export_dir, verify=False)
     manifest = export.manifest
+    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U8": 1}
     total = 0
     with safe_open(str(export.file(manifest.weights)), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             tensor = f.get_slice(key)
             shape = tensor.get_shape()
-            count = 1
-            for dim in shape:
-                count *= dim
-            size = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}.get(tensor.get_dtype(), 4) * count
+            size = itemsize.get(tensor.get_dtype(), 4) * math.prod(shape)
             if key.startswith("embed."):
+                if manifest.spec.tie_word_embeddings and key.startswith("embed.tokens."):
+                    total += size  # the whole table, as the final head's unembedding
                 size //= shape[0]  # one row of the table per token
             if not key.startswith("exits."):
                 total += size
-    if manifest.spec.tie_word_embeddings:
-        total += manifest.spec.vocab_size * manifest.spec.hidden_size * (4 if manifest.dtype == "float32" else 2)
     return total

@@ -523,3 +523,30 @@ def test_footprint_reports_disk_and_memory_against_the_weights(stories_export, c
     # every weight once, plus graph structure and the tokenizer (a few MB: most of this tiny model's export)
     assert figures["disk_vs_weights"] >= 1.0 and figures["disk_mb"] - figures["weights_mb"] < 5
     assert figures["rss_growth_loaded_mb"] > 0
+
+
+@pytest.mark.slow
+def test_bench_compares_another_export_of_the_same_model(stories_export, stories_dir, tmp_path, capsys):
+    """--compare-export measures ar on another export of the model (here its int4 export) as reference rows, and
+    refuses an export of another model."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    int4 = tmp_path / "int4"
+    export_model(ExportConfig(model=str(stories_dir / "hf"), output=int4, max_seq_len=128, weights="int4"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    argv = ["--prompts", str(prompts), "--max-new-tokens", "6", "--repeat", "1", "--thresholds", "default"]
+    argv += ["--overlaps", "batched", "--no-hf", "--json", str(tmp_path / "b.json")]
+    assert bench.main([str(stories_export[0]), *argv, "--compare-export", str(int4)]) == 0
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    compared = [name for name in summary if name.endswith("of int4")]
+    assert len(compared) >= 1 and all(summary[name]["kind"] == "peer" for name in compared), sorted(summary)
+    capsys.readouterr()
+    other_model = tmp_path / "other"
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("llama", tmp_path / "llama")
+    export_model(ExportConfig(model=str(tmp_path / "llama"), output=other_model, max_seq_len=64))
+    assert bench.main([str(stories_export[0]), *argv, "--compare-export", str(other_model)]) == 2
+    assert "was exported from another model" in capsys.readouterr().err
