@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.export.config import WEIGHT_SETTINGS
+from paradecode.export.config import OPS, WEIGHT_SETTINGS
 from paradecode.export.known_models import known_models_help
 from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="what quantized weights multiply: int8 (default; activations rounded to 8 bits per block, as "
         "onnxruntime-genai and llama.cpp do: the faster) or float (float32 activations: the reference, "
         "closer to PyTorch on the dequantized weights)",
+    )
+    parser.add_argument(
+        "--ops",
+        choices=OPS,
+        default="auto",
+        help="which operators the graphs use: fused (onnxruntime's fused kernels: RMSNormalization, "
+        "GroupQueryAttention for rotary embeddings, the in-place cache write and attention) or portable "
+        "(elementwise operators and TensorScatter, which TensorRT reads); default auto: fused, portable with "
+        "--engine tensorrt",
     )
     parser.add_argument(
         "--max-seq-len",
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             weights=args.weights,
             activations=args.activations,
+            ops=args.ops,
             max_seq_len=args.max_seq_len,
             max_batch=args.max_batch,
             max_unverified=args.max_unverified,

@@ -11,6 +11,10 @@ from paradecode.graphs.tensors import DTYPES
 
 ENGINES = ("onnx", "tensorrt")
 WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/quantize.py
+# Which operators the graphs use: "fused" (onnxruntime's fused kernels: RMSNormalization, GroupQueryAttention
+# for rotary embeddings, the in-place cache write and attention) or "portable" (elementwise ops and
+# TensorScatter, which TensorRT's parser reads); "auto": fused for --engine onnx, portable for tensorrt.
+OPS = ("auto", "fused", "portable")
 MIN_OPSET = 24  # TensorScatter, the in-place KV-cache write, is an opset-24 operator
 MAX_OPSET = 24  # the highest opset the exporter and onnxruntime are tested with here
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -29,6 +33,7 @@ class ExportConfig:
     weights: str = "auto"
     # what quantized graphs compute with: int8 (activations quantized per block, the faster) or float
     activations: str = "int8"
+    ops: str = "auto"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
     max_batch: int = 1
     max_unverified: int = 5
@@ -60,6 +65,13 @@ class ExportConfig:
                 f"--weights {self.weights} exports compute in float32 (onnxruntime's MatMulNBits on the CPU); "
                 f"--dtype {self.dtype} is for dense exports: pass --weights float with it, or drop --dtype."
             )
+        if self.ops not in OPS:
+            raise UserInputError(f"ops {self.ops!r} is not supported; expected one of {', '.join(OPS)}.")
+        if self.ops == "fused" and self.engine == "tensorrt":
+            raise UserInputError(
+                "--ops fused uses onnxruntime's own kernels (GroupQueryAttention), which TensorRT cannot build: "
+                "with --engine tensorrt leave --ops at auto or pass --ops portable."
+            )
         if self.engine not in ENGINES:
             raise UserInputError(f"engine {self.engine!r} is not supported; expected one of {', '.join(ENGINES)}.")
         if not MIN_OPSET <= self.opset <= MAX_OPSET:
@@ -82,6 +94,13 @@ class ExportConfig:
             if len(set(layers)) != len(layers):
                 raise UserInputError(f"exit layers repeat: {list(layers)}.")
             object.__setattr__(self, "exit_layers", tuple(sorted(layers)))
+
+    @property
+    def resolved_ops(self) -> str:
+        """`ops` with `auto` resolved: fused graphs for onnxruntime, portable ones where TensorRT builds engines."""
+        if self.ops != "auto":
+            return self.ops
+        return "portable" if self.engine == "tensorrt" else "fused"
 
 
 def default_exit_layers(num_layers: int) -> tuple[int, ...]:

@@ -123,14 +123,14 @@ def save_weights(
     path: Path, weights: dict[str, torch.Tensor], dtype: str, quantized: dict[str, QuantizedWeight] | None = None
 ) -> None:
     """The export's one weights file: every canonical weight once, in the export dtype (rotary frequencies
-    stay float32, token ids int64), a quantized one as its stored parts (`{name}.qweight`, ...). The torch
+    and tables stay float32, token ids int64), a quantized one as its stored parts (`{name}.qweight`, ...). The torch
     backend loads it; every ONNX graph points into it."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     quantized = quantized or {}
     cast = {
-        k: (v if k == "rope.inv_freq" or not v.is_floating_point() else v.to(TORCH_DTYPES[dtype]))
+        k: (v if k.startswith("rope.") or not v.is_floating_point() else v.to(TORCH_DTYPES[dtype]))
         .detach()
         .contiguous()
         .clone()

@@ -41,8 +41,8 @@ from paradecode.graphs.manifest import (
     Subgraph,
     onnx_path,
 )
-from paradecode.graphs.modules import build_subgraph, subgraph_state
-from paradecode.graphs.ops import TORCH_DTYPES
+from paradecode.graphs.modules import build_subgraph, fused_attention_fits, subgraph_state
+from paradecode.graphs.ops import TORCH_DTYPES, rope_caches
 from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.quantized import QuantizedWeight
 from paradecode.graphs.spec import ModelSpec
@@ -83,6 +83,10 @@ def export_model(config: ExportConfig) -> ExportResult:
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
+    if config.resolved_ops == "fused" and spec.positions == "rope" and fused_attention_fits(spec):  # rotary tables
+        weights["rope.cos"], weights["rope.sin"] = rope_caches(
+            weights["rope.inv_freq"], spec.rope_scaling, max_seq_len, torch.float32
+        )
     quantized = quantized_weights(config.weights, source.gguf_path, weights)
     weights.update(head_weights(spec, weights, transforms, vocab))
     quantized.update(head_quantized(quantized, weights, vocab))
@@ -167,6 +171,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
             tensorrt=tensorrt,
             quantization=quantization,
+            ops=config.resolved_ops,
             paradecode_version=package_version(),
         )
         manifest.write(folder)
@@ -373,7 +378,8 @@ def write_subgraphs(
     """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
     dtype = TORCH_DTYPES[config.dtype]
     weights, quantization = all_weights.reference, all_weights.quantization
-    tolerance = validate.tolerance_of(config.dtype, quantization)
+    fused = config.resolved_ops == "fused"
+    tolerance = validate.tolerance_of(config.dtype, quantization, fused=fused)
     checklist = validate.Checklist()
     fp32 = {io.name: build_subgraph(spec, io, all_weights.float, with_logits=config.with_logits) for io in plan}
     checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
@@ -396,7 +402,7 @@ def write_subgraphs(
         key = structure_key(io, spec, weights)
         if key not in templates:
             random_module = build_subgraph(
-                spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits
+                spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits, fused=fused
             )
             templates[key] = GraphTemplate.trace(random_module, io, **export_args)
             how = "traced"
@@ -404,9 +410,10 @@ def write_subgraphs(
             how = "from template"
         template = templates[key]
         if template.foreign:  # not a template: trace this subgraph itself; what matches its weights is shared
-            template = GraphTemplate.trace(modules[io.name], io, **export_args)
+            own = build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits, fused=fused)
+            template = GraphTemplate.trace(own, io, **export_args)
             how = "traced"
-        canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights).items()}
+        canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, fused=fused).items()}
         relative = onnx_path(io.name)
         save_onnx(template.instantiate(io, canonical, stored, quantization), folder / relative)
         files[io.name] = relative

@@ -68,6 +68,7 @@ MAX_MANIFEST_BYTES = 16 << 20  # a manifest of a 100-layer model is well under 1
 WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external data points into it
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
+OPS = ("fused", "portable")
 NEVER_EXIT = math.inf  # no token ever exits (the overhead test of DESIGN.md §3); stored as null in JSON
 
 
@@ -191,6 +192,7 @@ class Manifest:
     calibration: dict[str, Any] | None = None
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
     quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
+    ops: str = "portable"  # "fused": onnxruntime's fused kernels; "portable": operators TensorRT reads too
     paradecode_version: str = "unknown"
     format_version: int = FORMAT_VERSION
 
@@ -233,6 +235,7 @@ class Manifest:
             "tokenizer": list(self.tokenizer),
             "tensorrt": self.tensorrt,
             "quantization": None if self.quantization is None else self.quantization.to_dict(),
+            "ops": self.ops,
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
         }
 
@@ -276,6 +279,7 @@ class Manifest:
             weights=check_relative(data.get("weights", WEIGHTS_NAME), "weights"),
             tensorrt=_tensorrt(data.get("tensorrt")),
             quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
+            ops=json_string(data.get("ops", "portable"), "ops", OPS),
             calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
             paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
             format_version=json_integer(json_field(data, "format_version", ""), "format_version"),

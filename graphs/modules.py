@@ -29,7 +29,7 @@ from torch import nn
 from paradecode.graphs import ops
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import SubgraphIO
+from paradecode.graphs.tensors import PAST_KEY, SubgraphIO
 
 
 class Norm(nn.Module):
@@ -57,6 +57,34 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = Norm("rms", dim, spec.norm_eps)
             self.k_norm = Norm("rms", dim, spec.norm_eps)
+
+    def fused(self, x, positions, past_key, past_value, caches):
+        """The same attention as onnxruntime's fused kernel (`ops.fused_attention`), for ONNX export only."""
+        spec = self.spec
+        batch, tokens, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if spec.qk_norm:
+            q = ops.onnx_rms_norm(
+                q.view(batch, tokens, spec.num_heads, spec.head_dim), self.q_norm.weight, spec.norm_eps
+            )
+            k = ops.onnx_rms_norm(
+                k.view(batch, tokens, spec.num_kv_heads, spec.head_dim), self.k_norm.weight, spec.norm_eps
+            )
+            q = q.reshape(batch, tokens, spec.num_heads * spec.head_dim)
+            k = k.reshape(batch, tokens, spec.num_kv_heads * spec.head_dim)
+        out, present_key, present_value = ops.fused_attention(
+            q,
+            k,
+            v,
+            past_key,
+            past_value,
+            positions,
+            caches,
+            num_heads=spec.num_heads,
+            scale=spec.scale,
+            window=self.window,
+        )
+        return self.o(out), present_key, present_value
 
     def forward(self, x, positions, past_key, past_value, inv_freq):
         spec = self.spec
@@ -109,11 +137,24 @@ class EmbedGraph(nn.Module):
         return hidden
 
 
-class LayerGraph(nn.Module):
-    """One pre-norm decoder layer with its fixed-size KV cache written in place."""
+def fused_attention_fits(spec: ModelSpec) -> bool:
+    """Whether onnxruntime's GroupQueryAttention runs this model's heads (its CPU kernel needs head_dim % 16 == 0:
+    real models' 64 or 128 do; a layer of a model with other heads exports the portable attention, fused norms)."""
+    return spec.head_dim % 16 == 0
 
-    def __init__(self, spec: ModelSpec, layer: int):
+
+class LayerGraph(nn.Module):
+    """One pre-norm decoder layer with its fixed-size KV cache written in place.
+
+    `fused` (a cache of `max_seq_len` slots): exported with onnxruntime's fused kernels (one RMSNormalization per
+    norm, and where `fused_attention_fits`, GroupQueryAttention for rotary embeddings, the cache write and
+    attention, from the rotary tables `cos_cache` / `sin_cache`, canonical `rope.cos` / `rope.sin`); eager
+    PyTorch always runs the reference below, which the exported graph is validated against.
+    """
+
+    def __init__(self, spec: ModelSpec, layer: int, *, fused: bool = False, max_seq_len: int | None = None):
         super().__init__()
+        self.spec, self.fused = spec, fused
         self.attn_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
         self.attn = Attention(spec, layer)
         self.mlp_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
@@ -122,13 +163,32 @@ class LayerGraph(nn.Module):
             self.register_buffer("inv_freq", torch.zeros(spec.head_dim // 2))
         else:
             self.inv_freq = None
+        self.fused_attention = fused and fused_attention_fits(spec)
+        if self.fused_attention and spec.positions == "rope":
+            if max_seq_len is None:
+                raise ValueError("a fused layer needs max_seq_len (the length of its rotary tables)")
+            self.register_buffer("cos_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
+            self.register_buffer("sin_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
+
+    def norm(self, norm: Norm, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and norm.kind == "rms" and torch.onnx.is_in_onnx_export():
+            return ops.onnx_rms_norm(x, norm.weight, norm.eps)
+        return norm(x)
 
     def forward(self, hidden, positions, past_key, past_value):
-        attn, present_key, present_value = self.attn(
-            self.attn_norm(hidden), positions, past_key, past_value, self.inv_freq
-        )
+        if self.fused_attention and torch.onnx.is_in_onnx_export():
+            caches = None  # float32 tables, cast to the activations' dtype as the kernel needs
+            if self.inv_freq is not None:
+                caches = (self.cos_cache.to(hidden.dtype), self.sin_cache.to(hidden.dtype))
+            attn, present_key, present_value = self.attn.fused(
+                self.norm(self.attn_norm, hidden), positions, past_key, past_value, caches
+            )
+        else:
+            attn, present_key, present_value = self.attn(
+                self.attn_norm(hidden), positions, past_key, past_value, self.inv_freq
+            )
         hidden = hidden + attn
-        hidden = hidden + self.mlp(self.mlp_norm(hidden))
+        hidden = hidden + self.mlp(self.norm(self.mlp_norm, hidden))
         return hidden, present_key, present_value
 
 
@@ -176,9 +236,18 @@ class HeadGraph(nn.Module):
 class LayerExitGraph(nn.Module):
     """Layer e and exit head e in one graph: the layer's outputs plus the head's on the last position."""
 
-    def __init__(self, spec: ModelSpec, layer: int, *, transform: bool, vocab: int | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer: int,
+        *,
+        transform: bool,
+        vocab: int | None = None,
+        fused: bool = False,
+        max_seq_len: int | None = None,
+    ):
         super().__init__()
-        self.layer = LayerGraph(spec, layer)
+        self.layer = LayerGraph(spec, layer, fused=fused, max_seq_len=max_seq_len)
         self.head = HeadGraph(spec, transform=transform, vocab=vocab)
 
     def forward(self, hidden, positions, past_key, past_value):
@@ -187,13 +256,16 @@ class LayerExitGraph(nn.Module):
         return hidden, present_key, present_value, token, prob, margin
 
 
-def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The module-local state dict of one subgraph, taken from the canonical weights."""
+def subgraph_state(
+    spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor], *, fused: bool = False
+) -> dict[str, torch.Tensor]:
+    """The module-local state dict of one subgraph, taken from the canonical weights (`fused`: of the module
+    that exports with fused kernels, which also reads the rotary tables)."""
     if io.kind == "layer_exit":
         layer = SubgraphIO(f"layer_{io.layer}", "layer", io.layer, io.inputs, io.outputs[:3])
         head = SubgraphIO(f"exit_{io.layer}", "exit", io.layer, io.inputs[:1], io.outputs[3:])
         return {
-            **{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights).items()},
+            **{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights, fused=fused).items()},
             **{f"head.{k}": v for k, v in subgraph_state(spec, head, weights).items()},
         }
     if io.kind == "embed":
@@ -204,6 +276,8 @@ def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Ten
         state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         if spec.positions == "rope":
             state["inv_freq"] = weights["rope.inv_freq"]
+            if fused and fused_attention_fits(spec):
+                state["cos_cache"], state["sin_cache"] = weights["rope.cos"], weights["rope.sin"]
         return state
     state = {k: v for k, v in weights.items() if k.startswith(("norm.", "unembed."))}
     if "unembed.weight" not in state and spec.tie_word_embeddings:
@@ -213,6 +287,14 @@ def subgraph_state(spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Ten
     if io.kind == "exit" and "exits.vocab" in weights:
         state["unembed.weight"], state["vocab"] = weights["exits.unembed"], weights["exits.vocab"]
     return state
+
+
+def cache_length(io: SubgraphIO) -> int | None:
+    """The KV cache's number of slots in a layer's contract (S_max), None for other subgraphs."""
+    for t in io.inputs:
+        if t.name == PAST_KEY:
+            return int(t.shape[2])
+    return None
 
 
 def head_vocab(weights: dict[str, torch.Tensor]) -> int | None:
@@ -255,6 +337,7 @@ def build_subgraph(
     *,
     dtype: torch.dtype = torch.float32,
     with_logits: bool = False,
+    fused: bool = False,
 ) -> nn.Module:
     """Build the torch module of one subgraph, loaded from canonical weights, in `dtype`.
 
@@ -263,15 +346,16 @@ def build_subgraph(
     if io.kind == "embed":
         module = EmbedGraph(spec)
     elif io.kind == "layer":
-        module = LayerGraph(spec, io.layer)
+        module = LayerGraph(spec, io.layer, fused=fused, max_seq_len=cache_length(io))
     elif io.kind == "layer_exit":
+        transform = f"exits.{io.layer}.transform" in weights
         module = LayerExitGraph(
-            spec, io.layer, transform=f"exits.{io.layer}.transform" in weights, vocab=head_vocab(weights)
+            spec, io.layer, transform=transform, vocab=head_vocab(weights), fused=fused, max_seq_len=cache_length(io)
         )
     elif io.kind == "exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = HeadGraph(spec, transform=transform, vocab=head_vocab(weights), with_logits=with_logits)
     else:
         module = HeadGraph(spec, with_logits=with_logits)
-    load_exact(module, subgraph_state(spec, io, weights), io.name, dtype)
+    load_exact(module, subgraph_state(spec, io, weights, fused=fused), io.name, dtype)
     return module.eval()

@@ -21,6 +21,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def onnx_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` as one ONNX RMSNormalization (opset 23) node: for fused graphs, under `torch.onnx.export` only."""
+    return torch.onnx.ops.symbolic(
+        "RMSNormalization",
+        (x, weight),
+        {"axis": -1, "epsilon": float(eps), "stash_type": 1},
+        dtype=x.dtype,
+        shape=x.shape,
+        version=23,
+    )
+
+
+def rope_caches(inv_freq: torch.Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple:
+    """cos and sin [length, D_h / 2] for every position up to `length`, as `rope_cos_sin` computes them
+    (half of each row: the other half repeats it): the tables a fused attention kernel reads."""
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None]
+    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+
+
+def fused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    positions: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    num_heads: int,
+    scale: float,
+    window: int | None,
+):
+    """onnxruntime's GroupQueryAttention over the fixed-size cache, written in place, under `torch.onnx.export`.
+
+    q [B, T, H*D_h], k and v [B, T, H_kv*D_h], caches [B, H_kv, S, D_h]; rotary embeddings applied inside from
+    `caches` (cos and sin tables, `rope_caches`; None: no rotary). Positions are contiguous per row, so the
+    kernel derives them from each row's length: `seqlens_k` = the last position, the total = the highest
+    position + 1. The keys and values of positions[b, 0] .. are written into the cache passed in (the runtime
+    binds `present_*` to it), and a query sees the slots up to its own position (and within `window`): the
+    same as `attention` with `write_cache`, checked against it for every exported graph. The kernel also
+    takes per-row query lengths and an attention bias, which batched requests and candidate trees need.
+    """
+    kv_heads = past_key.shape[1]
+    seqlens = positions[:, -1].to(torch.int32)
+    total = (positions.max() + 1).to(torch.int32)
+    cos, sin = caches if caches is not None else (None, None)
+    attrs = {
+        "num_heads": num_heads,
+        "kv_num_heads": kv_heads,
+        "scale": float(scale),
+        "do_rotary": int(caches is not None),
+    }
+    if window is not None:
+        attrs["local_window_size"] = int(window) - 1  # the window counts the query's own slot; the kernel does not
+    out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
+        "com.microsoft::GroupQueryAttention",
+        (q, k, v, past_key, past_value, seqlens, total, cos, sin),
+        attrs,
+        dtypes=(q.dtype, past_key.dtype, past_value.dtype),
+        shapes=(q.shape, past_key.shape, past_value.shape),
+        version=1,
+    )
+    return out, present_key, present_value
+
+
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
     if name == "silu":
         return F.silu(x)
