@@ -179,10 +179,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.prompt_ids is None and model.tokenizer is None:
                 raise UserInputError(f"{args.export} has no tokenizer: use --prompt-ids.")
             stream = model.stream(prompt, prompt_ids=args.prompt_ids, messages=messages, config=config)
+            written = ""
             for piece in stream:
                 if not args.json:
+                    written += piece.text
                     sys.stdout.write(piece.text if model.tokenizer else f"{piece.token} ")
                     sys.stdout.flush()
+            text = stream.result.text
+            if not args.json and text and text.startswith(written):
+                sys.stdout.write(text[len(written) :])  # what the stream held back at the end (a partial character)
             return stream.result
 
     code, result = run_command("paradecode-generate", work)

@@ -219,6 +219,12 @@ class ParaDecodeModel:
             raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids, messages)
+        if config.stop and self.tokenizer is None:
+            raise UserInputError(
+                f"stop strings {list(config.stop)!r} need the export's tokenizer to read the output as text, and "
+                f"{self.export.path} has none: leave out the stop strings (stop on max_new_tokens or an "
+                "end-of-sequence token), or export the model with its tokenizer."
+            )
         thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
@@ -361,7 +367,9 @@ class ParaDecodeModel:
                 lookup=config.lookup_config(),
                 sampling=sampling,
             ).run()
-        text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
+        text = TextStream(self.tokenizer, ids) if self.tokenizer and (with_text or config.stop) else None
+        longest_stop = max((len(s) for s in config.stop), default=0)
+        room = self.cache.capacity - len(ids) + 1  # tokens the cache leaves after the prompt: the last one ends it
         tokens, margins = [], []
         started = time.perf_counter()
         try:
@@ -371,15 +379,22 @@ class ParaDecodeModel:
                 tokens.append(token)
                 margins.append(margin)
                 piece = text.push(token) if text else ""
-                yield StreamedToken(token, piece)
                 if token in eos:
-                    stats.stop_reason = "eos"
+                    stop = "eos"
                 elif len(tokens) >= config.max_new_tokens:
-                    stats.stop_reason = "max_new_tokens"
-                elif config.stop and text and any(s in text.text for s in config.stop):
-                    stats.stop_reason = "stop_string"
-                elif self._closed:
-                    stats.stop_reason = "closed"
+                    stop = "max_new_tokens"
+                elif (
+                    piece
+                    and config.stop
+                    and any(s in text.text[-(len(piece) + longest_stop - 1) :] for s in config.stop)
+                ):
+                    stop = "stop_string"  # a stop string ends in the new piece: look there only
+                else:
+                    stop = None
+                if text and (stop or len(tokens) >= room):
+                    piece += text.finish()  # the last token: what was held back (a partial character) goes with it
+                yield StreamedToken(token, piece)
+                stats.stop_reason = stop or ("closed" if self._closed else None)
                 if stats.stop_reason:
                     break
             else:
@@ -403,7 +418,7 @@ class ParaDecodeModel:
             stats.calls = timeline.calls
             stream.result = GenerationResult(
                 tokens,
-                self.tokenizer.decode(tokens) if self.tokenizer else None,
+                self.tokenizer.completion(ids, tokens) if self.tokenizer else None,
                 stats,
                 margins,
                 timeline if timeline.record_spans else None,

@@ -65,6 +65,12 @@ class Service:
         if request.model != name:
             raise ModelNotFound(f"the model {request.model!r} does not exist: this server serves {name!r}.", "model")
         request.check_supported()
+        if request.stop and self.reference.tokenizer is None:
+            raise RequestError(
+                "stop strings need the model's tokenizer to read the output as text, and this export has none: "
+                "leave out stop (the completion ends at max_tokens or an end-of-sequence token).",
+                "stop",
+            )
         prompt = request.prompt_kwargs()
         param = "messages" if "messages" in prompt else "prompt"
         ids = self._prompt_ids(prompt, param)
