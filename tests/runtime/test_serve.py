@@ -214,6 +214,18 @@ def test_stop_strings_cut_the_text_whole_and_streamed(server, reference):
     assert whole.usage.completion_tokens < 40  # decoding stopped there, not at max_tokens
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stop", ["Lily.", "a stop string far longer than four characters", ["Lily.", "x"]])
+def test_stop_is_a_string_of_any_length_or_a_list(server, reference, stop):
+    """OpenAI clients send `stop` as one string: the 4-item limit is a list's, never a string's characters."""
+    full = reference.generate(PROMPT, config=GENERATION, max_new_tokens=12, ignore_eos=True).text
+    response = server.post(
+        "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "stop": stop}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == full  # none of these stop strings is in the text
+
+
 def test_max_tokens_and_ignore_eos(server):
     response = server.openai().completions.create(
         model=NAME, prompt=PROMPT, max_tokens=SEQ_LEN - 8, extra_body={"ignore_eos": True}
@@ -238,6 +250,8 @@ def test_token_id_prompts_on_an_export_without_a_tokenizer(serve, exports):
     assert refused.status_code == 400 and "no tokenizer: send the prompt as a list of token ids" in refused.text
     outside = running.post("/v1/completions", {"model": NAME, "prompt": [1, 10_000]})
     assert outside.status_code == 400 and "outside the vocabulary" in outside.text
+    stop = running.post("/v1/completions", {"model": NAME, "prompt": [1, 5, 9], "stop": "x"})  # not silently ignored
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop" and "this export has none" in stop.text
 
 
 # --- bad requests -------------------------------------------------------------------------------------------------
@@ -293,6 +307,15 @@ LONG = "Once upon a time " * 40  # more tokens than the export's 64
         ),
         ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt", None, "one prompt per request"),
         ("/v1/completions", {"model": NAME, "prompt": "hi", "stop": ""}, 400, "stop", None, "must not be empty"),
+        (
+            "/v1/completions",
+            {"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+            422,
+            "stop",
+            None,
+            "a string or a list of at most 4 strings",
+        ),
+        ("/v1/completions", {"model": NAME, "prompt": "hi", "top_k": -2}, 422, "top_k", None, "greater than or equal"),
         (
             "/v1/chat/completions",
             {"model": NAME, "messages": [{"role": "user", "content": "hi", "name": "x"}]},
