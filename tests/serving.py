@@ -31,23 +31,22 @@ def wait_until(check: Callable[[], bool], seconds: float = 10.0, what: str = "th
 
 
 class Server:
-    """A `Service` behind uvicorn in a background thread, on a free port of 127.0.0.1."""
+    """A `Service` behind paradecode-serve's uvicorn server in a background thread, on a free port of 127.0.0.1.
+
+    `close()` shuts it down as SIGTERM does: in-flight requests get the config's shutdown_timeout.
+    """
 
     def __init__(self, config: ServeConfig):
-        import uvicorn
-
-        from paradecode.runtime.serve.app import build_app
+        from paradecode.runtime.serve.cli import http_server
+        from paradecode.runtime.serve.protocol import listening_socket
         from paradecode.runtime.serve.service import Service
 
         self.config = config
         self.service = Service(config)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listening_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(build_app(self.service), log_config=None, timeout_graceful_shutdown=5)
-        )
+        self.server = http_server(self.service)  # paradecode-serve's: its protocol, app and shutdown
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, 30, "the server's start")

@@ -82,7 +82,7 @@ def reference(chat_export):
 
 
 def config_of(export: Path, **fields) -> ServeConfig:
-    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, **fields})
+    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, "shutdown_timeout": 5, **fields})
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,8 @@ def check_stats(stats: dict, result) -> None:
 def test_models_and_health(server, chat_export):
     (card,) = server.openai().models.list().data
     assert card.id == NAME and card.owned_by == "paradecode"
-    assert card.max_model_len == SEQ_LEN and card.root == str(chat_export)
+    assert card.max_model_len == SEQ_LEN and card.root == NAME  # never the export's path on the server's disk
+    assert str(chat_export) not in server.http.get("/v1/models").text
     health = server.http.get("/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2, "waiting": 0, "running": 0}
 
@@ -653,7 +654,8 @@ def test_stop_text_never_sends_part_of_a_stop_string(pieces, stops, sent, result
 
 def test_serve_config_checks_its_fields(chat_export):
     config = ServeConfig(chat_export)
-    assert config.served_model_name == str(chat_export) and config.replicas == 1 and config.max_queue == 16
+    assert config.served_model_name == chat_export.name and config.replicas == 1 and config.max_queue == 16
+    assert ServeConfig(chat_export, port=0).port == 0  # any free port
     for bad in (
         dict(replicas=0),
         dict(max_queue=-1),
@@ -753,26 +755,55 @@ def test_sigterm_finishes_in_flight_requests(chat_export, tmp_path):
     assert "stopped (received SIGTERM)" in err and "replicas closed" in err
 
 
+def whole_request(url: str, into: list) -> None:
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
+    try:
+        into.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+    except httpx.HTTPError as err:
+        into.append(err)
+
+
 @pytest.mark.slow
-def test_sigterm_cancels_what_outlasts_the_shutdown_timeout(chat_export, tmp_path):
-    process, url = start_cli(chat_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [((signal.SIGTERM,), 143), ((signal.SIGINT,), 130), ((signal.SIGINT, signal.SIGINT), 130)],
+    ids=["SIGTERM", "SIGINT", "double Ctrl-C"],
+)
+def test_shutdown_answers_what_outlasts_the_shutdown_timeout(chat_export, tmp_path, signals, code):
+    """A running stream gets an error event and [DONE], a running and a queued whole request get 503 JSON, as
+    the README promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
+    process, url = start_cli(chat_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5", "--replicas", "2")
     try:
         lines: list = []
-        reader = threading.Thread(target=stream_lines, args=(url, LONG_RUN, lines))  # 24 s of tokens
-        reader.start()
-        wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 1, 10, "a request decoding")
+        answers: list = []
+        clients = [threading.Thread(target=stream_lines, args=(url, LONG_RUN, lines))]  # 24 s of tokens each
+        clients += [threading.Thread(target=whole_request, args=(url, answers)) for _ in range(2)]
+        clients[0].start()
+        wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 1, 10, "the stream decoding")
+        for client in clients[1:]:
+            client.start()
+        wait_until(lambda: httpx.get(f"{url}/health").json()["waiting"] == 1, 10, "a whole request queued")
         started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
+        for i, signum in enumerate(signals):
+            if i:
+                time.sleep(0.2)
+            process.send_signal(signum)
         process.wait(30)
         stopped = time.monotonic() - started
-        reader.join(30)
+        for client in clients:
+            client.join(30)
     finally:
         process.kill()
     err = (tmp_path / "log").read_text()
-    assert process.returncode == 128 + signal.SIGTERM, err
-    assert stopped < 12, f"took {stopped:.1f} s to stop:\n{err}"  # the request alone would take 24 s
-    assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in err and "replicas closed" in err
-    assert not any(line == "data: [DONE]" for line in lines if isinstance(line, str))
+    assert process.returncode == code, err
+    assert stopped < 12, f"took {stopped:.1f} s to stop:\n{err}"  # the requests alone would take 24 s
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+    events = sse_events(line for line in lines if isinstance(line, str))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", lines[-3:]
+    assert [a.status_code for a in answers] == [503, 503], answers
+    assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)
+    assert "replicas closed" in err
 
 
 def refused(url: str) -> bool:
@@ -792,7 +823,11 @@ def test_cli_help_and_bad_input(tmp_path, capsys, chat_export):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert cli.main([str(chat_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
-    assert "could not listen on 127.0.0.1:" in capsys.readouterr().err
+    assert "is taken (Address already in use): choose another --port" in capsys.readouterr().err
+    for host, message in (("no-such-host.invalid", "this machine can resolve"), ("192.0.2.1", "not an address of")):
+        assert cli.main([str(chat_export), "--host", host, "--log-level", "error"]) == 2
+        err = capsys.readouterr().err
+        assert f"--host {host!r}" in err and message in err and "--port" not in err, err
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])
