@@ -10,10 +10,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
+from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.serve.config import ServeConfig
+
+NAME = "tiny-chat"  # the served model's name in the server tests
+SEQ_LEN = 64  # the served export's max_seq_len
+GENERATION = GenerationConfig(thresholds=0.0)  # every token exits early: exits and rollbacks in every response
+
+
+def config_of(export: Path, **fields) -> ServeConfig:
+    """The tests' ServeConfig: NAME, GENERATION and a 5 s shutdown unless `fields` say otherwise."""
+    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, "shutdown_timeout": 5, **fields})
 
 
 def free_port() -> int:

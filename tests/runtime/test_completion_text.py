@@ -3,7 +3,7 @@
 That is the Hugging Face pipelines' and vLLM's convention; decoding the output alone drops the leading
 space a SentencePiece tokenizer gives the first token ("Once upon a" + "time, ..." glued together).
 Checked on a SentencePiece tokenizer (stories260K) and a byte-level BPE (the tiny chat export of the
-server's tests), in the API, paradecode-generate and both endpoints, whole and streamed; the expected
+server's tests, `served_export`), in the API, paradecode-generate and both endpoints, whole and streamed; the expected
 text is computed here with the `tokenizers` library directly.
 """
 
@@ -16,7 +16,6 @@ import pytest
 
 from paradecode.runtime import cli, load
 from paradecode.runtime.serve.config import ServeConfig
-from tests.runtime.test_serve import chat_export  # noqa: F401 (a fixture: the byte-level export)
 from tests.serving import Server, sse_events
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +30,7 @@ def text_export(request) -> tuple[str, Path]:
     """(tokenizer kind, export folder)."""
     if request.param == "sentencepiece":
         return request.param, request.getfixturevalue("stories_export")[0]
-    return request.param, request.getfixturevalue("chat_export")
+    return request.param, request.getfixturevalue("served_export")
 
 
 @pytest.fixture(scope="module")

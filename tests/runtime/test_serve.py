@@ -2,7 +2,7 @@
 
 Clients: the `openai` Python client, and httpx where a test needs the raw status, headers or body.
 Outputs are compared token for token with `model.generate` on the same export. The export is a tiny
-random Llama with a Llama 3 style tokenizer and chat template (built as tests/test_chat.py does);
+random Llama with a Llama 3 style tokenizer and chat template (`served_export`, tests/runtime/conftest.py);
 exports/llama from conftest (no tokenizer) serves token-id prompts. Slow replicas are made with
 `SlowStreams` (a delay between tokens), so queueing, timeouts and disconnects are deterministic.
 """
@@ -33,78 +33,28 @@ from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
-from tests.runtime.test_chat import (
-    CHAT_MODEL_TOKENS,
-    LLAMA3,
-    LLAMA3_SPECIALS,
-    bpe_tokenizer,
-    save_tokenizer,
-    without_template,
-)
-from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
+from tests.runtime.test_chat import without_template
+from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
-NAME = "tiny-chat"
-SEQ_LEN = 64
-GENERATION = GenerationConfig(thresholds=0.0)  # every token exits early: exits and rollbacks in every response
 PROMPT = "Once upon a time there was"
 LONG_RUN = 48  # new tokens that fit after PROMPT
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def chat_export(tmp_path_factory) -> Path:
-    """A tiny random Llama whose export carries a byte-level BPE tokenizer and a Llama 3 style chat template."""
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-    from tests.tiny_models import TINY_CONFIGS, tiny_model
-
-    model_dir = tmp_path_factory.mktemp("serve-model")
-    tok = bpe_tokenizer(LLAMA3_SPECIALS, "<|begin_of_text|>")
-    save_tokenizer(model_dir, tok, LLAMA3, **CHAT_MODEL_TOKENS)
-    config = dict(
-        TINY_CONFIGS["llama"],
-        vocab_size=tok.get_vocab_size(),
-        bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-        eos_token_id=tok.token_to_id("<|eot_id|>"),
-    )
-    tiny_model("llama", configs={"llama": config}).save_pretrained(model_dir)
-    out = tmp_path_factory.mktemp("serve-export") / "export"
-    export_model(ExportConfig(model=str(model_dir), output=out, max_seq_len=SEQ_LEN))
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(chat_export):
-    with load(chat_export) as model:
+def reference(served_export):
+    with load(served_export) as model:
         yield model
 
 
-def config_of(export: Path, **fields) -> ServeConfig:
-    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, "shutdown_timeout": 5, **fields})
-
-
 @pytest.fixture(scope="module")
-def server(chat_export):
+def server(served_export):
     """Two replicas, shared by the tests that only send requests."""
-    running = Server(config_of(chat_export, replicas=2))
+    running = Server(config_of(served_export, replicas=2))
     yield running
     running.close()
-
-
-@pytest.fixture
-def serve():
-    """serve(export, **ServeConfig fields) -> a Server of its own, closed after the test."""
-    servers = []
-
-    def start(export: Path, **fields) -> Server:
-        servers.append(Server(config_of(export, **fields)))
-        return servers[-1]
-
-    yield start
-    for running in servers:
-        running.close()
 
 
 def expected(reference, max_tokens: int, **prompt):
@@ -122,11 +72,11 @@ def check_stats(stats: dict, result) -> None:
 # --- the API, against model.generate ------------------------------------------------------------------------------
 
 
-def test_models_and_health(server, chat_export):
+def test_models_and_health(server, served_export):
     (card,) = server.openai().models.list().data
     assert card.id == NAME and card.owned_by == "paradecode"
     assert card.max_model_len == SEQ_LEN and card.root == NAME  # never the export's path on the server's disk
-    assert str(chat_export) not in server.http.get("/v1/models").text
+    assert str(served_export) not in server.http.get("/v1/models").text
     health = server.http.get("/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2, "waiting": 0, "running": 0}
 
@@ -386,7 +336,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param, code,
     assert re.search(message, error["message"]), error["message"]
 
 
-def test_more_bad_requests(server, chat_export, serve, tmp_path):
+def test_more_bad_requests(server, served_export, serve, tmp_path):
     big = server.post("/v1/completions", b"{" + b" " * (4 << 20) + b"}")
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     empty = server.post("/v1/completions", b"")
@@ -399,14 +349,14 @@ def test_more_bad_requests(server, chat_export, serve, tmp_path):
         server.openai().chat.completions.create(model="other", messages=CHAT)
     assert err.value.code == "model_not_found"
     # A chat on an export without a chat template: 400, saying so; completions still work there.
-    plain = serve(without_template(chat_export, tmp_path / "plain"), replicas=1)
+    plain = serve(without_template(served_export, tmp_path / "plain"), replicas=1)
     refused = plain.post("/v1/chat/completions", {"model": NAME, "messages": CHAT})
     assert refused.status_code == 400 and "this export has no chat template" in refused.json()["error"]["message"]
     assert plain.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_a_bad_request_among_good_concurrent_ones(serve, chat_export, reference, monkeypatch):
-    running = serve(chat_export, replicas=2, max_queue=8)
+def test_a_bad_request_among_good_concurrent_ones(serve, served_export, reference, monkeypatch):
+    running = serve(served_export, replicas=2, max_queue=8)
     for model in running.pool.models:  # slow enough that the bad requests land while the good ones decode
         SlowStreams(model, monkeypatch, delay=0.01, count=10)
     want = expected(reference, 30, prompt=PROMPT).text
@@ -446,8 +396,8 @@ def start_stream(running: Server, max_tokens: int = LONG_RUN) -> httpx.Response:
     return response
 
 
-def test_429_with_retry_after_when_the_queue_is_full(serve, chat_export, monkeypatch):
-    running = serve(chat_export, replicas=1, max_queue=1, retry_after=3)
+def test_429_with_retry_after_when_the_queue_is_full(serve, served_export, monkeypatch):
+    running = serve(served_export, replicas=1, max_queue=1, retry_after=3)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.25)  # busy for 12 s unless cancelled
     first = start_stream(running)
     with ThreadPoolExecutor(1) as executor:
@@ -467,8 +417,8 @@ def test_429_with_retry_after_when_the_queue_is_full(serve, chat_export, monkeyp
     assert rejected == 2
 
 
-def test_timeout_whole_streamed_and_in_the_queue(serve, chat_export, monkeypatch):
-    running = serve(chat_export, replicas=1, max_queue=2, request_timeout=0.5)
+def test_timeout_whole_streamed_and_in_the_queue(serve, served_export, monkeypatch):
+    running = serve(served_export, replicas=1, max_queue=2, request_timeout=0.5)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=3)
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
     started = time.monotonic()
@@ -495,9 +445,9 @@ def test_timeout_whole_streamed_and_in_the_queue(serve, chat_export, monkeypatch
     assert timeouts == 5
 
 
-def test_a_client_leaving_frees_the_replica(serve, chat_export, monkeypatch):
+def test_a_client_leaving_frees_the_replica(serve, served_export, monkeypatch):
     """Streamed and whole: the stream is closed after the token being computed, and the next request is served."""
-    running = serve(chat_export, replicas=1, max_queue=2)
+    running = serve(served_export, replicas=1, max_queue=2)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=2)  # LONG_RUN tokens would take 4.8 s
     start_stream(running).close()
     wait_until(lambda: running.pool.counts() == (0, 0), 2, "the replica freed after a streamed client left")
@@ -524,12 +474,12 @@ def test_a_client_leaving_frees_the_replica(serve, chat_export, monkeypatch):
     assert cancelled == 2
 
 
-def test_closing_the_pool_ends_its_jobs(chat_export, monkeypatch):
+def test_closing_the_pool_ends_its_jobs(served_export, monkeypatch):
     """close(): the running job stops after its token, the waiting one fails with 503, later ones are refused."""
     from paradecode.runtime.serve.errors import ServiceUnavailable
     from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
 
-    pool = ReplicaPool(config_of(chat_export, replicas=1, max_queue=1))
+    pool = ReplicaPool(config_of(served_export, replicas=1, max_queue=1))
     SlowStreams(pool.models[0], monkeypatch, delay=0.2)
     config = replace(GENERATION, max_new_tokens=LONG_RUN, ignore_eos=True)
 
@@ -556,8 +506,8 @@ def test_closing_the_pool_ends_its_jobs(chat_export, monkeypatch):
 # --- metrics ------------------------------------------------------------------------------------------------------
 
 
-def test_metrics_count_what_was_served(serve, chat_export):
-    running = serve(chat_export, replicas=1)
+def test_metrics_count_what_was_served(serve, served_export):
+    running = serve(served_export, replicas=1)
     client = running.openai()
     before = running.metrics()
     assert before[("paradecode_replicas", ())] == 1 and before[("paradecode_generation_tokens_total", ())] == 0
@@ -652,10 +602,10 @@ def test_stop_text_never_sends_part_of_a_stop_string(pieces, stops, sent, result
     assert cut_at_stop("".join(pieces), stops) == (result, stop)
 
 
-def test_serve_config_checks_its_fields(chat_export):
-    config = ServeConfig(chat_export)
-    assert config.served_model_name == chat_export.name and config.replicas == 1 and config.max_queue == 16
-    assert ServeConfig(chat_export, port=0).port == 0  # any free port
+def test_serve_config_checks_its_fields(served_export):
+    config = ServeConfig(served_export)
+    assert config.served_model_name == served_export.name and config.replicas == 1 and config.max_queue == 16
+    assert ServeConfig(served_export, port=0).port == 0  # any free port
     for bad in (
         dict(replicas=0),
         dict(max_queue=-1),
@@ -667,8 +617,8 @@ def test_serve_config_checks_its_fields(chat_export):
         dict(generation={"mode": "ar"}),
     ):
         with pytest.raises(UserInputError):
-            ServeConfig(chat_export, **bad)
-    assert ServeConfig(chat_export, replicas=2, lanes=2).threads_per_call == max(1, (os.cpu_count() or 1) // 4)
+            ServeConfig(served_export, **bad)
+    assert ServeConfig(served_export, replicas=2, lanes=2).threads_per_call == max(1, (os.cpu_count() or 1) // 4)
 
 
 # --- paradecode-serve, in a subprocess ------------------------------------------------------------------------------
@@ -734,8 +684,8 @@ def stream_lines(url: str, max_tokens: int, into: list) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_in_flight_requests(chat_export, tmp_path):
-    process, url = start_cli(chat_export, tmp_path / "log", 0.05, "--shutdown-timeout", "20")
+def test_sigterm_finishes_in_flight_requests(served_export, tmp_path):
+    process, url = start_cli(served_export, tmp_path / "log", 0.05, "--shutdown-timeout", "20")
     try:
         lines: list = []
         reader = threading.Thread(target=stream_lines, args=(url, 30, lines))
@@ -770,10 +720,10 @@ def whole_request(url: str, into: list) -> None:
     [((signal.SIGTERM,), 143), ((signal.SIGINT,), 130), ((signal.SIGINT, signal.SIGINT), 130)],
     ids=["SIGTERM", "SIGINT", "double Ctrl-C"],
 )
-def test_shutdown_answers_what_outlasts_the_shutdown_timeout(chat_export, tmp_path, signals, code):
+def test_shutdown_answers_what_outlasts_the_shutdown_timeout(served_export, tmp_path, signals, code):
     """A running stream gets an error event and [DONE], a running and a queued whole request get 503 JSON, as
     the README promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
-    process, url = start_cli(chat_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5", "--replicas", "2")
+    process, url = start_cli(served_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5", "--replicas", "2")
     try:
         lines: list = []
         answers: list = []
@@ -816,16 +766,16 @@ def refused(url: str) -> bool:
     return False
 
 
-def test_cli_help_and_bad_input(tmp_path, capsys, chat_export):
+def test_cli_help_and_bad_input(tmp_path, capsys, served_export):
     from paradecode.runtime.serve import cli
 
     with socket.socket() as taken:  # a port something else listens on
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        assert cli.main([str(chat_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
+        assert cli.main([str(served_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
     assert "is taken (Address already in use): choose another --port" in capsys.readouterr().err
     for host, message in (("no-such-host.invalid", "this machine can resolve"), ("192.0.2.1", "not an address of")):
-        assert cli.main([str(chat_export), "--host", host, "--log-level", "error"]) == 2
+        assert cli.main([str(served_export), "--host", host, "--log-level", "error"]) == 2
         err = capsys.readouterr().err
         assert f"--host {host!r}" in err and message in err and "--port" not in err, err
 
