@@ -33,7 +33,7 @@ from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
-from tests.runtime.test_chat import without_template
+from tests.runtime.test_chat import with_file, without_template
 from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -353,6 +353,35 @@ def test_more_bad_requests(server, served_export, serve, tmp_path):
     refused = plain.post("/v1/chat/completions", {"model": NAME, "messages": CHAT})
     assert refused.status_code == 400 and "this export has no chat template" in refused.json()["error"]["message"]
     assert plain.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ messages[3].content }}", "UndefinedError"),
+        ("{{ bos_tokn }}", "rendered nothing"),
+        ("{{ 10**5000 }}", "more than 4096 bits"),
+        ("{% for m in messages %}{{ m.content | center(10**9) }}{% endfor %}", "the filter center got the integer"),
+    ],
+)
+def test_a_broken_chat_template_is_a_server_error_naming_the_export(serve, served_export, tmp_path, template, message):
+    """500 server_error naming the export, not a 400 that blames the request; plain completions still work."""
+    folder = with_file(served_export, tmp_path / "broken", "tokenizer/chat_template.jinja", template.encode())
+    running = serve(folder, replicas=1)
+    refused = running.post("/v1/chat/completions", {"model": NAME, "messages": CHAT})
+    error = refused.json()["error"]
+    assert refused.status_code == 500 and error["type"] == "server_error", refused.text
+    assert "the served export is broken" in error["message"] and message in error["message"]
+    assert running.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_template_refused_at_load_stops_the_server_with_exit_2(served_export, tmp_path, capsys):
+    from paradecode.runtime.serve import cli
+
+    folder = with_file(served_export, tmp_path / "include", "tokenizer/chat_template.jinja", b"{% include 'x' %}")
+    assert cli.main([str(folder), "--port", "0", "--log-level", "error"]) == 2
+    assert "uses {% include %} (line 1)" in capsys.readouterr().err
 
 
 def test_a_bad_request_among_good_concurrent_ones(serve, served_export, reference, monkeypatch):
