@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from paradecode.graphs.errors import ExportChangedError
+from paradecode.graphs.errors import ExportChangedError, ManifestError
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import BodyTimeout, BodyTooLarge, HTTPError, RequestError
 from paradecode.runtime.serve.generation import (
@@ -170,7 +170,7 @@ async def generate(request: Request, endpoint: str) -> Response:
         raise
     except Exception as err:
         error = http_error_of(err)
-        if isinstance(err, ExportChangedError):
+        if isinstance(err, ManifestError):  # the export is broken or changed: the message says it all
             logger.error("refused a request: %s", err)
         elif error.status >= 500 and not isinstance(err, HTTPError):
             logger.error("request failed", exc_info=err)
