@@ -38,7 +38,7 @@ import jinja2.utils
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import TOKENIZER_DIR
-from paradecode.runtime.chat_sandbox import BoundedSandbox, refused_statements, rendering
+from paradecode.runtime.chat_sandbox import BoundedSandbox, refused_statements, render
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -110,14 +110,14 @@ class ChatTemplate:
         """The chat as the model reads it, ending with the assistant's header when `add_generation_prompt`."""
         messages = check_messages(messages)
         try:
-            with rendering():
-                text = self._template.render(
-                    messages=messages,
-                    tools=None,
-                    documents=None,
-                    add_generation_prompt=bool(add_generation_prompt),
-                    **self.special_tokens,
-                )
+            text = render(
+                self._template,
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=bool(add_generation_prompt),
+                **self.special_tokens,
+            )
         except TemplateRefusal as err:  # the template's own check of the messages: the client's mistake
             raise UserInputError(f"the chat template refused these messages: {err}") from err
         except jinja2.exceptions.SecurityError as err:

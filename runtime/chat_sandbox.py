@@ -9,11 +9,11 @@ jinja2's sandbox refuses unsafe attributes, but not unbounded work:
   when a render reaches them.
 - `{% include %}`, `{% import %}` and `{% extends %}` need a loader; a chat template has none, and
   `refused_statements` names them at load instead of failing on every request.
-- rendering is bounded per render (`Budget`, set by `rendering()`): integers of at most MAX_INT_BITS
-  bits, strings and lists of at most MAX_ITEMS items made by `+`, `*` and `%`, format widths of at
-  most MAX_WIDTH, integer arguments to filters and calls of at most MAX_ITEMS, MAX_RANGE_ITEMS
-  `range()` items in all, and RENDER_SECONDS of work, checked at every operator, call, filter,
-  attribute and item access. A template that needs more is broken: `TemplateBoundError`.
+- rendering (`render`) is bounded per render (`Budget`): an output of at most MAX_ITEMS characters,
+  integers of at most MAX_INT_BITS bits, strings and lists of at most MAX_ITEMS items made by `+`,
+  `*` and `%`, format widths of at most MAX_WIDTH, integer arguments to filters and calls of at
+  most MAX_ITEMS, MAX_RANGE_ITEMS `range()` items in all, and RENDER_SECONDS of work, checked at
+  every operator, call, filter, attribute and item access. A template that needs more is broken: `TemplateBoundError`.
 
 This bounds what templates do through jinja's hooks; a Python string method called from a template
 (`s.replace('', s)`) still runs to its end once called, within the arguments' bounds above.
@@ -80,6 +80,18 @@ def rendering() -> Iterator[Budget]:
         yield budget
     finally:
         _budget.reset(token)
+
+
+def render(template: jinja2.Template, **variables) -> str:
+    """`template` rendered under a fresh budget, its output at most MAX_ITEMS characters."""
+    pieces, size = [], 0
+    with rendering():
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > MAX_ITEMS:
+                raise TemplateBoundError(f"the template rendered more than {MAX_ITEMS} characters")
+            pieces.append(piece)
+    return "".join(pieces)
 
 
 def _spend() -> Budget:

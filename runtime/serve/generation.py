@@ -109,7 +109,7 @@ class Follower:
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
         self.pool.cancel(self.job)
-        self.job.events.put_nowait(ClientGone())
+        self.job.events.put_nowait(ClientGone("it closed the connection"))
 
     async def next(self) -> Token | Finished:
         """The next event; raises ClientGone, RequestTimeout, or the HTTP form of the runtime's error."""

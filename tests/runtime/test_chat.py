@@ -607,6 +607,7 @@ ONE_TURN = [{"role": "user", "content": "hi"}]
             "render",
             "a concatenation of more than",
         ),
+        ("{% for i in range(100) %}{{ 'x'.ljust(10**6) }}{% endfor %}", "render", "rendered more than"),
         ("{{ messages[3].content }}", "render", "UndefinedError: list object has no element 3"),
         ("{{ 1 / 0 }}", "render", "ZeroDivisionError"),
     ],
