@@ -73,6 +73,20 @@ def test_result_and_stream_text_is_the_prompts_continuation(text_export, model, 
         assert want.startswith(" time"), want  # the space the tokens decode to after the prompt
 
 
+def test_streaming_decodes_a_few_tokens_per_step(stories_export, monkeypatch):
+    """Constant work per token: each step decodes the tokens since the last piece and a few before them; only the
+    result's text decodes the whole sequence, once, at the end."""
+    with load(stories_export[0]) as model:
+        sizes = []
+        real = model.tokenizer.decode
+        monkeypatch.setattr(model.tokenizer, "decode", lambda ids: sizes.append(len(ids)) or real(ids))
+        prompt = model.prompt_ids("Once upon a time " * 8)
+        with model.stream(prompt_ids=prompt, mode="ar", max_new_tokens=200, ignore_eos=True) as stream:
+            text = "".join(piece.text for piece in stream)
+        assert text == stream.result.text and stream.result.stats.new_tokens == 200
+        assert max(sizes[:-2]) <= 12 and sorted(sizes)[-2:] == [len(prompt), len(prompt) + 200], sizes[-4:]
+
+
 def test_a_stop_string_at_the_very_start_is_found(stories_export):
     with load(stories_export[0]) as model:
         assert generated(model, "Once upon a").text.startswith(" time")
