@@ -39,8 +39,11 @@ def save_heads(
     if vocab is not None:
         tensors[VOCAB] = vocab.detach().to(torch.int64).contiguous()
     meta = dict(metadata, exit_layers=sorted(transforms))
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, "metadata": json.dumps(meta)})
-    tmp.replace(path)
+    try:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "metadata": json.dumps(meta)})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # nothing half-written is left beside `path`
     return path
 
 

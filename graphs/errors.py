@@ -48,6 +48,10 @@ class ManifestError(ParadecodeError):
     exit_code = 2
 
 
+class ExportChangedError(ManifestError):
+    """An export's file changed on disk after it was loaded (written in place while memory-mapped)."""
+
+
 class ValidationError(ParadecodeError):
     """An exported subgraph does not reproduce its PyTorch reference within tolerance."""
 

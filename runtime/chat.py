@@ -16,8 +16,11 @@ tokenizer's ids of the text *without* added special tokens (transformers encodes
 `add_special_tokens=False`).
 
 The template is code from the model's authors and the messages come from users: the sandbox refuses
-attribute escapes (`''.__class__...`); a template's own refusal (`raise_exception`, on a role it
-does not know, say) is the user's error, an unsafe template is the export's.
+attribute escapes (`''.__class__...`) and `chat_sandbox` bounds the work of compiling (nothing is
+evaluated) and rendering. A template's own refusal (`raise_exception`, on a role it does not know,
+say) is the user's error (UserInputError); every other failure is the export's (ManifestError): an
+unsafe template, one that does not compile, uses `{% include %}`, goes past a bound, fails on checked
+messages or renders nothing.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import TOKENIZER_DIR
+from paradecode.runtime.chat_sandbox import BoundedSandbox, refused_statements, render
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -46,6 +49,8 @@ MAX_FILE_BYTES = 64 << 20  # tokenizer configs of large vocabularies run to a fe
 MESSAGE_KEYS = ("role", "content")
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # besides the tokens
 MESSAGE_FORMAT = 'a dict {"role": "...", "content": "..."} with string values'
+# What compiling or rendering a template can raise besides jinja's own errors; every one is the template's fault.
+RENDER_ERRORS = (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError)
 
 
 class ChatTemplate:
@@ -70,13 +75,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = tokens
         self.origin = origin
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.TemplateSyntaxError as err:
-            raise ManifestError(
-                f"{origin} does not compile (line {err.lineno}: {err.message}). The model's chat template is "
-                "broken: fix it in the model's tokenizer files and re-export, or pass plain prompts."
-            ) from err
+        self._template = _compiled(source, origin)
 
     @classmethod
     def from_folder(cls, folder: str | Path, names: frozenset[str] | None = None) -> ChatTemplate | None:
@@ -111,25 +110,32 @@ class ChatTemplate:
         """The chat as the model reads it, ending with the assistant's header when `add_generation_prompt`."""
         messages = check_messages(messages)
         try:
-            return self._template.render(
+            text = render(
+                self._template,
                 messages=messages,
                 tools=None,
                 documents=None,
                 add_generation_prompt=bool(add_generation_prompt),
                 **self.special_tokens,
             )
+        except TemplateRefusal as err:  # the template's own check of the messages: the client's mistake
+            raise UserInputError(f"the chat template refused these messages: {err}") from err
         except jinja2.exceptions.SecurityError as err:
             raise ManifestError(
                 f"{self.origin} tried an operation the sandbox forbids ({err}): the template is unsafe or broken. "
                 "Fix the model's chat template and re-export, or pass plain prompts."
             ) from err
-        except TemplateRefusal as err:
-            raise UserInputError(f"the chat template refused these messages: {err}") from err
-        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as err:
-            raise UserInputError(
-                f"the chat template failed on these messages ({type(err).__name__}: {err}); check the roles and "
-                f"their order against what the model's template ({self.origin}) expects."
+        except RENDER_ERRORS as err:  # messages are checked above: a failure past them is the template's
+            raise ManifestError(
+                f"{self.origin} failed while rendering a chat ({type(err).__name__}: {_reason(err)}): the model's "
+                "chat template is broken. Fix it and re-export, or pass plain prompts."
             ) from err
+        if not text:
+            raise ManifestError(
+                f"{self.origin} rendered nothing for {len(messages)} message(s) (every name it printed is undefined?): "
+                "the model's chat template is broken. Fix it and re-export, or pass plain prompts."
+            )
+        return text
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
@@ -246,16 +252,39 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
+    env.wrap_filters()
     return env
+
+
+def _compiled(source: str, origin: str) -> jinja2.Template:
+    """`source` compiled with bounded work (see chat_sandbox), or a ManifestError that says why not."""
+    fix = "The model's chat template is broken: fix it in its tokenizer files and re-export, or pass plain prompts."
+    env = _environment()
+    try:
+        ast = env.parse(source)
+        refused = refused_statements(ast)
+        if refused:
+            raise ManifestError(
+                f"{origin} uses {', '.join(refused)}, which a chat template cannot (it has no other templates to "
+                f"load). {fix}"
+            )
+        return env.from_string(ast)
+    except jinja2.TemplateSyntaxError as err:
+        raise ManifestError(f"{origin} does not compile (line {err.lineno}: {err.message}). {fix}") from err
+    except RENDER_ERRORS as err:  # e.g. an integer literal too long to read, a nesting too deep to parse
+        raise ManifestError(f"{origin} does not compile ({type(err).__name__}: {_reason(err)}). {fix}") from err
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err)
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 def _template_of_config(config: dict, path: Path) -> str | None:
@@ -291,6 +320,8 @@ def _read_json(path: Path) -> dict:
         value = json.loads(_read_text(path))
     except json.JSONDecodeError as err:
         raise ManifestError(f"{path} is not JSON ({err.msg} at line {err.lineno}). Fix it and re-export.") from err
+    except RecursionError as err:
+        raise ManifestError(f"{path} nests its JSON too deeply to read. Fix it and re-export.") from err
     if not isinstance(value, dict):
         raise ManifestError(f"{path} holds {_describe(value)}; expected a JSON object.")
     return value

@@ -13,8 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.arguments import positive_int
+from paradecode.graphs.arguments import positive_int, temperature
 from paradecode.graphs.errors import UserInputError, run_command
+
+MAX_PROMPT_FILE_BYTES = 16 << 20  # a prompt or chat file; far more text than any export's context holds
 
 
 def id_list(text: str) -> list[int]:
@@ -81,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lookup-min-ngram", type=positive_int, metavar="N", help="shortest suffix matched (default 2)"
     )
-    parser.add_argument("--temperature", type=float, metavar="T", help="sample at this temperature (default 0: greedy)")
+    parser.add_argument(
+        "--temperature", type=temperature, metavar="T", help="sample at this temperature, 0 to 2 (default 0: greedy)"
+    )
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most probable tokens (0: all)")
     parser.add_argument("--top-p", type=float, metavar="P", help="sample among the most probable tokens of mass P")
     parser.add_argument("--seed", type=int, help="seed of the sampling draws (default: a random one, reported)")
@@ -98,14 +102,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompt_file(path: Path, option: str = "--prompt-file") -> str:
+    """The text of `path` ('-': standard input), at most MAX_PROMPT_FILE_BYTES of UTF-8."""
+    name = "standard input" if str(path) == "-" else str(path)
     if str(path) == "-":
-        return sys.stdin.read()
-    if not path.is_file():
+        data = sys.stdin.buffer.read(MAX_PROMPT_FILE_BYTES + 1)
+    elif path.is_dir():
+        raise UserInputError(f"{option} {path} is a folder; expected a text file.")
+    elif not path.exists():
         raise UserInputError(f"{option} {path}: no such file.")
+    else:
+        try:
+            with path.open("rb") as f:
+                data = f.read(MAX_PROMPT_FILE_BYTES + 1)
+        except OSError as err:
+            raise UserInputError(f"{option} {path} cannot be read ({err.strerror}).") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise UserInputError(
+            f"{option} {name} holds more than {MAX_PROMPT_FILE_BYTES >> 20} MiB (a device such as /dev/zero never "
+            "ends), more than any export's context: give a text file that holds the prompt."
+        )
     try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise UserInputError(f"{option} {path} is not UTF-8 text ({err.reason} at byte {err.start}).") from err
+        raise UserInputError(f"{option} {name} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
 
 
 def read_messages_file(path: Path) -> list:
@@ -116,6 +135,8 @@ def read_messages_file(path: Path) -> list:
     text = read_prompt_file(path, "--messages")
     try:
         value = json.loads(text)
+    except RecursionError:
+        raise UserInputError(f"--messages {path} nests its JSON too deeply; expected a list of messages.") from None
     except json.JSONDecodeError as err:
         raise UserInputError(
             f"--messages {path} is not JSON ({err.msg} at line {err.lineno}, column {err.colno}); expected a list "
@@ -155,14 +176,14 @@ def config_of(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.chat and args.prompt is None and args.prompt_file is None:
-        parser.error("--chat renders the text of --prompt or --prompt-file as a user message: give one of them.")
-    logging.basicConfig(level=logging.WARNING, format="paradecode-generate: %(message)s", stream=sys.stderr)
-    from paradecode.runtime.model import ParaDecodeModel
+    def work():  # all of it under run_command, so a Ctrl-C at any moment ends with "interrupted" and 130
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.chat and args.prompt is None and args.prompt_file is None:
+            parser.error("--chat renders the text of --prompt or --prompt-file as a user message: give one of them.")
+        logging.basicConfig(level=logging.WARNING, format="paradecode-generate: %(message)s", stream=sys.stderr)
+        from paradecode.runtime.model import ParaDecodeModel
 
-    def work():
         config = config_of(args)
         prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else args.prompt
         messages = read_messages_file(args.messages) if args.messages is not None else None
@@ -183,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     sys.stdout.write(piece.text if model.tokenizer else f"{piece.token} ")
                     sys.stdout.flush()
-            return stream.result
+            return args, stream.result
 
-    code, result = run_command("paradecode-generate", work)
+    code, done = run_command("paradecode-generate", work)
     if code:
         return code
+    args, result = done
     stats = result.stats
     if args.json:
         print(json.dumps(result.to_dict()))

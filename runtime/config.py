@@ -122,6 +122,8 @@ class GenerationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
                 raise UserInputError(f"{name} must be a number, got {value!r}.")
+        if math.isinf(self.temperature):
+            raise UserInputError(f"temperature must be a finite number >= 0, got {self.temperature!r}.")
         if self.temperature < 0:
             raise UserInputError(
                 f"temperature must be >= 0, got {self.temperature!r}: 0 decodes greedily, higher values sample from "

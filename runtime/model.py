@@ -15,7 +15,9 @@ because they share the KV cache and the lanes. For parallel requests, load one m
   current token if another thread is computing it), waits for `_lock`, and frees the lanes and the
   backend. Every later call raises `ModelClosedError`.
 
-A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable.
+A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable. A
+change of the export's memory-mapped weights file on disk makes every call refuse with
+`ExportChangedError` (checked before each call and each token: runtime/watched.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from paradecode.runtime.loader import open_export
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextStream, TextTokenizer
+from paradecode.runtime.watched import WatchedFiles
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ class ParaDecodeModel:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise UserInputError(f"threads must be a positive integer (threads per onnxruntime call), got {threads!r}.")
         self.export = open_export(path, verify=verify)
+        # Text first: a broken tokenizer or chat template is refused before the sessions load.
+        self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
+        self.chat_template = ChatTemplate.from_export(self.export)
         options = {}
         if backend == "onnxruntime":
             # Every call may use every core: lane 0 alone computes in ar and in `batched` (a CPU's default overlap);
@@ -111,8 +117,7 @@ class ParaDecodeModel:
         self.backend = backend_class(backend)(self.export, device=device, **options)
         self.cache = self.backend.allocate_cache()
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
-        self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
-        self.chat_template = ChatTemplate.from_export(self.export)
+        self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._state = threading.Lock()
@@ -154,6 +159,7 @@ class ParaDecodeModel:
                 lane.close()
             self.side_lanes = []
             self.backend.close()
+            self.files.close()
         finally:
             self._lock.release()
 
@@ -215,10 +221,17 @@ class ParaDecodeModel:
     ) -> GenerationStream:
         """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
         self._check_open()
+        self.files.check()
         if config is not None and not isinstance(config, GenerationConfig):
             raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids, messages)
+        if config.stop and self.tokenizer is None:
+            raise UserInputError(
+                f"stop strings {list(config.stop)!r} need the export's tokenizer to read the output as text, and "
+                f"{self.export.path} has none: leave out the stop strings (stop on max_new_tokens or an "
+                "end-of-sequence token), or export the model with its tokenizer."
+            )
         thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
@@ -361,7 +374,9 @@ class ParaDecodeModel:
                 lookup=config.lookup_config(),
                 sampling=sampling,
             ).run()
-        text = TextStream(self.tokenizer) if self.tokenizer and (with_text or config.stop) else None
+        text = TextStream(self.tokenizer, ids) if self.tokenizer and (with_text or config.stop) else None
+        longest_stop = max((len(s) for s in config.stop), default=0)
+        room = self.cache.capacity - len(ids) + 1  # tokens the cache leaves after the prompt: the last one ends it
         tokens, margins = [], []
         started = time.perf_counter()
         try:
@@ -371,17 +386,25 @@ class ParaDecodeModel:
                 tokens.append(token)
                 margins.append(margin)
                 piece = text.push(token) if text else ""
-                yield StreamedToken(token, piece)
                 if token in eos:
-                    stats.stop_reason = "eos"
+                    stop = "eos"
                 elif len(tokens) >= config.max_new_tokens:
-                    stats.stop_reason = "max_new_tokens"
-                elif config.stop and text and any(s in text.text for s in config.stop):
-                    stats.stop_reason = "stop_string"
-                elif self._closed:
-                    stats.stop_reason = "closed"
+                    stop = "max_new_tokens"
+                elif (
+                    piece
+                    and config.stop
+                    and any(s in text.text[-(len(piece) + longest_stop - 1) :] for s in config.stop)
+                ):
+                    stop = "stop_string"  # a stop string ends in the new piece: look there only
+                else:
+                    stop = None
+                if text and (stop or len(tokens) >= room):
+                    piece += text.finish()  # the last token: what was held back (a partial character) goes with it
+                yield StreamedToken(token, piece)
+                stats.stop_reason = stop or ("closed" if self._closed else None)
                 if stats.stop_reason:
                     break
+                self.files.check()  # before the next token reads the weights again
             else:
                 stats.stop_reason = "max_seq_len"
                 if not self._warned_full:  # once per model; every result says so in stats.stop_reason
@@ -403,7 +426,7 @@ class ParaDecodeModel:
             stats.calls = timeline.calls
             stream.result = GenerationResult(
                 tokens,
-                self.tokenizer.decode(tokens) if self.tokenizer else None,
+                self.tokenizer.completion(ids, tokens) if self.tokenizer else None,
                 stats,
                 margins,
                 timeline if timeline.record_spans else None,

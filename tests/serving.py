@@ -10,10 +10,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
+from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.serve.config import ServeConfig
+
+NAME = "tiny-chat"  # the served model's name in the server tests
+SEQ_LEN = 64  # the served export's max_seq_len
+GENERATION = GenerationConfig(thresholds=0.0)  # every token exits early: exits and rollbacks in every response
+
+
+def config_of(export: Path, **fields) -> ServeConfig:
+    """The tests' ServeConfig: NAME, GENERATION and a 5 s shutdown unless `fields` say otherwise."""
+    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, "shutdown_timeout": 5, **fields})
 
 
 def free_port() -> int:
@@ -31,23 +42,22 @@ def wait_until(check: Callable[[], bool], seconds: float = 10.0, what: str = "th
 
 
 class Server:
-    """A `Service` behind uvicorn in a background thread, on a free port of 127.0.0.1."""
+    """A `Service` behind paradecode-serve's uvicorn server in a background thread, on a free port of 127.0.0.1.
+
+    `close()` shuts it down as SIGTERM does: in-flight requests get the config's shutdown_timeout.
+    """
 
     def __init__(self, config: ServeConfig):
-        import uvicorn
-
-        from paradecode.runtime.serve.app import build_app
+        from paradecode.runtime.serve.cli import http_server
+        from paradecode.runtime.serve.protocol import listening_socket
         from paradecode.runtime.serve.service import Service
 
         self.config = config
         self.service = Service(config)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listening_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(build_app(self.service), log_config=None, timeout_graceful_shutdown=5)
-        )
+        self.server = http_server(self.service)  # paradecode-serve's: its protocol, app and shutdown
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, 30, "the server's start")

@@ -15,6 +15,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+from paradecode.graphs.arguments import temperature
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import OVERLAPS, GenerationConfig
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--temperature",
-        type=float,
+        type=temperature,
         default=0.0,
         metavar="T",
         help="sample at this temperature in every mode, each run seeded by its prompt and repeat (default 0: greedy)",
@@ -159,9 +160,15 @@ def parse_thresholds(text: str) -> list[float | None]:
 def run(args) -> str:
     from paradecode.tools.benchmarking import opened_with_ar_baselines
     from paradecode.tools.prompt_sets import load_prompts
+    from paradecode.tools.reporting import check_plotting, check_writable
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_writable(path, option)  # before the run: its results are written at the end
+    if args.plot is not None:
+        check_plotting()
     thresholds = parse_thresholds(args.thresholds)
     peers = peer_settings(args)
     prompts = load_prompts(args.prompts) if args.prompts else None

@@ -44,6 +44,24 @@ class LabelledPrompt:
     category: str | None = None
 
 
+def read_text_file(path: Path | str, option: str) -> str:
+    """The UTF-8 text of `path` (at most MAX_FILE_BYTES), or a UserInputError naming `option`."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "no such file"
+        raise UserInputError(f"{option} {path}: {what}; expected a text file.")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise UserInputError(f"{option} {path} has {size} bytes, more than the {MAX_FILE_BYTES >> 20} MiB allowed.")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserInputError(
+            f"{option} {path} is not UTF-8 text ({err.reason} at byte {err.start}): is it a binary file? Give a text "
+            "file."
+        ) from None
+
+
 def read_prompts(path: Path | str) -> list[Prompt]:
     """The prompts in `path`: strings, or message lists from a `.jsonl` file's `"messages"` lines."""
     return [p.prompt for p in read_labelled_prompts(path)]

@@ -4,8 +4,32 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from paradecode.graphs.errors import MissingDependencyError, UserInputError
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Refuse at once an output path that the end of a long run could not write: a folder, a path under a file, a
+    folder that cannot be made or written in. Probes by creating and removing a temporary file: leaves nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserInputError(f"{option} {path} is a folder; give a file name, e.g. {path / 'out'}.")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the folder write_atomically would make
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserInputError(f"{option} {path}: {folder} is not a folder, so nothing can be written under it.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as err:
+        raise UserInputError(
+            f"{option} {path} cannot be written: {folder} refuses new files ({err.strerror}). Choose another path "
+            "before the run, so that its results are not lost at the end."
+        ) from None
 
 
 def write_atomically(path: Path, data: bytes | str) -> Path:
@@ -23,6 +47,14 @@ def write_atomically(path: Path, data: bytes | str) -> Path:
 
 def save_json(path: Path, payload: dict[str, Any]) -> Path:
     return write_atomically(path, json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def check_plotting() -> None:
+    """Refuse at once a --plot that the end of a long run could not draw (matplotlib missing)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise MissingDependencyError(f"--plot needs matplotlib: `pip install paradecode[bench]` ({err}).") from err
 
 
 def save_figure(path: Path, figure) -> Path:

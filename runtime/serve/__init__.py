@@ -16,9 +16,25 @@ request preparation), `generation` (one request on the event loop, whole or stre
 
 It imports only `paradecode.runtime` and `paradecode.graphs` (never transformers or the exporter),
 and needs the `serve` extra (FastAPI, uvicorn, prometheus_client); Ray Serve needs the `ray` extra.
-Importing this package imports none of them: each module does, when it is imported.
+Importing this package imports none of them, nor torch: each module does, when it is imported, and
+`ServeConfig` / `RayConfig` are imported when first used (PEP 562), so `paradecode-serve` starts at once.
 """
 
-from paradecode.runtime.serve.config import RayConfig, ServeConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __all__ = ["RayConfig", "ServeConfig"]
+
+if TYPE_CHECKING:
+    from paradecode.runtime.serve.config import RayConfig, ServeConfig
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from paradecode.runtime.serve import config
+
+    value = getattr(config, name)
+    globals()[name] = value
+    return value

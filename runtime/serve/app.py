@@ -3,6 +3,12 @@
 `build_app(service)` serves a running `Service` (its owner closes it); `app_from_config(config)`
 makes an app that loads its own service at startup and closes it at shutdown (the ASGI lifespan),
 which is how a Ray Serve replica runs it. Every error is answered with OpenAI's error object.
+
+A generation request's time is bounded from its arrival (its head complete): its body must arrive
+within `read_timeout` (408, and the connection is closed), parsing and tokenizing run in the service's
+preparation threads, never on the event loop, and everything up to the last token within
+`request_timeout` (504). No interactive docs (`/docs`, `/redoc`, `/openapi.json`), and no redirect
+to a path with or without a trailing slash (it would be built from the client's Host header).
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from paradecode.graphs.errors import ExportChangedError, ManifestError
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.errors import BodyTooLarge, HTTPError, RequestError
+from paradecode.runtime.serve.errors import BodyTimeout, BodyTooLarge, HTTPError, RequestError
 from paradecode.runtime.serve.generation import (
     ClientGone,
     Follower,
@@ -27,9 +35,10 @@ from paradecode.runtime.serve.generation import (
     streamed,
     whole,
 )
-from paradecode.runtime.serve.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from paradecode.runtime.serve.requests import ChatCompletionRequest, CompletionRequest
 from paradecode.runtime.serve.responses import Answer, ChatAnswer, CompletionAnswer
 from paradecode.runtime.serve.service import Service
+from paradecode.runtime.serve.shutdown import ShutdownGuard
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +72,23 @@ def app_from_config(config: ServeConfig) -> FastAPI:
 
 
 def new_app(lifespan=None) -> FastAPI:
-    app = FastAPI(title="paradecode", summary="OpenAI-compatible ParaDecode server", lifespan=lifespan)
+    app = FastAPI(
+        title="paradecode",
+        summary="OpenAI-compatible ParaDecode server",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, route_error)
     app.add_exception_handler(Exception, internal_error)
+    app.add_middleware(ShutdownGuard)
     return app
 
 
@@ -86,7 +104,7 @@ async def models(request: Request) -> JSONResponse:
         "object": "model",
         "created": int(service.started),
         "owned_by": "paradecode",
-        "root": str(service.config.export),
+        "root": service.config.served_model_name,  # never the export's path on this server's disk
         "parent": None,
         "max_model_len": manifest.max_seq_len,
         "paradecode": {"exit_layers": list(manifest.exit_layers), "replicas": service.config.replicas},
@@ -95,10 +113,16 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 with the queue's state: the server answers once its replicas are loaded, and until it stops."""
+    """200 with the queue's state once the replicas are loaded, until the server stops; 503 once the served
+    export's weights changed on disk (the replicas refuse to decode: restart the server)."""
     service = service_of(request)
     waiting, running = service.pool.counts()
-    return JSONResponse({"status": "ok", "replicas": service.config.replicas, "waiting": waiting, "running": running})
+    state = {"replicas": service.config.replicas, "waiting": waiting, "running": running}
+    try:
+        service.check_export()
+    except ExportChangedError as err:
+        return JSONResponse({"status": "export_changed", "message": str(err), **state}, status_code=503)
+    return JSONResponse({"status": "ok", **state})
 
 
 async def metrics(request: Request) -> Response:
@@ -115,19 +139,20 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def generate(request: Request, endpoint: str) -> Response:
-    """Parse, prepare and queue the request, then answer it whole or streamed; count its outcome once."""
+    """Read, prepare and queue the request, then answer it whole or streamed; count its outcome once."""
     arrived = time.monotonic()
     service = service_of(request)
+    config = service.config
     kind, answer_class = ENDPOINTS[endpoint]
     record = lambda outcome: service.metrics.request(endpoint, outcome, time.monotonic() - arrived)
     follow = None
     try:
-        parsed = parse_request(kind, await read_body(request, service.config.max_body_bytes))
-        prepared = await asyncio.to_thread(service.prepare, parsed)
+        body = await read_body(request, config.max_body_bytes, min(config.read_timeout, config.request_timeout))
+        parsed, prepared = await service.prepare_body(kind, body, arrived + config.request_timeout)
         job = service.submit(prepared, arrived)
-        follow = Follower(service.pool, job, request, service.config.request_timeout)
+        follow = Follower(service.pool, job, request, config.request_timeout)
         answer: Answer = answer_class(
-            service.config.served_model_name, prepared.prompt_ids, parsed.return_token_ids, parsed.include_usage
+            config.served_model_name, prepared.prompt_ids, parsed.return_token_ids, parsed.include_usage
         )
         if parsed.stream:
             response = await streamed(follow, answer, record)
@@ -137,24 +162,30 @@ async def generate(request: Request, endpoint: str) -> Response:
         record("success")
         return response
     except ClientGone as err:
+        logger.info("%s %s: the client left (%s)", request.method, request.url.path, err)
         record(outcome_of(err))
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
-    except asyncio.CancelledError:  # the server cancelled the request (shutdown)
+    except asyncio.CancelledError:  # the server cancelled the request (shutdown): ShutdownGuard answers it
         record("cancelled")
         raise
     except Exception as err:
         error = http_error_of(err)
-        if error.status >= 500 and not isinstance(err, HTTPError):
+        if isinstance(err, ManifestError):  # the export is broken or changed: the message says it all
+            logger.error("refused a request: %s", err)
+        elif error.status >= 500 and not isinstance(err, HTTPError):
             logger.error("request failed", exc_info=err)
         record(outcome_of(error))
-        return error_response(error, service.config.retry_after)
+        return error_response(error, config.retry_after)
     finally:
         if follow is not None:
             follow.close()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most `limit` bytes (413 beyond, before reading it all)."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body: at most `limit` bytes (413 beyond, before reading it all), within `timeout` s (408).
+
+    A client that leaves while sending it raises ClientGone.
+    """
     declared = request.headers.get("content-length", "")
     too_large = lambda size: BodyTooLarge(
         f"the request body has {size} bytes, more than this server accepts ({limit}).", code="request_too_large"
@@ -162,10 +193,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared))
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large(f"more than {len(body)}")
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise too_large(f"more than {len(body)}")
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(
+            f"the request body did not arrive within {timeout:g} s ({len(body)} bytes came); this server closes "
+            "connections that send their body more slowly. Send the whole body at once."
+        ) from None
+    except ClientDisconnect:
+        raise ClientGone(f"it left while sending its body, after {len(body)} bytes") from None
     if not body:
         raise RequestError("the request has no body: send a JSON object.")
     return bytes(body)

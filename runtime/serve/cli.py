@@ -16,6 +16,7 @@ from paradecode.graphs.arguments import non_negative_int, positive_float, positi
 from paradecode.graphs.errors import MissingDependencyError, UserInputError, run_command
 
 PROG = "paradecode-serve"
+logger = logging.getLogger("paradecode.serve")
 
 
 def json_object(text: str) -> dict:
@@ -50,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host", help=f"address to listen on (default {serve_default('host')}; 0.0.0.0: every interface)"
     )
-    parser.add_argument("--port", type=non_negative_int, help=f"port (default {serve_default('port')})")
-    parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: DIR)")
+    parser.add_argument(
+        "--port", type=non_negative_int, help=f"port (default {serve_default('port')}; 0: any free port, logged)"
+    )
+    parser.add_argument(
+        "--served-model-name", metavar="NAME", help="the model name clients send (default: DIR's folder name)"
+    )
     load = parser.add_argument_group("replicas and limits")
     load.add_argument(
         "--replicas",
@@ -67,13 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout",
         type=positive_float,
         metavar="S",
-        help=f"seconds per request, queueing included (default {serve_default('request_timeout')})",
+        help=f"seconds per request, from its arrival to its last token: reading, preparing and queueing included "
+        f"(default {serve_default('request_timeout')})",
+    )
+    load.add_argument(
+        "--read-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"seconds a client has to send a request's headers, and then its body; a slower one is disconnected "
+        f"(default {serve_default('read_timeout')})",
     )
     load.add_argument(
         "--shutdown-timeout",
         type=positive_float,
         metavar="S",
-        help=f"seconds in-flight requests get after SIGTERM (default {serve_default('shutdown_timeout')})",
+        help="seconds in-flight requests get after SIGTERM; then each gets a 503 (a stream: an error event and "
+        f"[DONE]) (default {serve_default('shutdown_timeout')})",
     )
     load.add_argument(
         "--max-body-bytes",
@@ -148,6 +162,7 @@ def configs_of(args: argparse.Namespace):
             replicas=None if args.ray else args.replicas,
             max_queue=args.max_queue,
             request_timeout=args.request_timeout,
+            read_timeout=args.read_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
             backend=args.backend,
@@ -172,43 +187,57 @@ def configs_of(args: argparse.Namespace):
     return config, RayConfig(**given(replicas=args.replicas), **ray_flags)
 
 
+def http_server(service):
+    """The uvicorn server of `service`: the app, the h11 protocol with its head deadline, and a shutdown that
+    answers every open request (runtime/serve/shutdown.py). Run it with `server.run(sockets=[socket])`."""
+    import uvicorn
+
+    from paradecode.runtime.serve.app import build_app
+    from paradecode.runtime.serve.protocol import head_timed
+    from paradecode.runtime.serve.shutdown import GracefulServer, graceful_timeout
+
+    config = service.config
+    return GracefulServer(
+        uvicorn.Config(
+            build_app(service),
+            http=head_timed(config.read_timeout),
+            timeout_keep_alive=min(5.0, config.read_timeout),  # seconds a kept-alive connection may idle
+            timeout_graceful_shutdown=graceful_timeout(config.shutdown_timeout),
+            log_config=None,  # our handlers (main) print uvicorn's records too
+        ),
+        service,
+        config.shutdown_timeout,
+    )
+
+
 def serve(config) -> None:
-    """Load the replicas, serve until SIGTERM or Ctrl-C, let in-flight requests finish, free the replicas."""
+    """Load the replicas, serve until SIGTERM or Ctrl-C, answer what is in flight, free the replicas."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (the serve extra)
     except ImportError as err:
         raise MissingDependencyError(f"{PROG} needs the serve extra: `pip install paradecode[serve]` ({err}).") from err
-    from paradecode.runtime.serve.app import build_app
+    from paradecode.runtime.serve.protocol import listening_socket
     from paradecode.runtime.serve.service import Service
 
-    with Service(config) as service:
-        server = uvicorn.Server(
-            uvicorn.Config(
-                build_app(service),
-                host=config.host,
-                port=config.port,
-                timeout_graceful_shutdown=config.shutdown_timeout,
-                log_config=None,  # our handlers (main) print uvicorn's records too
-            )
-        )
-        # uvicorn takes SIGTERM and SIGINT while it runs: it stops accepting, lets in-flight requests finish
-        # (cancelling what is left after the timeout), then raises the signal again for run_command.
-        try:
-            server.run()
-        except SystemExit:  # uvicorn's way out when it cannot listen (it logged the reason)
-            if server.started:
-                raise
-            raise UserInputError(
-                f"could not listen on {config.host}:{config.port} (the reason is above): choose another --port, or "
-                "stop what listens there."
-            ) from None
+    sock = listening_socket(config.host, config.port)  # a bad --host or a taken --port is refused before loading
+    try:
+        with Service(config) as service:
+            server = http_server(service)
+            host, port = sock.getsockname()[:2]
+            logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
+            # uvicorn takes SIGTERM and SIGINT while it runs: it stops accepting, lets in-flight requests finish
+            # (answering what is left after --shutdown-timeout), then raises the signal again for run_command.
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {PROG}: %(levelname)s %(name)s: %(message)s")
-
-    def work():
+    def work():  # all of it under run_command, so a Ctrl-C at any moment ends with "stopped" and 130
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(
+            level=args.log_level.upper(), format=f"%(asctime)s {PROG}: %(levelname)s %(name)s: %(message)s"
+        )
         config, ray_config = configs_of(args)
         if ray_config is None:
             serve(config)

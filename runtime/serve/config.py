@@ -43,13 +43,16 @@ class ServeConfig:
     """
 
     export: Path
-    served_model_name: str | None = None  # None: the export folder as given (vLLM names a model by its path)
+    # None: the export folder's name (never its path: the model's id is public, the server's disk is not)
+    served_model_name: str | None = None
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = 8000  # 0: any free port (the log says which)
     replicas: int = 1
     max_queue: int = 16  # requests waiting for a free replica; one more gets 429
-    request_timeout: float = 600.0  # seconds from arrival (queueing included) to the last token
+    request_timeout: float = 600.0  # seconds from arrival (reading, preparing and queueing included) to the last token
+    read_timeout: float = 15.0  # seconds a client has to send a request's headers, and then its body
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    prepare_threads: int = 2  # requests parsed and tokenized at once (off the event loop)
     retry_after: int = 1  # seconds, the Retry-After header of a 429
     max_body_bytes: int = 4 << 20  # a larger request body gets 413
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
@@ -66,18 +69,20 @@ class ServeConfig:
         object.__setattr__(self, "export", Path(self.export))
         name = self.served_model_name
         if name is None:
-            name = str(self.export).rstrip("/") or str(self.export)
+            name = self.export.resolve().name or "model"
         if not isinstance(name, str) or not name.strip():
             raise UserInputError(f"served_model_name must be a non-empty string, got {name!r}.")
         object.__setattr__(self, "served_model_name", name)
         if not isinstance(self.host, str) or not self.host:
             raise UserInputError(f"host must be a host name or address, got {self.host!r}.")
-        if not is_integer(self.port) or not 1 <= self.port <= 65535:
-            raise UserInputError(f"port must be an integer in 1..65535, got {self.port!r}.")
+        if not is_integer(self.port) or not 0 <= self.port <= 65535:
+            raise UserInputError(f"port must be an integer in 0..65535 (0: any free port), got {self.port!r}.")
         positive_integer(self.replicas, "replicas")
         non_negative_integer(self.max_queue, "max_queue")
         positive_number(self.request_timeout, "request_timeout", " of seconds")
+        positive_number(self.read_timeout, "read_timeout", " of seconds")
         positive_number(self.shutdown_timeout, "shutdown_timeout", " of seconds")
+        positive_integer(self.prepare_threads, "prepare_threads")
         positive_integer(self.retry_after, "retry_after", " (seconds)")
         positive_integer(self.max_body_bytes, "max_body_bytes")
         positive_integer(self.completion_max_tokens, "completion_max_tokens")

@@ -74,8 +74,15 @@ class RequestTimeout(HTTPError):
     code = "timeout"
 
 
+class BodyTimeout(RequestError):
+    """The client did not send its whole body in time (408; the connection is closed)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class ServiceUnavailable(HTTPError):
-    """The server is shutting down (503)."""
+    """The server is shutting down, or cannot decode safely any more (503)."""
 
     status = 503
     code = "shutting_down"

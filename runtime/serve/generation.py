@@ -24,8 +24,22 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from paradecode.graphs.errors import ManifestError, ModelClosedError, ParadecodeError, UserInputError
-from paradecode.runtime.serve.errors import HTTPError, QueueFull, RequestError, RequestTimeout, ServiceUnavailable
+from paradecode.graphs.errors import (
+    ExportChangedError,
+    ManifestError,
+    ModelClosedError,
+    ParadecodeError,
+    UserInputError,
+)
+from paradecode.runtime.serve.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    HTTPError,
+    QueueFull,
+    RequestError,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
 from paradecode.runtime.serve.responses import Answer, sse
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
@@ -45,6 +59,8 @@ def http_error_of(err: BaseException) -> HTTPError:
         return err
     if isinstance(err, ModelClosedError):
         return ServiceUnavailable(f"the replica was closed while serving this request: {err}")
+    if isinstance(err, ExportChangedError):
+        return ServiceUnavailable(f"this server cannot decode safely any more: {err}", code="export_changed")
     if isinstance(err, UserInputError):
         return RequestError(str(err))
     if isinstance(err, ManifestError):
@@ -60,7 +76,7 @@ def outcome_of(err: BaseException) -> str:
         return "cancelled"
     if isinstance(err, QueueFull):
         return "rejected"
-    if isinstance(err, RequestTimeout):
+    if isinstance(err, (RequestTimeout, BodyTimeout)):
         return "timeout"
     if isinstance(err, ServiceUnavailable):
         return "unavailable"
@@ -70,8 +86,12 @@ def outcome_of(err: BaseException) -> str:
 
 
 def error_response(err: HTTPError, retry_after: int) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if isinstance(err, QueueFull) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    headers = {}
+    if isinstance(err, QueueFull):
+        headers["Retry-After"] = str(retry_after)
+    if isinstance(err, (BodyTooLarge, BodyTimeout)):
+        headers["Connection"] = "close"  # the rest of the body is not read: the connection cannot carry another request
+    return JSONResponse(err.body(), status_code=err.status, headers=headers or None)
 
 
 class Follower:
@@ -89,7 +109,7 @@ class Follower:
         while (await self.request.receive())["type"] != "http.disconnect":
             pass
         self.pool.cancel(self.job)
-        self.job.events.put_nowait(ClientGone())
+        self.job.events.put_nowait(ClientGone("it closed the connection"))
 
     async def next(self) -> Token | Finished:
         """The next event; raises ClientGone, RequestTimeout, or the HTTP form of the runtime's error."""

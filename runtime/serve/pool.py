@@ -10,13 +10,15 @@ Threading model
   it, and hands every verified token to the loop with `loop.call_soon_threadsafe`, which puts it on
   `job.events`; a slow client never holds a replica (its tokens wait in its own queue).
 - `_lock` (a Condition the workers wait on) guards `_waiting` (the queue), `_running` (the jobs
-  being decoded), every job's `state`, and `_closing`. Nothing else is shared: a job's prompt and
+  being decoded), every job's `state`, `_closing` and `_threads_joined`. Nothing else is shared: a job's prompt and
   config are immutable once submitted, and `job.cancelled` is a `threading.Event`.
 - `cancel(job)` from any thread: a waiting job leaves the queue at once (its place frees); a running
   one has `cancelled` set, and its worker closes the stream after the token it is computing (the
   runtime cannot stop a token half-way from another thread), which frees the model for the next job.
-- `close()` refuses new jobs, fails the waiting ones (`ServiceUnavailable`), cancels the running ones,
-  joins the workers and closes the models.
+- `drain(reason)` (the server's shutdown timeout) refuses new jobs and fails every job at once with
+  `ServiceUnavailable(reason)`: a waiting one leaves the queue, a running one is cancelled too (its
+  worker stops after its token; the `Finished` it then emits comes after the `Failed`, unread).
+- `close()` drains, joins the workers and closes the models.
 
 Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
 subgraph), its own KV cache and its own lanes.
@@ -101,7 +103,8 @@ class ReplicaPool:
         self._lock = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: set[Job] = set()
-        self._closing = False
+        self._closing = False  # no new jobs (drained)
+        self._threads_joined = False  # close() ran
         self._threads: list[threading.Thread] = []
         try:
             for i in range(config.replicas):
@@ -152,21 +155,30 @@ class ReplicaPool:
             elif job.state == RUNNING:
                 job.cancelled.set()
 
-    def close(self) -> None:
-        """Fail waiting jobs, cancel running ones, stop the workers and free the models. Idempotent."""
+    def drain(self, reason: str) -> int:
+        """Refuse new jobs and fail every job now with ServiceUnavailable(reason); the number failed. Idempotent."""
         with self._lock:
-            if self._closing:
-                return
             self._closing = True
-            waiting = list(self._waiting)
+            waiting, running = list(self._waiting), list(self._running)
             self._waiting.clear()
             for job in waiting:
                 job.state = CANCELLED
-                job.emit(Failed(ServiceUnavailable("the server shut down before this request reached a replica.")))
-            for job in self._running:
-                job.cancelled.set()
+                job.emit(Failed(ServiceUnavailable(f"{reason}; this request was waiting for a replica.")))
+            for job in running:
+                if not job.cancelled.is_set():
+                    job.cancelled.set()
+                    job.emit(Failed(ServiceUnavailable(f"{reason}; this request was stopped while decoding.")))
             self._changed()
             self._lock.notify_all()
+        return len(waiting) + len(running)
+
+    def close(self) -> None:
+        """Fail every job (drain), stop the workers and free the models. Idempotent."""
+        with self._lock:
+            if self._threads_joined:
+                return
+            self._threads_joined = True
+        self.drain("the server shut down")
         for thread in self._threads:  # each ends after the token it is computing
             thread.join()
         for model in self.models:

@@ -15,7 +15,7 @@ non-negative integer).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -94,11 +94,11 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None  # a string of any length
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # of the sampling draws
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)  # 0 would keep no token
-    top_k: int | None = None  # vLLM's
+    top_k: int | None = Field(None, ge=-1)  # vLLM's: -1 (or 0) keeps every token
     n: int = Field(1, ge=1)
     presence_penalty: float = Field(0, ge=-2, le=2)
     frequency_penalty: float = Field(0, ge=-2, le=2)

@@ -1,9 +1,15 @@
 """`Service`: one server's replicas, metrics and request preparation, without HTTP.
 
-`prepare` turns a parsed request into prompt ids and a `GenerationConfig` (it tokenizes and renders
-chats, so the app calls it in a worker thread, never on the event loop); `submit` queues the job.
-Preparing reads only the tokenizer, chat template and manifest of a replica, which decoding never
-changes, so it may run while that replica decodes.
+`prepare` turns a parsed request into prompt ids and a `GenerationConfig` (it renders chats and
+tokenizes); `prepare_body` parses a body and prepares it in the service's own preparation threads
+(`prepare_threads` at once, whatever the number of requests: a flood of large prompts waits there,
+never on the event loop, and never takes more than those threads' share of the CPU); `submit` queues
+the job. Preparing reads only the tokenizer, chat template and manifest of a replica, which decoding
+never changes, so it may run while that replica decodes.
+
+A prompt's text is measured in bytes before it is tokenized: more than `max_prompt_bytes` cannot fit
+the context (a token stands for at most the bytes of its longest vocabulary entry), so it gets its
+413 without the tokenizer's work.
 """
 
 from __future__ import annotations
@@ -11,18 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.model import ParaDecodeModel
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.errors import ModelNotFound, PromptTooLong, RequestError
+from paradecode.runtime.serve.errors import ModelNotFound, PromptTooLong, RequestError, RequestTimeout
 from paradecode.runtime.serve.metrics import Metrics
 from paradecode.runtime.serve.pool import Job, ReplicaPool
-from paradecode.runtime.serve.requests import GenerationRequest
+from paradecode.runtime.serve.requests import GenerationRequest, parse_request
 
 logger = logging.getLogger(__name__)
+
+# A normalizer may shrink a text before it is split into tokens (Unicode composition: "e" + U+0301 -> "é"):
+# the byte bound leaves this factor of room for it.
+NORMALIZER_ROOM = 4
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,12 @@ class Service:
         self.metrics = Metrics(config.replicas)
         self.pool = ReplicaPool(config, self.metrics)
         self.metrics.declare_exit_layers(self.reference.manifest.exit_layers)
+        tokenizer = self.reference.tokenizer
+        # The most UTF-8 bytes a prompt that fits the context can have; None without a tokenizer (no text prompts).
+        self.max_prompt_bytes = (
+            self.max_model_len * tokenizer.longest_token_bytes() * NORMALIZER_ROOM if tokenizer is not None else None
+        )
+        self._preparing = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="paradecode-prepare")
 
     @property
     def reference(self) -> ParaDecodeModel:
@@ -52,6 +69,29 @@ class Service:
 
     def close(self) -> None:
         self.pool.close()
+        self._preparing.shutdown(wait=False, cancel_futures=True)
+
+    def check_export(self) -> None:
+        """Raise ExportChangedError once the served weights changed on disk (every replica maps the same file)."""
+        self.reference.files.check()
+
+    async def prepare_body(self, kind: type[GenerationRequest], body: bytes, deadline: float):
+        """(the parsed request, its Prepared) from a body, in the preparation threads; 504 past `deadline`
+        (a time.monotonic()). A request that times out while waiting for a thread is dropped from their queue."""
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._preparing, self._parse_and_prepare, kind, body)
+        try:
+            return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"the request was not prepared within {self.config.request_timeout:g} s (the server's request "
+                "timeout, reading and tokenizing the prompt included) and was dropped. Retry when the server is less "
+                "busy."
+            ) from None
+
+    def _parse_and_prepare(self, kind: type[GenerationRequest], body: bytes):
+        parsed = parse_request(kind, body)
+        return parsed, self.prepare(parsed)
 
     def __enter__(self) -> Service:
         return self
@@ -61,10 +101,17 @@ class Service:
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """The prompt ids and decoding settings of `request`, or the error its client gets (404, 413, 400)."""
+        self.check_export()
         name = self.config.served_model_name
         if request.model != name:
             raise ModelNotFound(f"the model {request.model!r} does not exist: this server serves {name!r}.", "model")
         request.check_supported()
+        if request.stop and self.reference.tokenizer is None:
+            raise RequestError(
+                "stop strings need the model's tokenizer to read the output as text, and this export has none: "
+                "leave out stop (the completion ends at max_tokens or an end-of-sequence token).",
+                "stop",
+            )
         prompt = request.prompt_kwargs()
         param = "messages" if "messages" in prompt else "prompt"
         ids = self._prompt_ids(prompt, param)
@@ -104,9 +151,10 @@ class Service:
             # The runtime's own encoding (ParaDecodeModel.prompt_ids) refuses a long prompt with a plain
             # UserInputError, which cannot be told from other refusals; this encodes the same way.
             elif "messages" in prompt:
-                ids = model.tokenizer.encode(model.render_chat(prompt["messages"]), add_special_tokens=False)
+                text = self._bounded(model.render_chat(prompt["messages"]), param)
+                ids = model.tokenizer.encode(text, add_special_tokens=False)
             else:
-                ids = model.tokenizer.encode(prompt["prompt"])
+                ids = model.tokenizer.encode(self._bounded(prompt["prompt"], param))
             if len(ids) <= self.max_model_len:  # the runtime's checks: empty, token ids in the vocabulary
                 ids = model.prompt_ids(prompt_ids=ids)
         except RequestError:
@@ -114,6 +162,18 @@ class Service:
         except UserInputError as err:
             raise RequestError(str(err), param) from err
         return ids
+
+    def _bounded(self, text: str, param: str) -> str:
+        """`text`, or 413 when it has more bytes than any prompt that fits the context (before tokenizing it)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+            raise PromptTooLong(
+                f"the prompt has {size} bytes of text, and this model's context (the export's max_seq_len) is "
+                f"{self.max_model_len} tokens, which hold at most {self.max_prompt_bytes} bytes. Shorten the prompt, "
+                "or re-export the model with a larger --max-seq-len.",
+                param,
+            )
+        return text
 
     def submit(self, prepared: Prepared, arrived: float) -> Job:
         """Queue a prepared request; on the event loop (the job's tokens come back to it)."""

@@ -394,6 +394,21 @@ def without_template(export: Path, target: Path) -> Path:
     return target
 
 
+def with_file(export: Path, target: Path, relative: str, content: bytes) -> Path:
+    """A copy of `export` whose file `relative` holds `content`, listed in its manifest with its hash and size
+    (what a tampered or badly made export looks like once it passes the hash check)."""
+    import hashlib
+
+    shutil.copytree(export, target)
+    (target / relative).write_bytes(content)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["files"][relative] = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content)}
+    if relative.startswith("tokenizer/") and relative not in manifest["tokenizer"]:
+        manifest["tokenizer"].append(relative)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return target
+
+
 def test_generate_and_stream_with_messages(chat_export):
     folder, model_dir = chat_export
     assert "tokenizer/chat_template.jinja" in json.loads((folder / "manifest.json").read_text())["tokenizer"]
@@ -562,3 +577,82 @@ def test_train_heads_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_
     plain = save_tokenizer(tmp_path / "plain", wordlevel_tokenizer(STRICT_SPECIALS, "<s>"), None, bos_token="<s>")
     with pytest.raises(UserInputError, match="prompt 2 \\(of 2\\) is a chat, but the tokenizer of tiny has no chat"):
         prompt_ids_of(AutoTokenizer.from_pretrained(str(plain)), prompts, "tiny")
+
+
+# --- templates and tokenizers from an untrusted export: bounded work, and the export's error ------------------------
+
+ONE_TURN = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.timeout(30)  # a regression hangs (constant folding of 9**(9**9) never ends)
+@pytest.mark.parametrize(
+    ("template", "when", "message"),
+    [
+        ("{% if false %}{{ 9**(9**9) }}{% endif %}ok", None, None),  # folded while compiling, before
+        ("{{ 9**(9**9) }}", "render", r"9 \*\* 387420489 has more than 4096 bits"),
+        ("{{ 10**5000 }}", "render", "more than 4096 bits"),  # was a bare ValueError (too long to print)
+        ("{{ " + "1" * 5000 + " }}", "load", "does not compile \\(ValueError: Exceeds the limit"),
+        ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "load", "does not compile \\(RecursionError"),
+        ("{% include 'other.jinja' %}", "load", r"uses \{% include %\} \(line 1\)"),
+        ("x{% import 'macros' as m %}", "load", r"uses \{% import %\}"),
+        ("{% extends 'base' %}", "load", r"uses \{% extends %\}"),
+        ("{{ bos_tokn }}{{ mesages }}", "render", "rendered nothing for 1 message"),
+        ("{{ 'a' * 10**9 }}", "render", "repeating 1 items 1000000000 times"),
+        ("{{ 'a' | center(10**9) }}", "render", "the filter center got the integer 1000000000"),
+        ("{{ '%0999999999d' % 1 }}", "render", "asks for a width beyond"),
+        ("{{ '{:999999999}'.format(1) }}", "render", "asks for a width beyond"),
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "render", "range"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            "render",
+            "a concatenation of more than",
+        ),
+        ("{% for i in range(100) %}{{ 'x'.ljust(10**6) }}{% endfor %}", "render", "rendered more than"),
+        ("{{ messages[3].content }}", "render", "UndefinedError: list object has no element 3"),
+        ("{{ 1 / 0 }}", "render", "ZeroDivisionError"),
+    ],
+)
+def test_templates_compile_with_bounded_work_and_fail_as_the_exports_error(template, when, message):
+    if when is None:
+        assert ChatTemplate(template).render(ONE_TURN) == "ok"
+        return
+    if when == "load":
+        with pytest.raises(ManifestError, match=message):
+            ChatTemplate(template)
+        return
+    compiled = ChatTemplate(template)
+    with pytest.raises(ManifestError, match=f"{message}.*chat template is broken"):
+        compiled.render(ONE_TURN)
+
+
+def test_bounded_templates_still_do_ordinary_work():
+    template = (
+        "{{ messages[0].content }} {{ 2**10 }} {{ 'ab' * 3 }} {{ '%5d' % 3 }} {{ '{:>4}'.format('a') }} "
+        "{{ 'x' | center(5) }} {{ range(3) | list }} {{ (messages | length) // 1 }}"
+    )
+    assert ChatTemplate(template).render(ONE_TURN) == "hi 1024 ababab     3    a   x   [0, 1, 2] 1"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("relative", "content", "message"),
+    [
+        ("tokenizer/tokenizer.json", b"{not json", "tokenizer.json is not a tokenizer the tokenizers library"),
+        (
+            "tokenizer/tokenizer.json",
+            b'{"model": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+            "recursion limit exceeded",
+        ),
+        ("tokenizer/tokenizer_config.json", b"[" * 100_000 + b"]" * 100_000, "nests its JSON too deeply"),
+        ("tokenizer/chat_template.jinja", b"{% include 'x' %}", r"uses \{% include %\}"),
+    ],
+)
+def test_broken_tokenizer_files_are_manifest_errors_and_exit_2(
+    chat_export, tmp_path, capsys, relative, content, message
+):
+    folder = with_file(chat_export[0], tmp_path / "broken", relative, content)
+    with pytest.raises(ManifestError, match=message):
+        load(folder)
+    assert cli.main([str(folder), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err

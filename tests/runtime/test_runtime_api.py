@@ -109,6 +109,43 @@ def test_generate_cli_errors(exports, capsys, tmp_path):
     assert "manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "inf"], r"--temperature: expected a number in \[0, 2\]"),
+        (["--temperature", "nan"], r"--temperature: expected a number in \[0, 2\]"),
+        (["--temperature", "2.5"], r"cap is 2\), got 2.5"),
+        (["--temperature", "-1"], r"expected a number in \[0, 2\]"),
+    ],
+)
+def test_generate_refuses_temperatures_the_server_refuses(exports, capsys, flags, message):
+    import re
+
+    folder, _ = exports["gpt2"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([str(folder), "--prompt-ids", "1", *flags])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp, "is a folder; expected a text file"),
+        (lambda tmp: tmp / "missing.txt", "missing.txt: no such file"),
+        (lambda tmp: "/dev/zero", "holds more than 16 MiB (a device such as /dev/zero never ends)"),
+        (lambda tmp: (tmp / "binary.txt").write_bytes(b"\xff\xfe\x00") and tmp / "binary.txt", "is not UTF-8 text"),
+    ],
+    ids=["folder", "missing", "dev-zero", "binary"],
+)
+def test_generate_prompt_file_errors(served_export, tmp_path, capsys, make, message):
+    code = cli.main([str(served_export), "--prompt-file", str(make(tmp_path)), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_runtime_never_imports_transformers_or_the_exporter(exports):
     folder, _ = exports["llama"]

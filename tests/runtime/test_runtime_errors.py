@@ -50,6 +50,13 @@ def test_empty_prompt_and_bad_ids(model):
     still_works(model)
 
 
+def test_stop_strings_need_a_tokenizer(model):
+    """Refused, not silently ignored: without a tokenizer the output cannot be read as text."""
+    with pytest.raises(UserInputError, match=r"stop strings \['x'\] need the export's tokenizer"):
+        model.generate(prompt_ids=[1, 2], max_new_tokens=4, stop="x")
+    still_works(model)
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
 def test_threshold_outside_the_unit_interval(model, threshold):
     with pytest.raises(UserInputError, match=r"outside \[0, 1\].*never"):

@@ -2,7 +2,7 @@
 
 Clients: the `openai` Python client, and httpx where a test needs the raw status, headers or body.
 Outputs are compared token for token with `model.generate` on the same export. The export is a tiny
-random Llama with a Llama 3 style tokenizer and chat template (built as tests/test_chat.py does);
+random Llama with a Llama 3 style tokenizer and chat template (`served_export`, tests/runtime/conftest.py);
 exports/llama from conftest (no tokenizer) serves token-id prompts. Slow replicas are made with
 `SlowStreams` (a delay between tokens), so queueing, timeouts and disconnects are deterministic.
 """
@@ -33,78 +33,28 @@ from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
-from tests.runtime.test_chat import (
-    CHAT_MODEL_TOKENS,
-    LLAMA3,
-    LLAMA3_SPECIALS,
-    bpe_tokenizer,
-    save_tokenizer,
-    without_template,
-)
-from tests.serving import Server, SlowStreams, free_port, sse_events, wait_until
+from tests.runtime.test_chat import with_file, without_template
+from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
-NAME = "tiny-chat"
-SEQ_LEN = 64
-GENERATION = GenerationConfig(thresholds=0.0)  # every token exits early: exits and rollbacks in every response
 PROMPT = "Once upon a time there was"
 LONG_RUN = 48  # new tokens that fit after PROMPT
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"}]
 
 
 @pytest.fixture(scope="module")
-def chat_export(tmp_path_factory) -> Path:
-    """A tiny random Llama whose export carries a byte-level BPE tokenizer and a Llama 3 style chat template."""
-    from paradecode.export.config import ExportConfig
-    from paradecode.export.pipeline import export_model
-    from tests.tiny_models import TINY_CONFIGS, tiny_model
-
-    model_dir = tmp_path_factory.mktemp("serve-model")
-    tok = bpe_tokenizer(LLAMA3_SPECIALS, "<|begin_of_text|>")
-    save_tokenizer(model_dir, tok, LLAMA3, **CHAT_MODEL_TOKENS)
-    config = dict(
-        TINY_CONFIGS["llama"],
-        vocab_size=tok.get_vocab_size(),
-        bos_token_id=tok.token_to_id("<|begin_of_text|>"),
-        eos_token_id=tok.token_to_id("<|eot_id|>"),
-    )
-    tiny_model("llama", configs={"llama": config}).save_pretrained(model_dir)
-    out = tmp_path_factory.mktemp("serve-export") / "export"
-    export_model(ExportConfig(model=str(model_dir), output=out, max_seq_len=SEQ_LEN))
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(chat_export):
-    with load(chat_export) as model:
+def reference(served_export):
+    with load(served_export) as model:
         yield model
 
 
-def config_of(export: Path, **fields) -> ServeConfig:
-    return ServeConfig(export, **{"served_model_name": NAME, "generation": GENERATION, **fields})
-
-
 @pytest.fixture(scope="module")
-def server(chat_export):
+def server(served_export):
     """Two replicas, shared by the tests that only send requests."""
-    running = Server(config_of(chat_export, replicas=2))
+    running = Server(config_of(served_export, replicas=2))
     yield running
     running.close()
-
-
-@pytest.fixture
-def serve():
-    """serve(export, **ServeConfig fields) -> a Server of its own, closed after the test."""
-    servers = []
-
-    def start(export: Path, **fields) -> Server:
-        servers.append(Server(config_of(export, **fields)))
-        return servers[-1]
-
-    yield start
-    for running in servers:
-        running.close()
 
 
 def expected(reference, max_tokens: int, **prompt):
@@ -122,10 +72,11 @@ def check_stats(stats: dict, result) -> None:
 # --- the API, against model.generate ------------------------------------------------------------------------------
 
 
-def test_models_and_health(server, chat_export):
+def test_models_and_health(server, served_export):
     (card,) = server.openai().models.list().data
     assert card.id == NAME and card.owned_by == "paradecode"
-    assert card.max_model_len == SEQ_LEN and card.root == str(chat_export)
+    assert card.max_model_len == SEQ_LEN and card.root == NAME  # never the export's path on the server's disk
+    assert str(served_export) not in server.http.get("/v1/models").text
     health = server.http.get("/health")
     assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2, "waiting": 0, "running": 0}
 
@@ -214,6 +165,18 @@ def test_stop_strings_cut_the_text_whole_and_streamed(server, reference):
     assert whole.usage.completion_tokens < 40  # decoding stopped there, not at max_tokens
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stop", ["Lily.", "a stop string far longer than four characters", ["Lily.", "x"]])
+def test_stop_is_a_string_of_any_length_or_a_list(server, reference, stop):
+    """OpenAI clients send `stop` as one string: the 4-item limit is a list's, never a string's characters."""
+    full = reference.generate(PROMPT, config=GENERATION, max_new_tokens=12, ignore_eos=True).text
+    response = server.post(
+        "/v1/completions", {"model": NAME, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "stop": stop}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == full  # none of these stop strings is in the text
+
+
 def test_max_tokens_and_ignore_eos(server):
     response = server.openai().completions.create(
         model=NAME, prompt=PROMPT, max_tokens=SEQ_LEN - 8, extra_body={"ignore_eos": True}
@@ -238,6 +201,8 @@ def test_token_id_prompts_on_an_export_without_a_tokenizer(serve, exports):
     assert refused.status_code == 400 and "no tokenizer: send the prompt as a list of token ids" in refused.text
     outside = running.post("/v1/completions", {"model": NAME, "prompt": [1, 10_000]})
     assert outside.status_code == 400 and "outside the vocabulary" in outside.text
+    stop = running.post("/v1/completions", {"model": NAME, "prompt": [1, 5, 9], "stop": "x"})  # not silently ignored
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop" and "this export has none" in stop.text
 
 
 # --- bad requests -------------------------------------------------------------------------------------------------
@@ -293,6 +258,15 @@ LONG = "Once upon a time " * 40  # more tokens than the export's 64
         ),
         ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, 400, "prompt", None, "one prompt per request"),
         ("/v1/completions", {"model": NAME, "prompt": "hi", "stop": ""}, 400, "stop", None, "must not be empty"),
+        (
+            "/v1/completions",
+            {"model": NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+            422,
+            "stop",
+            None,
+            "a string or a list of at most 4 strings",
+        ),
+        ("/v1/completions", {"model": NAME, "prompt": "hi", "top_k": -2}, 422, "top_k", None, "greater than or equal"),
         (
             "/v1/chat/completions",
             {"model": NAME, "messages": [{"role": "user", "content": "hi", "name": "x"}]},
@@ -362,7 +336,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param, code,
     assert re.search(message, error["message"]), error["message"]
 
 
-def test_more_bad_requests(server, chat_export, serve, tmp_path):
+def test_more_bad_requests(server, served_export, serve, tmp_path):
     big = server.post("/v1/completions", b"{" + b" " * (4 << 20) + b"}")
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     empty = server.post("/v1/completions", b"")
@@ -375,14 +349,43 @@ def test_more_bad_requests(server, chat_export, serve, tmp_path):
         server.openai().chat.completions.create(model="other", messages=CHAT)
     assert err.value.code == "model_not_found"
     # A chat on an export without a chat template: 400, saying so; completions still work there.
-    plain = serve(without_template(chat_export, tmp_path / "plain"), replicas=1)
+    plain = serve(without_template(served_export, tmp_path / "plain"), replicas=1)
     refused = plain.post("/v1/chat/completions", {"model": NAME, "messages": CHAT})
     assert refused.status_code == 400 and "this export has no chat template" in refused.json()["error"]["message"]
     assert plain.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
-def test_a_bad_request_among_good_concurrent_ones(serve, chat_export, reference, monkeypatch):
-    running = serve(chat_export, replicas=2, max_queue=8)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{{ messages[3].content }}", "UndefinedError"),
+        ("{{ bos_tokn }}", "rendered nothing"),
+        ("{{ 10**5000 }}", "more than 4096 bits"),
+        ("{% for m in messages %}{{ m.content | center(10**9) }}{% endfor %}", "the filter center got the integer"),
+    ],
+)
+def test_a_broken_chat_template_is_a_server_error_naming_the_export(serve, served_export, tmp_path, template, message):
+    """500 server_error naming the export, not a 400 that blames the request; plain completions still work."""
+    folder = with_file(served_export, tmp_path / "broken", "tokenizer/chat_template.jinja", template.encode())
+    running = serve(folder, replicas=1)
+    refused = running.post("/v1/chat/completions", {"model": NAME, "messages": CHAT})
+    error = refused.json()["error"]
+    assert refused.status_code == 500 and error["type"] == "server_error", refused.text
+    assert "the served export is broken" in error["message"] and message in error["message"]
+    assert running.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_template_refused_at_load_stops_the_server_with_exit_2(served_export, tmp_path, capsys):
+    from paradecode.runtime.serve import cli
+
+    folder = with_file(served_export, tmp_path / "include", "tokenizer/chat_template.jinja", b"{% include 'x' %}")
+    assert cli.main([str(folder), "--port", "0", "--log-level", "error"]) == 2
+    assert "uses {% include %} (line 1)" in capsys.readouterr().err
+
+
+def test_a_bad_request_among_good_concurrent_ones(serve, served_export, reference, monkeypatch):
+    running = serve(served_export, replicas=2, max_queue=8)
     for model in running.pool.models:  # slow enough that the bad requests land while the good ones decode
         SlowStreams(model, monkeypatch, delay=0.01, count=10)
     want = expected(reference, 30, prompt=PROMPT).text
@@ -422,8 +425,8 @@ def start_stream(running: Server, max_tokens: int = LONG_RUN) -> httpx.Response:
     return response
 
 
-def test_429_with_retry_after_when_the_queue_is_full(serve, chat_export, monkeypatch):
-    running = serve(chat_export, replicas=1, max_queue=1, retry_after=3)
+def test_429_with_retry_after_when_the_queue_is_full(serve, served_export, monkeypatch):
+    running = serve(served_export, replicas=1, max_queue=1, retry_after=3)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.25)  # busy for 12 s unless cancelled
     first = start_stream(running)
     with ThreadPoolExecutor(1) as executor:
@@ -443,8 +446,8 @@ def test_429_with_retry_after_when_the_queue_is_full(serve, chat_export, monkeyp
     assert rejected == 2
 
 
-def test_timeout_whole_streamed_and_in_the_queue(serve, chat_export, monkeypatch):
-    running = serve(chat_export, replicas=1, max_queue=2, request_timeout=0.5)
+def test_timeout_whole_streamed_and_in_the_queue(serve, served_export, monkeypatch):
+    running = serve(served_export, replicas=1, max_queue=2, request_timeout=0.5)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=3)
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
     started = time.monotonic()
@@ -471,9 +474,9 @@ def test_timeout_whole_streamed_and_in_the_queue(serve, chat_export, monkeypatch
     assert timeouts == 5
 
 
-def test_a_client_leaving_frees_the_replica(serve, chat_export, monkeypatch):
+def test_a_client_leaving_frees_the_replica(serve, served_export, monkeypatch):
     """Streamed and whole: the stream is closed after the token being computed, and the next request is served."""
-    running = serve(chat_export, replicas=1, max_queue=2)
+    running = serve(served_export, replicas=1, max_queue=2)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=2)  # LONG_RUN tokens would take 4.8 s
     start_stream(running).close()
     wait_until(lambda: running.pool.counts() == (0, 0), 2, "the replica freed after a streamed client left")
@@ -500,12 +503,12 @@ def test_a_client_leaving_frees_the_replica(serve, chat_export, monkeypatch):
     assert cancelled == 2
 
 
-def test_closing_the_pool_ends_its_jobs(chat_export, monkeypatch):
+def test_closing_the_pool_ends_its_jobs(served_export, monkeypatch):
     """close(): the running job stops after its token, the waiting one fails with 503, later ones are refused."""
     from paradecode.runtime.serve.errors import ServiceUnavailable
     from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
 
-    pool = ReplicaPool(config_of(chat_export, replicas=1, max_queue=1))
+    pool = ReplicaPool(config_of(served_export, replicas=1, max_queue=1))
     SlowStreams(pool.models[0], monkeypatch, delay=0.2)
     config = replace(GENERATION, max_new_tokens=LONG_RUN, ignore_eos=True)
 
@@ -532,8 +535,8 @@ def test_closing_the_pool_ends_its_jobs(chat_export, monkeypatch):
 # --- metrics ------------------------------------------------------------------------------------------------------
 
 
-def test_metrics_count_what_was_served(serve, chat_export):
-    running = serve(chat_export, replicas=1)
+def test_metrics_count_what_was_served(serve, served_export):
+    running = serve(served_export, replicas=1)
     client = running.openai()
     before = running.metrics()
     assert before[("paradecode_replicas", ())] == 1 and before[("paradecode_generation_tokens_total", ())] == 0
@@ -628,9 +631,10 @@ def test_stop_text_never_sends_part_of_a_stop_string(pieces, stops, sent, result
     assert cut_at_stop("".join(pieces), stops) == (result, stop)
 
 
-def test_serve_config_checks_its_fields(chat_export):
-    config = ServeConfig(chat_export)
-    assert config.served_model_name == str(chat_export) and config.replicas == 1 and config.max_queue == 16
+def test_serve_config_checks_its_fields(served_export):
+    config = ServeConfig(served_export)
+    assert config.served_model_name == served_export.name and config.replicas == 1 and config.max_queue == 16
+    assert ServeConfig(served_export, port=0).port == 0  # any free port
     for bad in (
         dict(replicas=0),
         dict(max_queue=-1),
@@ -642,8 +646,8 @@ def test_serve_config_checks_its_fields(chat_export):
         dict(generation={"mode": "ar"}),
     ):
         with pytest.raises(UserInputError):
-            ServeConfig(chat_export, **bad)
-    assert ServeConfig(chat_export, replicas=2, lanes=2).threads_per_call == max(1, (os.cpu_count() or 1) // 4)
+            ServeConfig(served_export, **bad)
+    assert ServeConfig(served_export, replicas=2, lanes=2).threads_per_call == max(1, (os.cpu_count() or 1) // 4)
 
 
 # --- paradecode-serve, in a subprocess ------------------------------------------------------------------------------
@@ -709,8 +713,8 @@ def stream_lines(url: str, max_tokens: int, into: list) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_in_flight_requests(chat_export, tmp_path):
-    process, url = start_cli(chat_export, tmp_path / "log", 0.05, "--shutdown-timeout", "20")
+def test_sigterm_finishes_in_flight_requests(served_export, tmp_path):
+    process, url = start_cli(served_export, tmp_path / "log", 0.05, "--shutdown-timeout", "20")
     try:
         lines: list = []
         reader = threading.Thread(target=stream_lines, args=(url, 30, lines))
@@ -730,26 +734,55 @@ def test_sigterm_finishes_in_flight_requests(chat_export, tmp_path):
     assert "stopped (received SIGTERM)" in err and "replicas closed" in err
 
 
+def whole_request(url: str, into: list) -> None:
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
+    try:
+        into.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+    except httpx.HTTPError as err:
+        into.append(err)
+
+
 @pytest.mark.slow
-def test_sigterm_cancels_what_outlasts_the_shutdown_timeout(chat_export, tmp_path):
-    process, url = start_cli(chat_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("signals", "code"),
+    [((signal.SIGTERM,), 143), ((signal.SIGINT,), 130), ((signal.SIGINT, signal.SIGINT), 130)],
+    ids=["SIGTERM", "SIGINT", "double Ctrl-C"],
+)
+def test_shutdown_answers_what_outlasts_the_shutdown_timeout(served_export, tmp_path, signals, code):
+    """A running stream gets an error event and [DONE], a running and a queued whole request get 503 JSON, as
+    the README promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
+    process, url = start_cli(served_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5", "--replicas", "2")
     try:
         lines: list = []
-        reader = threading.Thread(target=stream_lines, args=(url, LONG_RUN, lines))  # 24 s of tokens
-        reader.start()
-        wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 1, 10, "a request decoding")
+        answers: list = []
+        clients = [threading.Thread(target=stream_lines, args=(url, LONG_RUN, lines))]  # 24 s of tokens each
+        clients += [threading.Thread(target=whole_request, args=(url, answers)) for _ in range(2)]
+        clients[0].start()
+        wait_until(lambda: httpx.get(f"{url}/health").json()["running"] == 1, 10, "the stream decoding")
+        for client in clients[1:]:
+            client.start()
+        wait_until(lambda: httpx.get(f"{url}/health").json()["waiting"] == 1, 10, "a whole request queued")
         started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
+        for i, signum in enumerate(signals):
+            if i:
+                time.sleep(0.2)
+            process.send_signal(signum)
         process.wait(30)
         stopped = time.monotonic() - started
-        reader.join(30)
+        for client in clients:
+            client.join(30)
     finally:
         process.kill()
     err = (tmp_path / "log").read_text()
-    assert process.returncode == 128 + signal.SIGTERM, err
-    assert stopped < 12, f"took {stopped:.1f} s to stop:\n{err}"  # the request alone would take 24 s
-    assert "Cancel 1 running task(s), timeout graceful shutdown exceeded" in err and "replicas closed" in err
-    assert not any(line == "data: [DONE]" for line in lines if isinstance(line, str))
+    assert process.returncode == code, err
+    assert stopped < 12, f"took {stopped:.1f} s to stop:\n{err}"  # the requests alone would take 24 s
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+    events = sse_events(line for line in lines if isinstance(line, str))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", lines[-3:]
+    assert [a.status_code for a in answers] == [503, 503], answers
+    assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)
+    assert "replicas closed" in err
 
 
 def refused(url: str) -> bool:
@@ -762,14 +795,18 @@ def refused(url: str) -> bool:
     return False
 
 
-def test_cli_help_and_bad_input(tmp_path, capsys, chat_export):
+def test_cli_help_and_bad_input(tmp_path, capsys, served_export):
     from paradecode.runtime.serve import cli
 
     with socket.socket() as taken:  # a port something else listens on
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        assert cli.main([str(chat_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
-    assert "could not listen on 127.0.0.1:" in capsys.readouterr().err
+        assert cli.main([str(served_export), "--port", str(taken.getsockname()[1]), "--log-level", "error"]) == 2
+    assert "is taken (Address already in use): choose another --port" in capsys.readouterr().err
+    for host, message in (("no-such-host.invalid", "this machine can resolve"), ("192.0.2.1", "not an address of")):
+        assert cli.main([str(served_export), "--host", host, "--log-level", "error"]) == 2
+        err = capsys.readouterr().err
+        assert f"--host {host!r}" in err and message in err and "--port" not in err, err
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])

@@ -369,6 +369,40 @@ def test_heads_cli_errors(model_dirs, tmp_path, capsys):
     assert f"(default {HeadsConfig.default('steps')})" in train_heads.build_parser().format_help()
 
 
+@pytest.mark.timeout(60)  # refused before the model loads: a regression would train first
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: ["-o", str(tmp)], "is a folder; give a file name"),
+        (lambda tmp: ["-o", str(tmp), "--force"], "is a folder; give a file name"),
+        (lambda tmp: ["-o", "/sys/heads.safetensors"], "cannot be written: /sys refuses new files"),
+        (lambda tmp: ["-o", str(tmp / "f.txt" / "heads.safetensors")], "f.txt is not a folder"),
+        (lambda tmp: ["-o", str(tmp / "h"), "--text", str(tmp / "binary.bin")], "is not UTF-8 text"),
+        (lambda tmp: ["-o", str(tmp / "h"), "--text", str(tmp)], "is a folder; expected a text file"),
+    ],
+    ids=["folder", "folder-force", "unwritable", "under-a-file", "binary-text", "text-folder"],
+)
+def test_heads_refuse_what_would_lose_the_results_before_training(model_dirs, tmp_path, capsys, make, message):
+    (tmp_path / "f.txt").write_text("a file")
+    (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    before = sorted(p.name for p in tmp_path.parent.iterdir())
+    started = time.monotonic()
+    assert train_heads.main([str(model_dirs["llama"]), *make(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 10
+    assert sorted(p.name for p in tmp_path.parent.iterdir()) == before, "a stray file (DIR.tmp?) was left"
+    assert not (tmp_path / "h").exists()
+
+
+def test_saving_heads_leaves_no_temporary_file_when_it_fails(tmp_path):
+    from paradecode.export.heads import save_heads
+
+    with pytest.raises(IsADirectoryError):
+        save_heads(tmp_path, {1: torch.eye(2)}, {})  # a folder: the rename fails
+    assert not (tmp_path.parent / f"{tmp_path.name}.tmp").exists()
+
+
 # --- call costs and the cost model ----------------------------------------------------------------------------
 
 

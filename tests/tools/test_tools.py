@@ -98,6 +98,28 @@ def test_bench_refuses_bad_input(exports, tmp_path, capsys):
     assert "1.5" in (err := capsys.readouterr().err) and "outside [0, 1]" in err, err
 
 
+@pytest.mark.timeout(60)  # refused before the run: a regression would benchmark first
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: ["--json", str(tmp)], "--json {tmp} is a folder"),
+        (lambda tmp: ["--plot", str(tmp / "f.txt" / "plot.png")], "f.txt is not a folder"),
+        (lambda tmp: ["--json", "/sys/bench.json"], "--json /sys/bench.json cannot be written"),
+        (lambda tmp: ["--temperature", "inf"], "--temperature: expected a number in [0, 2]"),
+    ],
+    ids=["json-folder", "plot-under-a-file", "json-unwritable", "temperature-inf"],
+)
+def test_bench_refuses_outputs_it_could_not_write_before_the_run(exports, tmp_path, capsys, make, message):
+    folder, _ = exports["gpt2"]
+    (tmp_path / "f.txt").write_text("a file")
+    try:
+        code = bench.main([str(folder), *make(tmp_path)])
+    except SystemExit as exit_:  # argparse
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and message.format(tmp=tmp_path) in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_profile_trace_format_and_lane_overlap(stories_export, tmp_path, capsys):
     trace = tmp_path / "trace.json"

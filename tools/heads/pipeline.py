@@ -117,8 +117,9 @@ def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
     return ids
 
 
-def record(config: HeadsConfig, source, model, family, spec, exit_layers, generator):
-    """The recording to learn from: generations of the prompts (or the --text windows), and its description."""
+def record(config: HeadsConfig, text: str | None, source, model, family, spec, exit_layers, generator):
+    """The recording to learn from: generations of the prompts (or the windows of `text`, --text's), and its
+    description."""
     from paradecode.export.tokenizer import hf_tokenizer
     from paradecode.tools.heads.data import DEFAULT_PROMPTS, generate_features, held_out_sequences, text_features
     from paradecode.tools.prompt_sets import load_prompts
@@ -127,9 +128,7 @@ def record(config: HeadsConfig, source, model, family, spec, exit_layers, genera
     if config.text is not None:
         if tokenizer is None:
             raise UserInputError(f"{config.model} has no tokenizer to read --text with.")
-        if not config.text.is_file():
-            raise UserInputError(f"--text {config.text}: no such file.")
-        ids = tokenizer(config.text.read_text())["input_ids"]
+        ids = tokenizer(text)["input_ids"]
         windows = [ids[i : i + config.window] for i in range(0, len(ids) - 1, config.window)]
         windows = [w for w in windows if len(w) > 1]
         check_sequences(len(windows))
@@ -222,8 +221,13 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
 
     started = time.perf_counter()
     hf_logging.disable_progress_bar()
+    from paradecode.tools.prompts import read_text_file
+    from paradecode.tools.reporting import check_writable
+
+    check_writable(config.output, "-o")  # a folder, or a path that cannot be written: refused before the run
     if config.output.exists() and not config.force:
         raise UserInputError(f"{config.output} exists. Pass --force to replace it.")
+    text = read_text_file(config.text, "--text") if config.text is not None else None
     source = resolve_model(config.model)
     family = family_for(source.config_dict().get("model_type"))
     model = load_hf_model(source)
@@ -237,7 +241,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     seconds: dict[str, float] = {"load": time.perf_counter() - started}
 
     clock = time.perf_counter()
-    recording, data = record(config, source, model, family, spec, exit_layers, generator)
+    recording, data = record(config, text, source, model, family, spec, exit_layers, generator)
     features, held_out = recording.features, recording.held_out
     seconds["data"] = time.perf_counter() - clock
     if not held_out.any() or held_out.all():
