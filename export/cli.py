@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "of two, worth it where per-call overhead rivals a layer's compute; holds a second copy of layer e)",
     )
     parser.add_argument(
+        "--no-segments",
+        action="store_true",
+        help="write no segment graphs (by default the layers between the exit layers are also written as one graph "
+        "per range, composed from the layer graphs, so a token takes a few calls instead of one per layer)",
+    )
+    parser.add_argument(
         "--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)"
     )
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
@@ -184,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             with_logits=not args.no_logits,
             fused_exits=args.fused_exits,
+            segments=not args.no_segments,
             cache_dir=args.cache_dir,
         )
         return export_model(config)

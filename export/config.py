@@ -44,6 +44,9 @@ class ExportConfig:
     # Also write layer_exit_e (layer e and its trained exit head in one graph): one call instead of two, for
     # models whose per-call overhead rivals a layer's compute; it holds a second copy of layer e and the head.
     fused_exits: bool = False
+    # Also write segment graphs (the layers between the exit layers, each range in one graph, composed from the
+    # layer graphs): a token then takes a few calls instead of one per layer.
+    segments: bool = True
     cache_dir: Path | None = None  # TensorRT engine and timing caches; None: ~/.cache/paradecode
 
     def __post_init__(self) -> None:

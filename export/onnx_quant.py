@@ -72,21 +72,36 @@ class Rewriter:
         return out
 
     # --- MatMul -------------------------------------------------------------------------------
+    packs = True  # whether `matmul_group` may compute several weights of one input in one product
+
     def matmul(self, node: onnx.NodeProto, weight: str, fmt: WeightFormat) -> None:
         """Replace `MatMul(x, W^T)` [.., K] x [K, N] with its quantized form."""
-        x, (out,) = node.input[0], node.output
+        self.matmul_group([(node, weight, fmt)])
+
+    def matmul_group(self, members: list[tuple[onnx.NodeProto, str, WeightFormat]]) -> None:
+        """Replace MatMuls of one input x by weights of one block layout (a layer's q, k and v; gate and up) with
+        one MatMulNBits over the weights' blocks stacked by rows, split into the members' outputs. The stacking
+        is a Concat of initializers, which onnxruntime folds when it loads the graph: one product of N_q + N_k +
+        N_v rows instead of three (and one correction for the minima), with no second copy kept."""
+        x = members[0][0].input[0]
+        outs = [node.output[0] for node, _, _ in members]
         nodes: list[onnx.NodeProto] = []
+        first, fmt = members[0][1], members[0][2]
         if fmt.bits == 8 and self.activations == "float":
-            dense = self._dequantized(nodes, weight, fmt, transpose=True)
-            nodes.append(helper.make_node("MatMul", [x, dense], [out]))
-            self.nodes[out] = nodes
+            for node, weight, member_fmt in members:
+                dense = self._dequantized(nodes, weight, member_fmt, transpose=True)
+                nodes.append(helper.make_node("MatMul", [x, dense], list(node.output)))
+            self._replace(outs, nodes)
             return
-        n, k = fmt.shape
-        scales = self._float(nodes, weight, "scales", fmt.scales)
-        inputs = [x, self._part(weight, "qweight"), scales]
+        weights = [weight for _, weight, _ in members]
+        n, k = sum(f.shape[0] for _, _, f in members), fmt.shape[1]
+        scales = [self._float(nodes, w, "scales", fmt.scales) for w in weights]
+        inputs = [x, self._stacked(nodes, [self._part(w, "qweight") for w in weights], "qweight")]
+        inputs.append(self._stacked(nodes, scales, "scales"))
         if fmt.zero_points and fmt.mins is None:
-            inputs.append(self._part(weight, "zero_points"))
-        product = out if fmt.mins is None else self._name("nbits")
+            inputs.append(self._stacked(nodes, [self._part(w, "zero_points") for w in weights], "zero_points"))
+        single = len(members) == 1
+        product = outs[0] if single and fmt.mins is None else self._name("nbits")
         nodes.append(
             helper.make_node(
                 "MatMulNBits",
@@ -102,19 +117,40 @@ class Rewriter:
         )
         if fmt.mins is not None:
             if k % fmt.block_size:
-                raise ValidationError(f"{weight}: minima need whole blocks (K {k}, block size {fmt.block_size}).")
+                raise ValidationError(f"{first}: minima need whole blocks (K {k}, block size {fmt.block_size}).")
+            mins = self._stacked(
+                nodes, [self._centred_mins(nodes, w, fmt, scale) for w, scale in zip(weights, scales)], "mins"
+            )
             blocked, sums, mins_t, correction = (self._name(h) for h in ("blocked", "sums", "mins_t", "correction"))
+            corrected = outs[0] if single else self._name("corrected")
             shape = self._const("shape", np.array([0, 0, fmt.blocks, fmt.block_size], dtype=np.int64))
             axes = self._const("axes", np.array([-1], dtype=np.int64))
-            mins = self._centred_mins(nodes, weight, fmt, scales)
             nodes += [
                 helper.make_node("Reshape", [x, shape], [blocked]),
                 helper.make_node("ReduceSum", [blocked, axes], [sums], keepdims=0),
                 helper.make_node("Transpose", [mins], [mins_t], perm=[1, 0]),
                 helper.make_node("MatMul", [sums, mins_t], [correction]),
-                helper.make_node("Add", [product, correction], [out]),
+                helper.make_node("Add", [product, correction], [corrected]),
             ]
-        self.nodes[out] = nodes
+            product = corrected
+        if not single:
+            sizes = self._const("split", np.array([f.shape[0] for _, _, f in members], dtype=np.int64))
+            nodes.append(helper.make_node("Split", [product, sizes], outs, axis=-1))
+        self._replace(outs, nodes)
+
+    def _stacked(self, nodes: list, parts: list[str], hint: str) -> str:
+        """The tensors `parts` stacked along their first axis (rows); the one tensor itself when alone."""
+        if len(parts) == 1:
+            return parts[0]
+        out = self._name(f"{hint}_stacked")
+        nodes.append(helper.make_node("Concat", parts, [out], axis=0))
+        return out
+
+    def _replace(self, outs: list[str], nodes: list[onnx.NodeProto]) -> None:
+        """The replacement of the nodes producing `outs`: all of it where the first stood, nothing for the rest."""
+        self.nodes[outs[0]] = nodes
+        for out in outs[1:]:
+            self.nodes[out] = []
 
     def _centred_mins(self, nodes: list, weight: str, fmt: WeightFormat, scales: str) -> str:
         """The minima for values centred on the midpoint c = 2**(bits - 1): scale * (q - z) + min equals
@@ -261,13 +297,16 @@ def rewrite(
         from paradecode.export.onnx_quant_tensorrt import TensorRTRewriter
 
         rewriter = TensorRTRewriter(graph.name, stored, activations, tensorrt)
+    groups: dict[tuple, list] = {}  # MatMuls of one input and one block layout: computed in one product
     for node in graph.node:
         for position, name in enumerate(node.input):
             if name not in readers:
                 continue
             weight, transposed, fmt = readers[name]
             if node.op_type == "MatMul" and position == 1 and transposed:
-                rewriter.matmul(node, weight, fmt)
+                layout = (fmt.bits, fmt.block_size, fmt.shape[1], fmt.scales, fmt.zero_points, fmt.mins)
+                key = (node.input[0], layout) if rewriter.packs else (node.output[0],)
+                groups.setdefault(key, []).append((node, weight, fmt))
             elif node.op_type == "Gather" and position == 0 and not transposed:
                 rewriter.gather(node, weight, fmt)
             else:
@@ -276,6 +315,8 @@ def rewrite(
                     f"{', transposed' if transposed else ''}); only a Linear's MatMul and an embedding's Gather "
                     "can read a quantized weight."
                 )
+    for members in groups.values():
+        rewriter.matmul_group(members)
     nodes = []
     for node in graph.node:
         replacement = rewriter.nodes.get(node.output[0]) if node.output else None

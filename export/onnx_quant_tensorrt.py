@@ -47,6 +47,12 @@ def int4_tensor(name: str, values: np.ndarray) -> TensorProto:
 
 
 class TensorRTRewriter(Rewriter):
+    packs = False  # one DequantizeLinear + MatMul per weight
+
+    def matmul_group(self, members: list[tuple[onnx.NodeProto, str, WeightFormat]]) -> None:
+        for node, weight, fmt in members:
+            self.matmul(node, weight, fmt)
+
     def __init__(
         self,
         graph_name: str,

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
 import torch
 
 from paradecode.export import validate
@@ -30,6 +31,7 @@ from paradecode.export.files import (
 from paradecode.export.heads import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
 from paradecode.export.quantize import head_quantized, quantized_weights
+from paradecode.export.segments import segment_from_layers
 from paradecode.export.source import ModelSource, resolve_model
 from paradecode.export.tokenizer import save_tokenizer
 from paradecode.graphs.errors import UserInputError, ValidationError
@@ -105,6 +107,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         exit_heads=bool(transforms),
         head_vocab=None if vocab is None else len(vocab),
         fused_exits=config.fused_exits and bool(transforms),
+        segments=config.segments,
     )
     logger.info(
         "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
@@ -397,28 +400,27 @@ def write_subgraphs(
     generator = torch.Generator().manual_seed(0)
     stored = stored_tensors(folder / WEIGHTS_NAME)
     name_of = {id(tensor): name for name, tensor in weights.items()}
+    layer_graphs: dict[int, onnx.ModelProto] = {}  # what segments are composed of
+    layer_variants: dict[int, onnx.ModelProto] = {}  # the same for TensorRT's variants (quantized exports)
     for i, io in enumerate(plan, 1):
         started = time.perf_counter()
-        key = structure_key(io, spec, weights)
-        if key not in templates:
-            random_module = build_subgraph(
-                spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits, fused=fused
-            )
-            templates[key] = GraphTemplate.trace(random_module, io, **export_args)
-            how = "traced"
-        else:
-            how = "from template"
-        template = templates[key]
-        if template.foreign:  # not a template: trace this subgraph itself; what matches its weights is shared
-            own = build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits, fused=fused)
-            template = GraphTemplate.trace(own, io, **export_args)
-            how = "traced"
-        canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, fused=fused).items()}
         relative = onnx_path(io.name)
-        save_onnx(template.instantiate(io, canonical, stored, quantization), folder / relative)
+        tensorrt_variants = config.engine == "tensorrt" and quantization is not None  # built from, removed after
+        if io.kind == "segment":
+            model, how = segment_from_layers(io, layer_graphs), "composed"
+            variant = segment_from_layers(io, layer_variants) if tensorrt_variants else None
+        else:
+            template, how = template_for(io, templates, spec, weights, config, fused, generator, export_args)
+            canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, fused=fused).items()}
+            model = template.instantiate(io, canonical, stored, quantization)
+            variant = None
+            if tensorrt_variants:
+                variant = template.instantiate(io, canonical, stored, quantization, tensorrt=all_weights.quantized)
+            if io.kind == "layer":
+                layer_graphs[io.layer], layer_variants[io.layer] = model, variant
+        save_onnx(model, folder / relative)
         files[io.name] = relative
-        if config.engine == "tensorrt" and quantization is not None:  # what TensorRT builds from, removed after
-            variant = template.instantiate(io, canonical, stored, quantization, tensorrt=all_weights.quantized)
+        if variant is not None:
             save_onnx(variant, folder / tensorrt_variant(relative))
         cases = [
             (
@@ -449,6 +451,27 @@ def write_subgraphs(
             diff,
         )
     return checklist, files
+
+
+def template_for(
+    io: SubgraphIO, templates: dict, spec: ModelSpec, weights: dict, config, fused: bool, generator, export_args: dict
+) -> tuple[GraphTemplate, str]:
+    """The graph template subgraph `io` is instantiated from, and how it was made: traced once per structure
+    from random weights, or traced from the subgraph itself where its graph folds weights (not a template)."""
+    dtype = TORCH_DTYPES[config.dtype]
+    key = structure_key(io, spec, weights)
+    how = "from template"
+    if key not in templates:
+        random_module = build_subgraph(
+            spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits, fused=fused
+        )
+        templates[key] = GraphTemplate.trace(random_module, io, **export_args)
+        how = "traced"
+    template = templates[key]
+    if template.foreign:  # not a template: trace this subgraph itself; what matches its weights is shared
+        own = build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits, fused=fused)
+        return GraphTemplate.trace(own, io, **export_args), "traced"
+    return template, how
 
 
 def random_weights(weights: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -24,7 +24,6 @@ from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
     HIDDEN,
     HIDDEN_OUT,
-    IN_PLACE,
     INPUT_IDS,
     LOGITS,
     MARGIN,
@@ -34,6 +33,7 @@ from paradecode.graphs.tensors import (
     PROB,
     TOKEN,
     SubgraphIO,
+    of_layer,
 )
 
 logger = logging.getLogger(__name__)
@@ -197,15 +197,15 @@ def ort_session(path, threads: int = 0):
 
 
 def run_ort(session, io: SubgraphIO, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run the graph as the runtime does: each in-place output (`IN_PLACE`: a layer's caches) bound to a copy of the
+    """Run the graph as the runtime does: each in-place output (a layer's caches) bound to a copy of the
     buffer fed as its input, so slots the call does not write keep what they held, as in the module's cache."""
     values = {k: ort_value(v.detach().cpu().contiguous().clone()) for k, v in inputs.items()}
     binding = session.io_binding()
     for name, value in values.items():
         binding.bind_ortvalue_input(name, value)
     for name in io.output_names:
-        if name in IN_PLACE and IN_PLACE[name] in values:
-            binding.bind_ortvalue_output(name, values[IN_PLACE[name]])
+        if name in io.in_place:
+            binding.bind_ortvalue_output(name, values[io.in_place[name]])
         else:
             binding.bind_output(name)
     session.run_with_iobinding(binding)
@@ -318,6 +318,8 @@ def real_inputs(
                 if io.kind == "layer_exit":  # fed what layer e was fed, before it wrote its cache
                     recorded[io.name].append({k: v.clone() for k, v in recorded[f"layer_{io.layer}"][-1].items()})
                     continue
+                if io.kind == "segment":  # fed what its layers were fed: assembled below
+                    continue
                 if io.kind == "embed":
                     inputs = {INPUT_IDS: chunk, POSITIONS: positions}
                 elif io.kind == "layer":
@@ -338,7 +340,22 @@ def real_inputs(
                     token = out[0][:, -1:]
             start += chunk.shape[1]
             chunk = token
+    for io in plan:
+        if io.kind == "segment":
+            recorded[io.name] = [segment_inputs(io, recorded, step) for step in range(decode_steps + 1)]
     return recorded
+
+
+def segment_inputs(io: SubgraphIO, recorded: dict[str, list[dict]], step: int) -> dict[str, torch.Tensor]:
+    """A segment's inputs at `step`: its first layer's hidden state and positions, each layer's caches as that
+    layer was fed them (the caches as they were before the step wrote them)."""
+    first = recorded[f"layer_{io.layer}"][step]
+    inputs = {HIDDEN: first[HIDDEN].clone(), POSITIONS: first[POSITIONS].clone()}
+    for layer in range(io.layer, io.last + 1):
+        fed = recorded[f"layer_{layer}"][step]
+        inputs[of_layer(PAST_KEY, layer)] = fed[PAST_KEY].clone()
+        inputs[of_layer(PAST_VALUE, layer)] = fed[PAST_VALUE].clone()
+    return inputs
 
 
 def check_slicing(

@@ -144,6 +144,7 @@ class Subgraph:
             "name": self.io.name,
             "kind": self.io.kind,
             "layer": self.io.layer,
+            "last": self.io.last,
             "onnx": self.onnx,
             "engine": self.engine,
             "inputs": [t.to_dict() for t in self.io.inputs],
@@ -154,6 +155,7 @@ class Subgraph:
     def from_dict(cls, value: Any, where: str = "subgraph") -> Subgraph:
         data = json_object(value, where)
         layer = json_field(data, "layer", f"{where}.")
+        last = data.get("last")
         engine = data.get("engine")
         io = SubgraphIO(
             json_string(json_field(data, "name", f"{where}."), f"{where}.name"),
@@ -167,6 +169,7 @@ class Subgraph:
                 _tensor(t, f"{where}.outputs[{i}]")
                 for i, t in enumerate(json_array(json_field(data, "outputs", f"{where}."), f"{where}.outputs"))
             ),
+            None if last is None else json_integer(last, f"{where}.last"),
         )
         onnx = check_relative(json_field(data, "onnx", f"{where}."), f"{where}.onnx")
         return cls(io, onnx, None if engine is None else check_relative(engine, f"{where}.engine"))
@@ -211,6 +214,11 @@ class Manifest:
     def fused_exits(self) -> bool:
         """Whether the export has fused layer + exit head graphs (`layer_exit_e`)."""
         return any(s.io.kind == "layer_exit" for s in self.subgraphs)
+
+    @property
+    def segments(self) -> bool:
+        """Whether the export has segment graphs (layers between its exit layers in one call each)."""
+        return any(s.io.kind == "segment" for s in self.subgraphs)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -343,6 +351,7 @@ class Manifest:
             exit_heads=self.head_kind == "trained",
             head_vocab=self.head_vocab,
             fused_exits=self.fused_exits,
+            segments=self.segments,
         )
         plan = export_plan(self.spec, self.exit_layers, **settings)
         contract = (
@@ -421,7 +430,7 @@ def _tensorrt(value: Any) -> dict[str, Any] | None:
 
 def _difference(expected: SubgraphIO, actual: SubgraphIO) -> str | None:
     """The first way `actual` differs from the contract `expected`, in words; None if it does not."""
-    for attr in ("kind", "layer"):
+    for attr in ("kind", "layer", "last"):
         if getattr(actual, attr) != getattr(expected, attr):
             return f"{attr} is {show(getattr(actual, attr))}, the contract has {getattr(expected, attr)!r}"
     for side in ("inputs", "outputs"):

@@ -256,6 +256,28 @@ class LayerExitGraph(nn.Module):
         return hidden, present_key, present_value, token, prob, margin
 
 
+class SegmentGraph(nn.Module):
+    """Layers first..last in one call: each layer's inputs and outputs as `LayerGraph`'s, chained.
+
+    forward(hidden, positions, past_key_first, past_value_first, ..., past_key_last, past_value_last)
+    -> (hidden_out, present_key_first, present_value_first, ...), every cache written in place. Exported
+    segments are composed from the layers' own graphs (export/segments.py); this module is their reference
+    and what the torch backend runs.
+    """
+
+    def __init__(self, spec: ModelSpec, first: int, last: int):
+        super().__init__()
+        self.first = first
+        self.layers = nn.ModuleList(LayerGraph(spec, i) for i in range(first, last + 1))
+
+    def forward(self, hidden, positions, *caches):
+        presents = []
+        for i, layer in enumerate(self.layers):
+            hidden, key, value = layer(hidden, positions, caches[2 * i], caches[2 * i + 1])
+            presents += [key, value]
+        return (hidden, *presents)
+
+
 def subgraph_state(
     spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor], *, fused: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -271,6 +293,12 @@ def subgraph_state(
     if io.kind == "embed":
         prefix = "embed."
         return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    if io.kind == "segment":
+        state = {}
+        for index, layer in enumerate(range(io.layer, io.last + 1)):
+            one = SubgraphIO(f"layer_{layer}", "layer", layer, (), ())
+            state.update({f"layers.{index}.{k}": v for k, v in subgraph_state(spec, one, weights).items()})
+        return state
     if io.kind == "layer":
         prefix = f"layers.{io.layer}."
         state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
@@ -347,6 +375,8 @@ def build_subgraph(
         module = EmbedGraph(spec)
     elif io.kind == "layer":
         module = LayerGraph(spec, io.layer, fused=fused, max_seq_len=cache_length(io))
+    elif io.kind == "segment":
+        module = SegmentGraph(spec, io.layer, io.last)
     elif io.kind == "layer_exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = LayerExitGraph(

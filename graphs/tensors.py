@@ -16,12 +16,18 @@ Subgraphs (DESIGN.md §4), with layers numbered 1..L:
 - ``layer_exit_e``: layer e and exit head e fused, for the newest token's call at an exit layer: the
   inputs and outputs of ``layer_e`` plus ``token``, ``prob``, ``margin`` [B, 1] of the exit head on
   the last position. One call instead of two where per-call cost matters.
+- ``segment_a_b``: layers a..b in one graph, an execution unit beside the per-layer graphs (the
+  contract's unit): ``hidden``, ``positions`` and each layer's ``past_key.i`` / ``past_value.i`` ->
+  ``hidden_out`` and each layer's ``present_key.i`` / ``present_value.i`` (written in place, as a
+  layer's). An export's segments partition 1..L at its exit layers, so a token moves through a few
+  calls instead of one per layer.
 
 Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +50,17 @@ MARGIN = "margin"
 LOGITS = "logits"
 
 # A layer writes its new keys and values into the cache buffers it is fed: each of these outputs is
-# the very buffer fed as the named input (bound to the same memory by every backend).
+# the very buffer fed as the named input (bound to the same memory by every backend). A segment's
+# per-layer caches are named `past_key.{i}` / `present_key.{i}`: `SubgraphIO.in_place` pairs them all.
 IN_PLACE = {PRESENT_KEY: PAST_KEY, PRESENT_VALUE: PAST_VALUE}
 
 DTYPES = ("float32", "float16", "bfloat16")
-KINDS = ("embed", "layer", "exit", "final", "layer_exit")
+KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment")
+
+
+def of_layer(name: str, layer: int) -> str:
+    """A segment's name for layer `layer`'s tensor `name` (`past_key` -> `past_key.3`)."""
+    return f"{name}.{layer}"
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class SubgraphIO:
     layer: int | None
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    last: int | None = None  # a segment's last layer (`layer` is its first)
 
     @property
     def input_names(self) -> list[str]:
@@ -88,8 +101,22 @@ class SubgraphIO:
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
+    @property
+    def in_place(self) -> dict[str, str]:
+        """Each output that is the very buffer fed as an input (a layer's caches), output -> input."""
+        inputs = set(self.input_names)
+        pairs = {}
+        for name in self.output_names:
+            base, dot, layer = name.partition(".")
+            source = IN_PLACE.get(base)
+            if source is not None and (source + dot + layer) in inputs:
+                pairs[name] = source + dot + layer
+        return pairs
 
-def subgraph_name(kind: str, layer: int | None = None) -> str:
+
+def subgraph_name(kind: str, layer: int | None = None, last: int | None = None) -> str:
+    if kind == "segment":
+        return f"segment_{layer}_{last}"
     if kind in ("embed", "final"):
         return kind
     if kind == "layer":
@@ -111,11 +138,12 @@ def subgraph_io(
     max_batch: int = 1,
     with_logits: bool = False,
     head_vocab: int | None = None,
+    last: int | None = None,
 ) -> SubgraphIO:
     """The tensor contract of one subgraph. `dtype` is the dtype of hidden states and caches.
 
     `head_vocab`: the size of the exit heads' reduced vocabulary (their logits' last dimension), None
-    when exit heads predict over the whole vocabulary.
+    when exit heads predict over the whole vocabulary. `last`: a segment's last layer (`layer` its first).
     """
     batch: int | str = 1 if max_batch == 1 else BATCH
     tokens = TOKENS
@@ -144,6 +172,15 @@ def subgraph_io(
                 TensorSpec(PROB, (batch, 1), "float32"),
                 TensorSpec(MARGIN, (batch, 1), "float32"),
             ]
+    elif kind == "segment":
+        if layer is None or last is None or not 1 <= layer <= last <= spec.num_layers:
+            raise ValueError(f"a segment spans layers first..last within 1..{spec.num_layers}, got {layer}..{last}")
+        cache = (batch, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        layers = range(layer, last + 1)
+        inputs = [hidden, positions]
+        inputs += [TensorSpec(of_layer(n, i), cache, dtype) for i in layers for n in (PAST_KEY, PAST_VALUE)]
+        outputs = [TensorSpec(HIDDEN_OUT, hidden.shape, dtype)]
+        outputs += [TensorSpec(of_layer(n, i), cache, dtype) for i in layers for n in (PRESENT_KEY, PRESENT_VALUE)]
     elif kind in ("exit", "final"):
         if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
@@ -159,8 +196,20 @@ def subgraph_io(
     else:
         raise ValueError(f"unknown subgraph kind {kind!r}; expected one of {KINDS}")
     return SubgraphIO(
-        subgraph_name(kind, layer), kind, layer if kind != "final" else None, tuple(inputs), tuple(outputs)
+        subgraph_name(kind, layer, last),
+        kind,
+        layer if kind != "final" else None,
+        tuple(inputs),
+        tuple(outputs),
+        last if kind == "segment" else None,
     )
+
+
+def segment_ranges(num_layers: int, exit_layers: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The layer ranges an export's segments cover: 1..L cut after each exit layer, those of two layers or more (a
+    range of one layer is its layer graph)."""
+    bounds = [0, *sorted(e for e in exit_layers if 1 <= e < num_layers), num_layers]
+    return [(a + 1, b) for a, b in itertools.pairwise(bounds) if b > a + 1]
 
 
 def export_plan(
@@ -174,8 +223,10 @@ def export_plan(
     exit_heads: bool = True,
     head_vocab: int | None = None,
     fused_exits: bool = False,
+    segments: bool = False,
 ) -> list[SubgraphIO]:
-    """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final.
+    """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final, then
+    (`segments`) the segments between the exit layers.
 
     `exit_heads`: whether the exit layers have exit head graphs of their own (trained heads). Without
     them an exit layer's head is the model's own final norm and unembedding, which is the `final`
@@ -191,4 +242,8 @@ def export_plan(
             if fused_exits:
                 plan.append(subgraph_io(spec, "layer_exit", layer, **common))
     plan.append(subgraph_io(spec, "final", **common))
+    if segments:
+        plan += [
+            subgraph_io(spec, "segment", a, **common, last=b) for a, b in segment_ranges(spec.num_layers, exit_layers)
+        ]
     return plan
