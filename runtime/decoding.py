@@ -25,6 +25,7 @@ from paradecode.graphs.tensors import (
     POSITIONS,
     PROB,
     TOKEN,
+    of_layer,
 )
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.kvcache import KVCache
@@ -73,6 +74,10 @@ class DecodeContext:
     def __post_init__(self) -> None:
         self.positions = torch.arange(self.cache.capacity, dtype=torch.int64).unsqueeze(0)
         self.learned_positions = self.backend.spec.positions == "learned"
+        # The export's segments, first layer -> last: a run of layers one call computes (graphs/tensors.py).
+        self.segments = {
+            sub.io.layer: sub.io.last for sub in self.backend.manifest.subgraphs if sub.io.kind == "segment"
+        }
 
     @property
     def num_layers(self) -> int:
@@ -93,6 +98,27 @@ class DecodeContext:
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         feeds = self._layer_feeds(layer, hidden, start)
         return self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)[HIDDEN_OUT]
+
+    def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
+        layer graphs for the rest."""
+        layer = first
+        while layer <= last:
+            end = self.segments.get(layer)
+            if end is not None and end <= last:
+                hidden = self.segment(lane, layer, end, hidden, start)
+                layer = end + 1
+            else:
+                hidden = self.layer(lane, layer, hidden, start)
+                layer += 1
+        return hidden
+
+    def segment(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        feeds = {HIDDEN: hidden, POSITIONS: self.positions[:, start : start + hidden.shape[1]]}
+        for layer in range(first, last + 1):
+            feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
+        name, label = f"segment_{first}_{last}", f"layers {first}-{last}"
+        return self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))[HIDDEN_OUT]
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
         feeds = self._layer_feeds(layer, hidden, start)
@@ -147,9 +173,8 @@ def prefill(
 ) -> tuple[int, float]:
     """The whole prompt in one call per layer; the final head on its last position gives the first token."""
     with ctx.phase("prefill", (0, len(prompt))):
-        hidden = ctx.embed(MAIN, prompt, 0)
+        hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, prompt, 0), 0)
         for layer in range(1, ctx.num_layers + 1):
-            hidden = ctx.layer(MAIN, layer, hidden, 0)
             ctx.cache.written(layer, len(prompt))
         out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1, logits=sampling is not None)
     return choose(out, 0, len(prompt) - 1, sampling, draws), out.margin[0]
@@ -165,9 +190,7 @@ def decode_ar(
     yield token, margin
     position = len(prompt)
     while position < ctx.cache.capacity:
-        hidden = ctx.embed(MAIN, [token], position)
-        for layer in range(1, ctx.num_layers + 1):
-            hidden = ctx.layer(MAIN, layer, hidden, position)
+        hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [token], position), position)
         ctx.cache.lengths = [position + 1] * ctx.num_layers
         out = ctx.head(MAIN, "final", hidden, position, logits=sampling is not None)
         token, margin = choose(out, 0, position, sampling, draws), out.margin[0]

@@ -253,12 +253,13 @@ class ParaDecoder:
         first, final, early = depth + 1, None, None
         if depth == -1:
             hidden, depth, first = self.ctx.embed(MAIN, self.tokens[start:end], start), 0, 1
-        while depth < stop:
-            depth += 1
-            if depth in self.fused and frontier and self.may_exit(end):
-                hidden, early = self.ctx.layer_exit(MAIN, depth, hidden, start)
-            else:
-                hidden = self.ctx.layer(MAIN, depth, hidden, start)
+        # the exit layer `stop` in one call with its head, where the export fused them and the frontier may exit
+        fused_exit = frontier and stop in self.fused and self.may_exit(end)
+        if depth < stop - fused_exit:  # the layers before: segments where they cover them, else one call each
+            hidden, depth = self.ctx.layers(MAIN, depth + 1, stop - fused_exit, hidden, start), stop - fused_exit
+        if fused_exit and depth < stop:
+            hidden, early = self.ctx.layer_exit(MAIN, stop, hidden, start)
+            depth = stop
         if depth == self.L:
             final = self.ctx.head(MAIN, "final", hidden, start, logits=self.sampling is not None)
         self.publish()
