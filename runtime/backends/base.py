@@ -58,7 +58,7 @@ class SubgraphCall:
     input_order: tuple[str, ...]  # every input, in the contract's order
     dtypes: dict[str, torch.dtype]  # input name -> its dtype
     outputs: tuple[str, ...]  # every output, in the contract's order
-    output_set: frozenset[str]
+    output_set: frozenset[str]  # the same, for the filter
     in_place: dict[str, str]  # in-place output -> the input fed as its buffer
     produced: tuple[str, ...]  # the outputs a launch produces: every one not in place
     streamed: tuple[str, ...]  # the inputs that are not in-place buffers (the caches)
@@ -157,7 +157,10 @@ class Backend(ABC):
     ) -> dict[str, torch.Tensor]:
         """Run subgraph `name` on `feeds` (every input by name) for `lane`; return its outputs by name: the
         ones named in `outputs`, or all of them (a backend need not copy out what is not asked for, such as
-        a head's vocabulary-sized logits during greedy decoding)."""
+        a head's vocabulary-sized logits during greedy decoding).
+
+        Raises UserInputError, before any launch, for a subgraph the export lacks or feeds that are not its
+        inputs by name and dtype; a shape outside the contract is the launch's to refuse."""
         call = self.calls.get(name)
         if call is None or feeds.keys() != call.inputs:
             raise self._refusal(name, feeds)
