@@ -285,6 +285,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report."""
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
+    from paradecode.tools.call_costs import measure_call_costs
     from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
 
     manifest = main_model.manifest
@@ -321,9 +322,9 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
         args.max_new_tokens,
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
-    costs = bm.call_costs(main_model, args.max_unverified + 1)
-    times = {k: round(v * 1e3, 3) for k, v in costs.as_dict().items() if k != "batch"}
-    logger.info("measured call costs (ms; a batch is %d positions): %s", costs.batch, times)
+    # on the model's own cache, as decoding calls them; the next generate starts from an empty cache
+    costs = measure_call_costs(main_model.backend, main_model.cache, (1, args.max_unverified + 1))
+    logger.info("measured call costs: %s", costs.as_dict())
 
     def bound(mode, accepted: dict, tokens: int) -> float | None:
         """DESIGN.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
@@ -367,7 +368,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                 "machine": bm.machine(),
                 "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
                 "prompts": texts,
-                "call_costs_seconds": costs.as_dict(),
+                "call_costs": costs.as_dict(),
                 "memory_bound": memory_bound,
                 "summary": summary,
                 "categories": by_category,

@@ -17,9 +17,11 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from typing import Any
 
+from paradecode.tools.call_costs import CallCosts
+from paradecode.tools.cost_model import CostModel
 from paradecode.tools.harness import Mode, Results, Sample
 
 logger = logging.getLogger(__name__)
@@ -271,81 +273,16 @@ def samples_as_dicts(samples: list[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-@dataclass(frozen=True)
-class CallCosts:
-    """Measured seconds per subgraph call on the export's backend (medians), for the bound of DESIGN.md §6."""
-
-    layer: float  # one decoder layer, one position
-    layer_batch: float  # one decoder layer, `batch` positions in one call
-    batch: int
-    exit_head: float  # one exit head, one position (the final head where exits have no graph of their own)
-    final: float  # the final head, one position
-
-    @property
-    def per_position(self) -> float:
-        """What one more position adds to a batched layer call."""
-        return (self.layer_batch - self.layer) / max(1, self.batch - 1)
-
-    def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "per_position": self.per_position}
-
-
-def call_costs(model, batch: int, repeat: int = 20) -> CallCosts:
-    """Time the calls a decode step makes, on the model's own backend: every layer at one position and at
-    `batch` positions (cycling through the layers, as decoding does, so no layer's weights stay cached),
-    an exit head and the final head."""
-    import torch
-
-    backend, spec = model.backend, model.manifest.spec
-    cache = backend.allocate_cache()
-    position = min(64, model.manifest.max_seq_len - batch)
-    dtype = getattr(torch, model.manifest.dtype)  # hidden states in the export's dtype, as decoding feeds them
-    # a call on a GPU returns before its kernels finish: wait for them, or only the launch is timed
-    settle = torch.cuda.synchronize if str(getattr(backend, "device", "cpu")).startswith("cuda") else (lambda: None)
-
-    def one(name: str, feeds: dict, outputs: tuple[str, ...]) -> float:
-        settle()
-        began = time.perf_counter()
-        backend.run(name, feeds, "main", outputs)
-        settle()
-        return time.perf_counter() - began
-
-    def timed(name: str, feeds: dict) -> float:
-        return statistics.median([one(name, feeds, ("token",)) for _ in range(repeat)][2:])
-
-    def layers(tokens: int) -> float:
-        hidden = (torch.randn(1, tokens, spec.hidden_size) * 0.1).to(dtype)
-        positions = torch.arange(position, position + tokens)[None]
-        per_layer = []
-        for _ in range(3):
-            for layer in range(1, spec.num_layers + 1):
-                key, value = cache.layer(layer)
-                feeds = {"hidden": hidden, "positions": positions, "past_key": key, "past_value": value}
-                per_layer.append(one(f"layer_{layer}", feeds, ("hidden_out",)))
-        return statistics.median(per_layer[spec.num_layers :])
-
-    hidden = {"hidden": (torch.randn(1, 1, spec.hidden_size) * 0.1).to(dtype)}
-    exit_name = next((s.io.name for s in model.manifest.subgraphs if s.io.kind == "exit"), "final")
-    costs = CallCosts(layers(1), layers(batch), batch, timed(exit_name, hidden), timed("final", hidden))
-    model.cache.reset()  # the runs above wrote into a cache of their own; the model's is untouched
-    return costs
-
-
 def exit_bound(costs: CallCosts, accepted: dict[str, int], tokens: int, num_layers: int, active: list[int]) -> float:
-    """The speedup bound of DESIGN.md §6 for `batched` at the measured acceptance: every accepted early token
-    costs its layers up to its exit, the heads it passed and, for each remaining layer, one more position in a
-    later token's call; every other token costs every layer and every active head; no rollback, no overhead.
-    `accepted` maps exit layers (as strings) to accepted early tokens, out of `tokens` generated."""
-    plain = num_layers * costs.layer + costs.final
-    share = {int(e): n / tokens for e, n in accepted.items() if int(e) in active}
-    exited = sum(share.values())
-    heads_passed = {e: sum(1 for a in active if a <= e) for e in share}
-    per_token = (1 - exited) * (num_layers * costs.layer + len(active) * costs.exit_head) + costs.final
-    per_token += sum(
-        a * (e * costs.layer + heads_passed[e] * costs.exit_head + (num_layers - e) * costs.per_position)
-        for e, a in share.items()
-    )
-    return plain / per_token
+    """The speedup bound of DESIGN.md §6 for `batched` at the measured acceptance, by the cost model
+    (`cost_model.CostModel`) of the measured calls: every accepted early token costs its layers up to its exit,
+    the heads it passed and, for each remaining layer, one more position in a later token's call (what it adds
+    to the largest batched layer call measured); every other token costs every layer and every active head;
+    every token the whole final head; no embedding, no rollback, no overhead. `accepted` maps exit layers (as
+    strings) to accepted early tokens, out of `tokens` generated; layers not in `active` are ignored."""
+    measured = CostModel.measured(num_layers, costs, merge_tokens=max(costs.layer))
+    model = replace(measured, other=0.0, final_merge=measured.final_head, rollback=0.0)
+    return model.speedup({int(e): n / tokens for e, n in accepted.items() if int(e) in active}, active)
 
 
 def copy_bandwidth(device: str, megabytes: int = 256) -> float:

@@ -28,13 +28,13 @@ from pathlib import Path
 
 from paradecode.graphs.errors import ParadecodeError, UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
-from paradecode.runtime.config import OVERLAPS
+from paradecode.tools.cost_model import OVERLAPS as BOUNDED_OVERLAPS
+from paradecode.tools.cost_model import CostModel
 from paradecode.tools.harness import Mode, Sample
 from paradecode.tools.options import choice_list
 
-# Overlaps with a bound (`bounds`); `auto` picks one of them per device. The export is ONNX only,
-# so every backend but TensorRT (which needs engines) can run it.
-BOUNDED_OVERLAPS = tuple(o for o in OVERLAPS if o != "auto")
+# BOUNDED_OVERLAPS: the overlaps with a bound (the cost model's; `auto` picks one of them per device). The
+# export is ONNX only, so every backend but TensorRT (which needs engines) can run it.
 ONNX_BACKENDS = tuple(b for b in BACKENDS if b != "tensorrt")
 
 logger = logging.getLogger("paradecode.characterise")
@@ -81,13 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bounds(a: float, e: int, layers: int, k: int) -> dict[str, float]:
-    upper = layers - e
-    per_token = {
-        "streams": a * max(e, upper) + (1 - a) * layers,
-        "batched": a * (e + upper / k) + (1 - a) * layers,
-        "both": a * max(e, upper / k) + (1 - a) * layers,
-    }
-    return {mode: layers / t for mode, t in per_token.items()}
+    """The speedup bound per overlap: the cost model of DESIGN.md §6's idealised costs (`CostModel.bound`)."""
+    return {overlap: CostModel.bound(layers, k, overlap).speedup({e: a}, [e]) for overlap in BOUNDED_OVERLAPS}
 
 
 def oracle(reference: list[int], layer: int, share: float, seed: int = 0):

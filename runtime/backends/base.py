@@ -1,34 +1,85 @@
 """The interface every backend implements: one generic subgraph call driven by the contract.
 
-A backend runs the export's subgraphs by name: `run(name, feeds, lane) -> outputs`, where `feeds`
-holds every input of the subgraph's contract (`graphs.tensors`) by name and the result every output
-by name (Polygraphy's `infer(feed_dict)`, TensorRT-LLM's `Session.run(inputs, outputs, stream)`).
-Outputs are allocated from the manifest's tensor specs, except the in-place ones
-(`graphs.tensors.IN_PLACE`): a layer's `present_key` / `present_value` are the very buffers fed as
-`past_key` / `past_value`, so the KV cache is written in place. What differs between backends is
-only how they bind memory, never what they are asked.
+A backend runs the export's subgraphs by name: `run(name, feeds, lane, outputs) -> outputs`, where
+`feeds` holds every input of the subgraph's contract (`graphs.tensors`) by name and the result the
+outputs asked for by name (Polygraphy's `infer(feed_dict)`, TensorRT-LLM's `Session.run(inputs,
+outputs, stream)`). `run` is written once, here, as a template method (Polygraphy's `infer` /
+`infer_impl`); each backend writes only its launch:
+
+1. check: the subgraph is the export's and the feeds are its inputs by name and dtype (cheap: a
+   set comparison and one dtype per feed; the detailed message is built only when one fails);
+2. feeds to the device (a no-op on a CPU, where they already are);
+3. `_launch(name, feeds, lane)`: the backend runs the subgraph and returns the outputs it produced
+   (every output but the in-place ones) and whether they are buffers it reuses on its next call;
+4. outputs: the ones asked for (all where `outputs` is None; names the subgraph lacks are skipped),
+   a reused buffer copied out, an in-place output (`graphs.tensors.IN_PLACE`: a layer's
+   `present_key` / `present_value`) being the very buffer fed as `past_key` / `past_value`, so the
+   KV cache is written in place.
+
+Output buffers come from the manifest's tensor specs in one place, `output_buffers`; a launch that
+binds its outputs by address (onnxruntime's IOBinding, TensorRT) asks for them, while one that
+brings its own (torch modules, CUDA graphs, onnxruntime's persistent CPU bindings) does not, so the
+decode hot paths allocate nothing they do not use. What differs between backends is only how they
+bind memory, never what they are asked.
 
 Lifecycle: construction loads and checks everything (manifest, tensor names, files) and fails with a
 clear error; then any number of lanes call `run` at once, each with its own `lane` name (a lane's
 per-call state, such as bindings or CUDA graphs, is keyed by it, so it is bounded by the number of
 lanes, not of calling threads); `close()` (or leaving a `with` block) frees what the backend created.
+
+Threading model: the shared part of `run` reads only state set in `__init__` (`calls`, `device`);
+each launch documents the per-lane state it keeps.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 import torch
 
-from paradecode.graphs.errors import ManifestError
+from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import Subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
-from paradecode.graphs.tensors import IN_PLACE, TensorSpec
+from paradecode.graphs.tensors import IN_PLACE, SubgraphIO
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
 
+Launched = tuple[Mapping[str, torch.Tensor], bool]  # a launch's outputs, and whether it reuses their buffers
 
-class Backend:
+
+@dataclass(frozen=True)
+class SubgraphCall:
+    """What a call of one subgraph takes and gives, worked out once from its contract for the per-call steps."""
+
+    io: SubgraphIO
+    inputs: frozenset[str]  # every input, by name
+    input_order: tuple[str, ...]  # every input, in the contract's order
+    dtypes: dict[str, torch.dtype]  # input name -> its dtype
+    outputs: tuple[str, ...]  # every output, in the contract's order
+    output_set: frozenset[str]  # the same, for the filter
+    in_place: dict[str, str]  # in-place output -> the input fed as its buffer
+    produced: tuple[str, ...]  # the outputs a launch produces: every one not in place
+    streamed: tuple[str, ...]  # the inputs that are not in-place buffers (the caches)
+
+    @classmethod
+    def of(cls, io: SubgraphIO) -> SubgraphCall:
+        in_place = {name: IN_PLACE[name] for name in io.output_names if name in IN_PLACE}
+        return cls(
+            io,
+            frozenset(io.input_names),
+            tuple(io.input_names),
+            {t.name: TORCH_DTYPES[t.dtype] for t in io.inputs},
+            tuple(io.output_names),
+            frozenset(io.output_names),
+            in_place,
+            tuple(n for n in io.output_names if n not in in_place),
+            tuple(n for n in io.input_names if n not in in_place.values()),
+        )
+
+
+class Backend(ABC):
     name = "base"
 
     def __init__(self, export: ExportFolder, device: str = "cpu"):
@@ -38,6 +89,8 @@ class Backend:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[self.manifest.dtype]
         self.subgraphs = {sub.io.name: sub for sub in self.manifest.subgraphs}
+        self.calls = {name: SubgraphCall.of(sub.io) for name, sub in self.subgraphs.items()}
+        self._moves_feeds = self.device.type != "cpu"  # CPU feeds are used where they are
         self._exit_vocab: torch.Tensor | None = None
 
     @property
@@ -64,7 +117,7 @@ class Backend:
         return self._exit_vocab
 
     # lifecycle -----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook, not abstract: a backend that creates nothing frees nothing)
         """Free sessions, contexts and buffers this backend created."""
 
     def __enter__(self):
@@ -82,16 +135,15 @@ class Backend:
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""
         return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def allocate(self, spec: TensorSpec, batch: int, tokens: int) -> torch.Tensor:
-        """An output buffer for `spec` at this call's batch and token count, on the backend's device."""
-        return torch.empty(spec.concrete(batch, tokens), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-
-    def allocate_outputs(self, name: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every output of subgraph `name`: the in-place ones are the fed buffers, the rest are new."""
-        io = self.subgraphs[name].io
+    def output_buffers(self, name: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every output of subgraph `name` for this call, on the backend's device: the in-place ones are the fed
+        buffers, the rest new, shaped by the manifest's specs at the call's batch and token count."""
+        io = self.calls[name].io
         batch, tokens = feeds[io.inputs[0].name].shape[:2]
         return {
-            t.name: feeds[IN_PLACE[t.name]] if t.name in IN_PLACE else self.allocate(t, batch, tokens)
+            t.name: feeds[IN_PLACE[t.name]]
+            if t.name in IN_PLACE
+            else torch.empty(t.concrete(batch, tokens), dtype=TORCH_DTYPES[t.dtype], device=self.device)
             for t in io.outputs
         }
 
@@ -105,8 +157,53 @@ class Backend:
     ) -> dict[str, torch.Tensor]:
         """Run subgraph `name` on `feeds` (every input by name) for `lane`; return its outputs by name: the
         ones named in `outputs`, or all of them (a backend need not copy out what is not asked for, such as
-        a head's vocabulary-sized logits during greedy decoding)."""
-        raise NotImplementedError
+        a head's vocabulary-sized logits during greedy decoding).
+
+        Raises UserInputError, before any launch, for a subgraph the export lacks or feeds that are not its
+        inputs by name and dtype; a shape outside the contract is the launch's to refuse."""
+        call = self.calls.get(name)
+        if call is None or feeds.keys() != call.inputs:
+            raise self._refusal(name, feeds)
+        dtypes = call.dtypes
+        for key, tensor in feeds.items():
+            if tensor.dtype is not dtypes[key]:
+                raise self._refusal(name, feeds)
+        if self._moves_feeds:
+            feeds = {k: v.to(self.device, non_blocking=True).contiguous() for k, v in feeds.items()}
+        produced, reused = self._launch(name, feeds, lane)
+        in_place = call.in_place
+        return {
+            n: feeds[in_place[n]] if n in in_place else produced[n].clone() if reused else produced[n]
+            for n in (call.outputs if outputs is None else outputs)
+            if n in call.output_set
+        }
+
+    @abstractmethod
+    def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
+        """Run subgraph `name` on `feeds` (checked against its contract, on the device) for `lane`.
+
+        Returns every output that is not in place (`SubgraphCall.produced`) by name, and whether those
+        tensors are buffers the backend reuses on its next call (`run` copies out the ones asked for)."""
+
+    def _refusal(self, name: str, feeds: Mapping[str, torch.Tensor]) -> UserInputError:
+        """Why `run` refuses this call: what arrived against what the subgraph's contract expects."""
+        call = self.calls.get(name)
+        if call is None:
+            return UserInputError(f"the export has no subgraph {name!r}; it has {sorted(self.calls)}.")
+        missing, unexpected = sorted(call.inputs - feeds.keys()), sorted(feeds.keys() - call.inputs)
+        if missing or unexpected:
+            return UserInputError(
+                f"{name}: the feeds {sorted(feeds)} lack {missing} and have unexpected {unexpected}; "
+                f"its inputs are {list(call.io.input_names)}."
+            )
+        for spec in call.io.inputs:
+            tensor = feeds[spec.name]
+            if tensor.dtype is not call.dtypes[spec.name]:
+                return UserInputError(
+                    f"{name}: input {spec.name} arrived as {tensor.dtype} {list(tensor.shape)}; the contract "
+                    f"expects {spec.dtype} {list(spec.shape)}."
+                )
+        raise AssertionError(f"{name}: refused a call whose feeds match the contract")  # a bug in `run`'s check
 
     # checks --------------------------------------------------------------------------------
     def check_names(self, sub: Subgraph, inputs, outputs, what: str) -> None:

@@ -14,7 +14,7 @@ stream (`user_compute_stream`).
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from paradecode.graphs.errors import ManifestError, MissingDependencyError, User
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.tensors import IN_PLACE
-from paradecode.runtime.backends.base import Backend
+from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
 
@@ -60,9 +60,9 @@ def return_freed_weights_to_the_system() -> None:
 class Bound:
     """An IOBinding made once for one subgraph, token count and lane (CPU).
 
-    Each call copies its inputs into persistent bound buffers and copies the outputs out; the
-    in-place buffers (the caches) stay bound where they are, and are rebound only if a call feeds
-    other ones.
+    Each call copies its inputs into persistent bound buffers and returns the output buffers, which
+    `Backend.run` copies out (the ones asked for); the in-place buffers (the caches) stay bound where
+    they are, and are rebound only if a call feeds other ones.
     """
 
     def __init__(self, session, io, tokens: int):
@@ -74,17 +74,18 @@ class Bound:
         for spec in io.inputs:
             if spec.name not in self.in_place.values():
                 self._buffer(spec, tokens, self.binding.bind_ortvalue_input)
-        self.outputs = [t.name for t in io.outputs if t.name not in self.in_place]
         for spec in io.outputs:
             if spec.name not in self.in_place:
                 self._buffer(spec, tokens, self.binding.bind_ortvalue_output)
+        # the output buffers as tensors, made once: what every call returns (reused, so `run` copies them out)
+        self.outputs = {n: torch.from_numpy(self.buffers[n]) for n in io.output_names if n not in self.in_place}
 
     def _buffer(self, spec, tokens: int, bind) -> None:
         buffer = np.zeros(spec.concrete(1, tokens), dtype=NUMPY_DTYPES[TORCH_DTYPES[spec.dtype]])
         self.buffers[spec.name] = buffer
         bind(spec.name, ort.OrtValue.ortvalue_from_numpy(buffer))
 
-    def __call__(self, feeds: Mapping[str, torch.Tensor], wanted: Collection[str] | None) -> dict[str, torch.Tensor]:
+    def __call__(self, feeds: Mapping[str, torch.Tensor]) -> Launched:
         for output, source in self.in_place.items():
             tensor = feeds[source]
             if self.bound.get(source) != tensor.data_ptr():
@@ -96,13 +97,7 @@ class Bound:
             if name in self.buffers:
                 self.buffers[name][...] = tensor.numpy()
         self.session.run_with_iobinding(self.binding)
-        result = {
-            name: torch.from_numpy(self.buffers[name].copy())
-            for name in self.outputs
-            if wanted is None or name in wanted
-        }
-        result.update({output: feeds[source] for output, source in self.in_place.items()})
-        return result
+        return self.outputs, True
 
 
 class OnnxRuntimeBackend(Backend):
@@ -172,23 +167,18 @@ class OnnxRuntimeBackend(Backend):
         self._bound.clear()
         return super().allocate_cache()
 
-    def run(
-        self,
-        name: str,
-        feeds: Mapping[str, torch.Tensor],
-        lane: str = "main",
-        outputs: Collection[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
+        """On a CPU, a call of up to BOUND_TOKENS tokens through its lane's persistent binding (`Bound`); any
+        other call binds the given tensors and new output buffers (by CUDA address on a GPU)."""
         tokens = next(iter(feeds.values())).shape[1]
         if self.device.type == "cpu" and tokens <= BOUND_TOKENS:
             key = (name, tokens, lane)
             bound = self._bound.get(key)
             if bound is None:
                 bound = self._bound[key] = Bound(self.sessions[name], self.subgraphs[name].io, tokens)
-            return bound(feeds, outputs)
-        wanted = outputs
-        feeds = {k: v.to(self.device).contiguous() for k, v in feeds.items()}
-        result = self.allocate_outputs(name, feeds)
+            return bound(feeds)
+        feeds = {k: v.contiguous() for k, v in feeds.items()}  # bound by address, kept alive until the run
+        result = self.output_buffers(name, feeds)
         session = self._session(name, lane)
         binding = session.io_binding()
         for key, tensor in feeds.items():
@@ -196,7 +186,7 @@ class OnnxRuntimeBackend(Backend):
         for key, tensor in result.items():
             self._bind(binding.bind_ortvalue_output, binding.bind_output, key, tensor)
         session.run_with_iobinding(binding)
-        return {k: v for k, v in result.items() if wanted is None or k in wanted}
+        return result, False
 
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""

@@ -9,12 +9,12 @@ address (TensorRT's KV-cache update writes in place), and every enqueue's result
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import torch
 
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
-from paradecode.runtime.backends.base import Backend
+from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.loader import ExportFolder
 
 try:
@@ -65,17 +65,9 @@ class TensorRTBackend(Backend):
                 return index
         raise UserInputError(f"a call of {tokens} tokens is outside every engine profile {self.token_ranges}.")
 
-    def run(
-        self,
-        name: str,
-        feeds: Mapping[str, torch.Tensor],
-        lane: str = "main",
-        outputs: Collection[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
         """Enqueue subgraph `name` on the lane's current CUDA stream, every tensor bound by address."""
-        feeds = {k: v.to(self.device).contiguous() for k, v in feeds.items()}
-        wanted = outputs
-        outputs = self.allocate_outputs(name, feeds)
+        outputs = self.output_buffers(name, feeds)
         tokens = next(iter(feeds.values())).shape[1]
         stream = torch.cuda.current_stream(self.device)
         profile = self._profile(tokens)
@@ -97,4 +89,4 @@ class TensorRTBackend(Backend):
             context.set_tensor_address(tensor_name, tensor.data_ptr())
         if not context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError(f"TensorRT failed to enqueue {name} ({tokens} tokens)")
-        return {k: v for k, v in outputs.items() if wanted is None or k in wanted}
+        return outputs, False

@@ -16,15 +16,15 @@ overlap another lane's capture).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.quantized import dequantized
-from paradecode.graphs.tensors import IN_PLACE, LOGITS, subgraph_io
-from paradecode.runtime.backends.base import Backend
+from paradecode.graphs.tensors import LOGITS, subgraph_io
+from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.loader import ExportFolder
 
 GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
@@ -53,7 +53,7 @@ class GraphedCall:
         for static, value in zip(self.inputs, inputs):
             static.copy_(value, non_blocking=True)
         self.graph.replay()
-        return tuple(o.clone() for o in self.outputs)
+        return self.outputs  # static buffers, overwritten by the next replay: `Backend.run` copies out what it returns
 
 
 class TorchBackend(Backend):
@@ -104,41 +104,35 @@ class TorchBackend(Backend):
         return super().allocate_cache()
 
     @torch.inference_mode()
-    def run(
-        self,
-        name: str,
-        feeds: Mapping[str, torch.Tensor],
-        lane: str = "main",
-        outputs: Collection[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        io = self.subgraphs[name].io
+    def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
+        """The subgraph's module on the feeds; the caches it writes in place are closed over, never copied."""
+        call = self.calls[name]
         module = self.modules[name]
-        in_place = {k: feeds[v] for k, v in IN_PLACE.items() if v in feeds}  # the caches, bound by the module
-        names = [n for n in io.input_names if n not in in_place.values() and n not in IN_PLACE.values()]
-        args = [feeds[n].to(self.device, non_blocking=True) for n in names]
-        cached = [feeds[IN_PLACE[k]] for k in in_place]  # fixed buffers: closed over, never copied
+        streamed, order = call.streamed, call.input_order
+        cached = {n: feeds[n] for n in call.in_place.values()}  # fixed buffers: closed over, never copied
 
-        def call(*inputs):
-            full = dict(zip(names, inputs))
-            full.update(zip([IN_PLACE[k] for k in in_place], cached))
-            out = module(*[full[n] for n in io.input_names])
+        def run(*inputs):
+            full = dict(zip(streamed, inputs))
+            full.update(cached)
+            out = module(*[full[n] for n in order])
             out = out if isinstance(out, tuple) else (out,)
-            return tuple(t for n, t in zip(io.output_names, out) if n not in in_place)
+            return tuple(t for n, t in zip(call.outputs, out) if n not in call.in_place)
 
-        computed = self._call(name, lane, call, args)
-        result = dict(zip([n for n in io.output_names if n not in in_place], computed))
-        result.update(in_place)
-        return result if outputs is None else {k: v for k, v in result.items() if k in outputs}
+        computed, reused = self._call(name, lane, run, [feeds[n] for n in streamed])
+        return dict(zip(call.produced, computed)), reused
 
-    def _call(self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """`fn(*inputs)`: as a CUDA graph where enabled and the call is small, else directly."""
+    def _call(
+        self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor]
+    ) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """`fn(*inputs)`: as a CUDA graph where enabled and the call is small (its outputs are then the graph's
+        static buffers, reused by its next replay), else directly."""
         tokens = inputs[0].shape[1]
         if not self.cuda_graphs or tokens > GRAPH_TOKENS:
-            return fn(*inputs)
+            return fn(*inputs), False
         key = (name, tokens, lane)
         graph = self.graphs.get(key)
         if graph is None:
             with self._capture:
                 pool = self.pools.setdefault(lane, torch.cuda.graph_pool_handle())
                 graph = self.graphs[key] = GraphedCall(fn, inputs, pool)
-        return graph(inputs)
+        return graph(inputs), True

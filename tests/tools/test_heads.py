@@ -17,11 +17,11 @@ from paradecode.export.heads import check_heads, load_heads
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import load
 from paradecode.tools import train_heads
+from paradecode.tools.call_costs import CallCosts, call_costs_from_spec
+from paradecode.tools.cost_model import CostModel
 from paradecode.tools.heads.calibration import GRID, calibrate, expected_speedup
-from paradecode.tools.heads.cost import CostModel
 from paradecode.tools.heads.data import generate_features, held_out_sequences, text_features
 from paradecode.tools.heads.pipeline import HeadsConfig
-from paradecode.tools.heads.timing import CallCosts, measure_call_costs
 from paradecode.tools.heads.training import (
     Unembedding,
     evaluate_heads,
@@ -409,10 +409,10 @@ def test_saving_heads_leaves_no_temporary_file_when_it_fails(tmp_path):
 @pytest.mark.slow
 def test_call_costs_are_measured_with_onnxruntime():
     _, spec = spec_of("gpt2")  # learned positions: the embedding takes positions too
-    costs = measure_call_costs(spec, 20, rounds=3)
+    costs = call_costs_from_spec(spec, 20, rounds=3)
     assert set(costs.layer) == set(costs.final_head) == {1, 2, 4}
     assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
-    cost = CostModel.measured(spec, costs)
+    cost = CostModel.measured(spec.num_layers, costs)
     assert cost.source == "measured" and cost.num_layers == 3 and cost.head == costs.exit_head / costs.layer[1]
 
 
@@ -424,10 +424,10 @@ def test_cost_model_from_measured_call_costs_by_hand():
         embed=1e-4,
         exit_vocab=100,
         rounds=5,
-        threads=2,
+        backend="onnxruntime CPU, 2 threads",
     )
     _, spec = spec_of("llama")
-    cost = CostModel.measured(spec, costs)
+    cost = CostModel.measured(spec.num_layers, costs)
     assert (cost.head, cost.final, cost.other) == pytest.approx((0.5, 4.0, 0.05))
     assert (cost.merge, cost.final_merge) == pytest.approx((0.1, 0.5))  # from the T = 2 calls
     assert cost.ar() == pytest.approx(4 + 4.0 + 0.05) and cost.lost == cost.ar()

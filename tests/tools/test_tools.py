@@ -61,6 +61,8 @@ def test_bench_writes_table_json_and_png(stories_export, stories_dir, tmp_path, 
         assert set(row["speedup_vs_ar"]) == {"min", "median", "max"}
     assert "exits_per_layer" not in summary["paradecode batched default"]  # no trained heads: no exits by default
     assert "exits_per_layer" in summary["paradecode both 0.3"]
+    assert summary["paradecode batched 0.3"]["bound_vs_ar"] > 0  # from the call costs measured on the export
+    assert set(data["call_costs"]["layer_ms"]) == set(data["call_costs"]["final_head_ms"]) == {"1", "6"}  # K = 5
     assert summary["paradecode both 0.3 +lookup5"]["settings"]["lookup_tokens"] == 5
     assert len(data["samples"]) == 2 * 2 * (len(summary) - 1 - sum("skipped" in r for r in summary.values()))
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -213,9 +213,9 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     from paradecode.export.heads import save_heads
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
+    from paradecode.tools.call_costs import call_costs_from_spec
+    from paradecode.tools.cost_model import CostModel
     from paradecode.tools.heads.calibration import calibrate, expected_speedup
-    from paradecode.tools.heads.cost import CostModel
-    from paradecode.tools.heads.timing import measure_call_costs
     from paradecode.tools.heads.training import Unembedding, evaluate_heads, least_squares_init, train_heads
     from paradecode.tools.heads.vocab import frequent_tokens, head_parameters, layer_parameters, vocab_budget
 
@@ -321,8 +321,8 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
 
     clock = time.perf_counter()
     if config.costs == "measured":
-        call_costs = measure_call_costs(spec, len(vocab))
-        cost = CostModel.measured(spec, call_costs)
+        call_costs = call_costs_from_spec(spec, len(vocab))
+        cost = CostModel.measured(spec.num_layers, call_costs)
         measured = call_costs.as_dict()
     else:
         cost, measured = CostModel.estimate(spec, len(vocab)), None

@@ -1,0 +1,73 @@
+"""The one call-cost measurement (`tools/call_costs.py`), over an export's graphs and over graphs traced from a spec.
+
+Correctness only: what is timed, through which call, and what the result holds; never how fast.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from paradecode.runtime.backends import backend_class
+from paradecode.runtime.loader import open_export
+from paradecode.tools.call_costs import (
+    CONTEXT,
+    WARMUP,
+    CallCosts,
+    call_costs_from_spec,
+    graphs_from_spec,
+    measure_call_costs,
+)
+from paradecode.tools.cost_model import CostModel
+from tests.tools.test_heads import spec_of
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "onnxruntime"])
+def test_an_exports_calls_are_timed_through_its_backend(exports, backend_name, monkeypatch):
+    folder, _ = exports["llama"]
+    with backend_class(backend_name)(open_export(folder)) as backend:
+        calls = Counter()
+        run = backend.run
+
+        def counted(name, feeds, lane="main", outputs=None):
+            calls[name, next(iter(feeds.values())).shape[1], outputs] += 1
+            return run(name, feeds, lane, outputs)
+
+        monkeypatch.setattr(backend, "run", counted)
+        cache = backend.allocate_cache()
+        costs = measure_call_costs(backend, cache, (1, 6), rounds=2)
+    heads = ("token", "prob", "margin")
+    expected = {(f"layer_{i}", t, ("hidden_out",)) for i in range(1, 5) for t in (1, 6)}
+    expected |= {("exit_1", 1, heads), ("final", 1, heads), ("final", 6, heads), ("embed", 1, ("hidden",))}
+    assert set(calls) == expected and set(calls.values()) == {WARMUP + 2}, calls
+    assert isinstance(costs, CallCosts) and set(costs.layer) == set(costs.final_head) == {1, 6}
+    assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
+    assert costs.context == 64 - 6 < CONTEXT and costs.rounds == 2  # the export's cache holds 64 positions
+    assert costs.exit_vocab == backend.manifest.head_vocab
+    assert costs.backend == ("torch CPU" if backend_name == "torch" else f"onnxruntime CPU, {backend.threads} threads")
+    assert cache.lengths == [0] * 4, "the measurement records nothing as written: decoding masks those slots"
+    as_dict = costs.as_dict()
+    assert set(as_dict["layer_ms"]) == set(as_dict["final_head_ms"]) == {"1", "6"}
+
+
+def test_an_export_without_exit_graphs_times_the_final_head_as_its_exit_head(identity_exports):
+    folder, _ = identity_exports["llama"]
+    with backend_class("onnxruntime")(open_export(folder)) as backend:
+        costs = measure_call_costs(backend, backend.allocate_cache(), (1, 2), rounds=1)
+    assert costs.exit_vocab == backend.spec.vocab_size
+
+
+@pytest.mark.slow
+def test_a_specs_graphs_are_an_export_the_runtime_opens(tmp_path):
+    """Traced from the spec, before any export: LAYER_COPIES (here every one of the 3) copies of a middle
+    layer, an exit head over the reduced vocabulary, the final head, the embedding; learned positions too."""
+    _, spec = spec_of("gpt2")
+    export = graphs_from_spec(spec, 20, tmp_path)
+    names = [s.io.name for s in export.manifest.subgraphs]
+    assert names == ["layer_1", "layer_2", "layer_3", "exit_2", "final", "embed"]
+    with backend_class("onnxruntime")(export) as backend:
+        assert backend.manifest.head_vocab == 20
+    costs = call_costs_from_spec(spec, 20, rounds=2)
+    assert set(costs.layer) == {1, 2, 4} and costs.exit_vocab == 20 and costs.backend.startswith("onnxruntime CPU")
+    assert CostModel.measured(spec.num_layers, costs).source == "measured"
