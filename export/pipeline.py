@@ -401,6 +401,7 @@ def write_subgraphs(
     stored = stored_tensors(folder / WEIGHTS_NAME)
     name_of = {id(tensor): name for name, tensor in weights.items()}
     layer_graphs: dict[int, onnx.ModelProto] = {}  # what segments are composed of
+    layer_ios = {io.layer: io for io in plan if io.kind == "layer"}
     layer_variants: dict[int, onnx.ModelProto] = {}  # the same for TensorRT's variants (quantized exports)
     for i, io in enumerate(plan, 1):
         started = time.perf_counter()
@@ -438,7 +439,11 @@ def write_subgraphs(
             for t in (1, 4)
         ]
         cases += [(f"real {n}", inputs) for n, inputs in enumerate(real[io.name])]
-        check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, tolerance))
+        if io.kind == "segment":
+            layers = [(folder / files[f"layer_{i}"], layer_ios[i]) for i in range(io.layer, io.last + 1)]
+            check = checklist.add(validate.check_segment(folder / relative, io, layers, cases))
+        else:
+            check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, tolerance))
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
         logger.info(
             "[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,8 @@ from paradecode.graphs.tensors import (
     PAST_KEY,
     PAST_VALUE,
     POSITIONS,
+    PRESENT_KEY,
+    PRESENT_VALUE,
     PROB,
     TOKEN,
     SubgraphIO,
@@ -260,6 +263,33 @@ def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]
     kinds = [label.split()[0] for label, _ in cases]
     what = f"onnxruntime vs PyTorch, {kinds.count('random')} random + {kinds.count('real')} real"
     return Check(io.name, what, "FAIL" if failed else "ok", worst, tol, notes)
+
+
+def check_segment(path, io: SubgraphIO, layers: list[tuple[Path, SubgraphIO]], cases: list[tuple[str, dict]]) -> Check:
+    """A composed segment against the chain of its own layer graphs (each validated against PyTorch): the same
+    kernels on the same inputs, so they agree to float32 rounding whatever the activations' precision."""
+    tol = RELATIVE_FLOAT32
+    segment = ort_session(path, threads=1)
+    sessions = [(ort_session(layer_path, threads=1), layer_io) for layer_path, layer_io in layers]
+    results = []
+    for label, inputs in cases:
+        expected: dict[str, torch.Tensor] = {}
+        hidden = inputs[HIDDEN]
+        for session, layer_io in sessions:
+            feeds = {HIDDEN: hidden, POSITIONS: inputs[POSITIONS]}
+            feeds[PAST_KEY] = inputs[of_layer(PAST_KEY, layer_io.layer)]
+            feeds[PAST_VALUE] = inputs[of_layer(PAST_VALUE, layer_io.layer)]
+            out = run_ort(session, layer_io, feeds)
+            hidden = out[HIDDEN_OUT]
+            expected[of_layer(PRESENT_KEY, layer_io.layer)] = out[PRESENT_KEY]
+            expected[of_layer(PRESENT_VALUE, layer_io.layer)] = out[PRESENT_VALUE]
+        expected[HIDDEN_OUT] = hidden
+        results.append(compare(io.name, label, expected, run_ort(segment, io, inputs), tol))
+    failed = [r for r in results if r.status == "FAIL"]
+    notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
+    kinds = [label.split()[0] for label, _ in cases]
+    what = f"vs its layer graphs, {kinds.count('random')} random + {kinds.count('real')} real"
+    return Check(io.name, what, "FAIL" if failed else "ok", max(r.max_diff or 0.0 for r in results), tol, notes)
 
 
 # --- inputs ---------------------------------------------------------------------------------------

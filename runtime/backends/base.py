@@ -12,7 +12,7 @@ outputs, stream)`). `run` is written once, here, as a template method (Polygraph
 3. `_launch(name, feeds, lane)`: the backend runs the subgraph and returns the outputs it produced
    (every output but the in-place ones) and whether they are buffers it reuses on its next call;
 4. outputs: the ones asked for (all where `outputs` is None; names the subgraph lacks are skipped),
-   a reused buffer copied out, an in-place output (`graphs.tensors.IN_PLACE`: a layer's
+   a reused buffer copied out, an in-place output (`SubgraphIO.in_place`: a layer's
    `present_key` / `present_value`) being the very buffer fed as `past_key` / `past_value`, so the
    KV cache is written in place.
 
@@ -42,7 +42,7 @@ import torch
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import Subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
-from paradecode.graphs.tensors import IN_PLACE, SubgraphIO
+from paradecode.graphs.tensors import SubgraphIO
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
 
@@ -65,7 +65,7 @@ class SubgraphCall:
 
     @classmethod
     def of(cls, io: SubgraphIO) -> SubgraphCall:
-        in_place = {name: IN_PLACE[name] for name in io.output_names if name in IN_PLACE}
+        in_place = io.in_place
         return cls(
             io,
             frozenset(io.input_names),
@@ -138,13 +138,13 @@ class Backend(ABC):
     def output_buffers(self, name: str, feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every output of subgraph `name` for this call, on the backend's device: the in-place ones are the fed
         buffers, the rest new, shaped by the manifest's specs at the call's batch and token count."""
-        io = self.calls[name].io
-        batch, tokens = feeds[io.inputs[0].name].shape[:2]
+        call = self.calls[name]
+        batch, tokens = feeds[call.io.inputs[0].name].shape[:2]
         return {
-            t.name: feeds[IN_PLACE[t.name]]
-            if t.name in IN_PLACE
+            t.name: feeds[call.in_place[t.name]]
+            if t.name in call.in_place
             else torch.empty(t.concrete(batch, tokens), dtype=TORCH_DTYPES[t.dtype], device=self.device)
-            for t in io.outputs
+            for t in call.io.outputs
         }
 
     # the one call ----------------------------------------------------------------------------

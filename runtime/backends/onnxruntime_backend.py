@@ -14,6 +14,7 @@ stream (`user_compute_stream`).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -22,7 +23,6 @@ import torch
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
-from paradecode.graphs.tensors import IN_PLACE
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
@@ -69,7 +69,7 @@ class Bound:
         self.session = session
         self.binding = session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
-        self.in_place = {k: v for k, v in IN_PLACE.items() if k in io.output_names}  # output -> input
+        self.in_place = io.in_place  # output -> input
         self.bound: dict[str, int] = {}  # in-place input -> data_ptr it is bound to
         for spec in io.inputs:
             if spec.name not in self.in_place.values():
@@ -124,24 +124,44 @@ class OnnxRuntimeBackend(Backend):
         self.options.log_severity_level = 3
         # Idle pool threads must not spin: they would take the cores other lanes (or models) compute on.
         self.options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.sessions: dict[str, ort.InferenceSession] = {}
+        self.sessions: dict[str, ort.InferenceSession] = {}  # CPU: created on a subgraph's first call
         self._lane_sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # GPU: (subgraph, lane)
         self._bound: dict[tuple[str, int, str], Bound] = {}  # CPU: (subgraph, tokens, lane)
+        self._creating = threading.Lock()  # sessions are created by whichever lane calls first
         for sub in self.manifest.subgraphs:
-            session = self._create_session(sub.onnx)
-            self.check_names(
-                sub,
-                [i.name for i in session.get_inputs()],
-                [o.name for o in session.get_outputs()],
-                f"the ONNX graph {sub.onnx}",
+            self._check_graph(sub)
+
+    def _check_graph(self, sub) -> None:
+        """The ONNX file's graph name, inputs and outputs against the manifest (its nodes read, not its weights).
+
+        Sessions are created at a subgraph's first call, so only the graphs a decoding mode uses hold weights
+        in memory: plain decoding and `batched` ParaDecode run the segments (graphs/tensors.py), not the layer
+        graphs they are made of; the layer graphs load where a side lane or a range without a segment needs one.
+        """
+        import onnx
+
+        path = self.export.file(sub.onnx)
+        try:
+            graph = onnx.load(str(path), load_external_data=False).graph
+        except Exception as err:  # onnx raises protobuf's DecodeError and its own errors
+            raise ManifestError(f"onnx cannot read {path} ({str(err).splitlines()[0]}); re-export the model.") from err
+        self.check_names(
+            sub, [i.name for i in graph.input], [o.name for o in graph.output], f"the ONNX graph {sub.onnx}"
+        )
+        if graph.name != sub.io.name:  # another subgraph's file at this one's path, its hash updated
+            raise ManifestError(
+                f"{sub.onnx} holds the graph {graph.name!r}, expected {sub.io.name!r}. The export is inconsistent: "
+                "re-export the model."
             )
-            graph = session.get_modelmeta().graph_name
-            if graph != sub.io.name:  # another subgraph's file at this one's path, its hash updated
-                raise ManifestError(
-                    f"{sub.onnx} holds the graph {graph!r}, expected {sub.io.name!r}. The export is inconsistent: "
-                    "re-export the model."
-                )
-            self.sessions[sub.io.name] = session
+
+    def _cpu_session(self, name: str):
+        session = self.sessions.get(name)
+        if session is None:
+            with self._creating:
+                session = self.sessions.get(name)
+                if session is None:
+                    session = self.sessions[name] = self._create_session(self.subgraphs[name].onnx)
+        return session
 
     def _create_session(self, relative: str, stream: int | None = None):
         path = self.export.file(relative)
@@ -175,7 +195,7 @@ class OnnxRuntimeBackend(Backend):
             key = (name, tokens, lane)
             bound = self._bound.get(key)
             if bound is None:
-                bound = self._bound[key] = Bound(self.sessions[name], self.subgraphs[name].io, tokens)
+                bound = self._bound[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, tokens)
             return bound(feeds)
         feeds = {k: v.contiguous() for k, v in feeds.items()}  # bound by address, kept alive until the run
         result = self.output_buffers(name, feeds)
@@ -191,7 +211,7 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""
         if self.device.type != "cuda":
-            return self.sessions[name]
+            return self._cpu_session(name)
         key = (name, lane)
         if key not in self._lane_sessions:
             stream = torch.cuda.current_stream(self.device).cuda_stream
