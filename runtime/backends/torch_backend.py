@@ -85,6 +85,7 @@ class TorchBackend(Backend):
                 max_seq_len=manifest.max_seq_len,
                 max_batch=manifest.max_batch,
                 with_logits=with_logits,
+                last=sub.io.last,
             )
             self.check_names(sub, contract.input_names, contract.output_names, "the torch module")
             module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)

@@ -71,7 +71,10 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 def exported(tiny, tmp_path_factory) -> tuple[Path, str]:
     """`paradecode-export FILE.gguf`: the export folder and what the command printed."""
     out = tmp_path_factory.mktemp("gguf-export") / "export"
-    code, printed = run_cli([tiny[0], "-o", out, "--max-seq-len", SEQ_LEN, "--exit-layers", "1,2"])
+    # float activations: its quantized blocks compute what transformers' dequantized model does, to float rounding
+    code, printed = run_cli(
+        [tiny[0], "-o", out, "--max-seq-len", SEQ_LEN, "--exit-layers", "1,2", "--activations", "float"]
+    )
     assert code == 0, printed
     return out, printed
 
