@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import threading
 import time
@@ -109,9 +108,9 @@ class ParaDecodeModel:
         self.chat_template = ChatTemplate.from_export(self.export)
         options = {}
         if backend == "onnxruntime":
-            # Every call may use every core: lane 0 alone computes in ar and in `batched` (a CPU's default overlap);
-            # with `streams` or `both` the lanes' calls share the cores (pass threads to split them).
-            options["threads"] = threads if threads is not None else max(1, os.cpu_count() or 1)
+            # None: chosen per subgraph (onnxruntime_backend.SMALL_LAYER_BYTES): a small layer on one thread, a large
+            # one and the heads on every core; lane 0 alone computes in ar and in `batched` (a CPU's default overlap).
+            options["threads"] = threads
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
         self.backend = backend_class(backend)(self.export, device=device, **options)

@@ -86,10 +86,12 @@ class CallCosts:
 
 
 def described(backend) -> str:
-    """What runs the calls, for the record: "onnxruntime CPU, 2 threads", "torch cuda:0"."""
+    """What runs the calls, for the record: "onnxruntime CPU, threads: layers 1, heads 2", "torch cuda:0"."""
     where = "CPU" if backend.device.type == "cpu" else str(backend.device)
-    threads = getattr(backend, "threads", None)
-    return f"{backend.name} {where}" + (f", {threads} threads" if threads else "")
+    threads = getattr(backend, "threads", None)  # onnxruntime: threads per call of layer graphs and of heads
+    if not threads:
+        return f"{backend.name} {where}"
+    return f"{backend.name} {where}, threads: layers {threads['layers']}, heads {threads['heads']}"
 
 
 def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = ROUNDS) -> CallCosts:

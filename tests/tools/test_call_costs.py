@@ -45,7 +45,11 @@ def test_an_exports_calls_are_timed_through_its_backend(exports, backend_name, m
     assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
     assert costs.context == 64 - 6 < CONTEXT and costs.rounds == 2  # the export's cache holds 64 positions
     assert costs.exit_vocab == backend.manifest.head_vocab
-    assert costs.backend == ("torch CPU" if backend_name == "torch" else f"onnxruntime CPU, {backend.threads} threads")
+    assert costs.backend == (
+        "torch CPU"
+        if backend_name == "torch"
+        else f"onnxruntime CPU, threads: layers {backend.threads['layers']}, heads {backend.threads['heads']}"
+    )
     assert cache.lengths == [0] * 4, "the measurement records nothing as written: decoding masks those slots"
     as_dict = costs.as_dict()
     assert set(as_dict["layer_ms"]) == set(as_dict["final_head_ms"]) == {"1", "6"}
