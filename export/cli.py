@@ -83,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--activations",
         choices=ACTIVATIONS,
-        default="int8",
-        help="what quantized weights multiply: int8 (default; activations rounded to 8 bits per block, as "
-        "onnxruntime-genai and llama.cpp do: the faster) or float (float32 activations: the reference, "
-        "closer to PyTorch on the dequantized weights)",
+        default="float",
+        help="what quantized weights multiply: float (default; float32 activations: ParaDecode's output equals plain "
+        "decoding's token for token) or int8 (activations rounded to 8 bits per block, as onnxruntime-genai and "
+        "llama.cpp do: faster plain decoding, but ParaDecode then equals it only up to int8 rounding near ties)",
     )
     parser.add_argument(
         "--ops",

@@ -106,7 +106,7 @@ def test_quantization_names_only_quantizable_weights():
     fmt = WeightFormat("int8", 8, 32, (4, 64), "float32", zero_points=False, mins=None)
     with pytest.raises(ValueError, match=r"\['norm.weight'\] cannot be quantized"):
         Quantization("int8", {"norm.weight": fmt})
-    with pytest.raises(ManifestError, match=r"quantization.activations is 'int4'; expected one of \['int8', 'float'\]"):
+    with pytest.raises(ManifestError, match=r"quantization.activations is 'int4'; expected one of \['float', 'int8'\]"):
         Quantization.from_dict({"activations": "int4", "weights": {}})
     record = Quantization("float", {"layers.1.attn.q.weight": fmt})
     assert Quantization.from_dict(json.loads(json.dumps(record.to_dict()))) == record
@@ -156,7 +156,7 @@ def test_a_gguf_export_keeps_every_block_bit_for_bit(family, quantized_exports):
     folder, result, gguf_path = quantized_exports[family, "gguf"]
     manifest = read_manifest(folder)
     quantization = manifest.quantization
-    assert quantization is not None and quantization.activations == "int8"
+    assert quantization is not None and quantization.activations == "float"  # the default
     assert not result.checklist.failed
     floats = canonical_weights(gguf_path)
     quantizable = {name for name in floats if canonical_shape(manifest.spec, name, manifest.head_vocab)}
