@@ -108,8 +108,8 @@ class ParaDecodeModel:
         self.chat_template = ChatTemplate.from_export(self.export)
         options = {}
         if backend == "onnxruntime":
-            # None: chosen per subgraph (onnxruntime_backend.SMALL_LAYER_BYTES): a small layer on one thread, a large
-            # one and the heads on every core; lane 0 alone computes in ar and in `batched` (a CPU's default overlap).
+            # None: every core per call, but one for the layers of int8-activation exports (onnxruntime_backend,
+            # measured); lane 0 alone computes in ar and in `batched` (a CPU's default overlap).
             options["threads"] = threads
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs

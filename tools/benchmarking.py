@@ -38,9 +38,8 @@ UNCATEGORISED = "uncategorised"  # the group of prompts without a category, wher
 
 
 def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu"):
-    """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime threads chosen per
-    subgraph: a small layer on one thread, a large one and the heads on every core), plus the ar baselines worth
-    measuring beside it.
+    """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every core per call, but one
+    for the layers of int8-activation exports), plus the ar baselines worth measuring beside it.
 
     Returns (model, {label: model}). ar runs on that model, and, with onnxruntime on a multi-core CPU, also on a
     1-lane model whose calls use one thread each, and one whose calls use every core: which is the faster plain

@@ -35,12 +35,12 @@ except ImportError as err:  # backend_class turns this into an install hint
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
-# `threads=None`: a layer whose weights are smaller than this runs on one thread, a larger one on every core, and the
-# heads (vocabulary-sized products) always on every core. Measured on this project's 2-core CPU, cold caches as in
-# decoding: SmolLM2's int4 layer (3.5 MB) 184 us on 1 thread vs 233 us on 2, its float32 layer (18 MB) 537 vs 565
-# us, its int8 final head 1401 vs 537 us: waking a second thread for each of a small layer's ~35 operators costs
-# more than the core gives, while a head's one large product splits well.
-SMALL_LAYER_BYTES = 32 << 20
+# `threads=None`: the layer graphs of an export with int8 activations run on one thread, other graphs on every core.
+# Measured on this project's 2-core CPU, SmolLM2, plain decoding (tools/results/cpu-2core/bench-smollm2-peers.md):
+# int8 activations 138.4 tokens/s with layers on 1 thread and the heads on 2, 130.8 all on 1, 122.8 all on 2 (the
+# int8 kernels are fast enough that waking a second thread for each of a layer's operators costs more than the
+# core gives); float activations 97.2 all on 2 against 92.5 with layers on 1; float weights 60.9 all on 2 against
+# 55.9. A head's one large product splits well everywhere.
 HEAD_KINDS = ("exit", "final")
 
 
@@ -125,11 +125,10 @@ class OnnxRuntimeBackend(Backend):
             )
         return_freed_weights_to_the_system()
         cores = max(1, os.cpu_count() or 1)
-        if threads is None:  # per subgraph (SMALL_LAYER_BYTES)
-            record = self.manifest.files.get(self.manifest.weights)
-            layer_bytes = (record.bytes if record is not None else 0) / max(1, self.spec.num_layers)
-            layer_threads = 1 if layer_bytes < SMALL_LAYER_BYTES else cores
-            self.threads = {"layers": layer_threads, "heads": cores}
+        if threads is None:  # per subgraph (see HEAD_KINDS)
+            quantization = self.manifest.quantization
+            int8 = quantization is not None and quantization.activations == "int8"
+            self.threads = {"layers": 1 if int8 else cores, "heads": cores}
         else:
             self.threads = {"layers": threads, "heads": threads}
         self.options = {part: self._options(count) for part, count in self.threads.items()}
