@@ -5,13 +5,14 @@ subgraph whose weight is quantized (graphs/quantized.py), the nodes that read th
 rewritten to read its stored parts from the export's weights file, as they are:
 
 - `MatMul(x, W^T)` (a Linear) becomes onnxruntime's `com.microsoft.MatMulNBits(x, qweight, scales,
-  zero_points)`, with `accuracy_level` 4 for int8 activations (the faster, the default) or 0 for float
-  activations. A weight with minima adds their product with x's per-block sums, a small dense product:
+  zero_points)`, with `accuracy_level` 0 for float activations (the default) or 4 for int8 ones. A
+  weight with minima adds their product with x's per-block sums, a small dense product:
   y = MatMulNBits(x) + blocksum(x) @ mins^T (the decomposition llama.cpp computes for Q4_1 and the
   K-quants; MatMulNBits' own float zero points would be exact too but were ~20x slower here), with
-  the values centred on their midpoint (`_centred_mins`). With float
-  activations, 8-bit weights are dequantized in the graph instead (onnxruntime folds that into a float
-  weight when it loads the graph): MatMulNBits' float kernel for 8 bits was ~30x slower than a float MatMul.
+  the values centred on their midpoint (`_centred_mins`). Weights of one input and one block layout
+  (a layer's q, k and v; gate and up) are one MatMulNBits (`matmul_group`). With float activations,
+  8-bit weights run as two 4-bit products over their nibbles (`_eight_bits_as_nibbles`): MatMulNBits'
+  float kernel for 8 bits was ~30x slower than a float MatMul, and a dense copy reads 4 bytes a weight.
 - `Gather(W, ids)` (an embedding) gathers the rows' stored parts and dequantizes only them, with the
   same operations as `QuantizedWeight.dequantize`, so an embedding is exact.
 
