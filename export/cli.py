@@ -85,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ACTIVATIONS,
         default="float",
         help="what quantized weights multiply: float (default; float32 activations: ParaDecode's output equals plain "
-        "decoding's token for token) or int8 (activations rounded to 8 bits per block, as onnxruntime-genai and "
-        "llama.cpp do: faster plain decoding, but ParaDecode then equals it only up to int8 rounding near ties)",
+        "decoding's token for token), int8-heads (the heads' activations rounded to 8 bits per block, the layers' "
+        "float: ParaDecode's verification of several positions in one call gets cheap, and still equals plain "
+        "decoding) or int8 (every product's, as onnxruntime-genai and llama.cpp do: faster plain decoding, but "
+        "ParaDecode then equals it only up to int8 rounding near ties)",
     )
     parser.add_argument(
         "--ops",

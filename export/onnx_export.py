@@ -273,7 +273,7 @@ class GraphTemplate:
             def part(name: str) -> TensorProto:
                 return external_initializer(name, ONNX_TYPES[stored[name].dtype], stored[name].shape, stored[name])
 
-            onnx_quant.rewrite(graph, readers, part, quantization.activations, tensorrt)
+            onnx_quant.rewrite(graph, readers, part, quantization.activations_of(io.kind), tensorrt)
             if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
         check_contract(model, io)

@@ -382,7 +382,6 @@ def write_subgraphs(
     dtype = TORCH_DTYPES[config.dtype]
     weights, quantization = all_weights.reference, all_weights.quantization
     fused = config.resolved_ops == "fused"
-    tolerance = validate.tolerance_of(config.dtype, quantization, fused=fused)
     checklist = validate.Checklist()
     fp32 = {io.name: build_subgraph(spec, io, all_weights.float, with_logits=config.with_logits) for io in plan}
     checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
@@ -443,7 +442,15 @@ def write_subgraphs(
             layers = [(folder / files[f"layer_{i}"], layer_ios[i]) for i in range(io.layer, io.last + 1)]
             check = checklist.add(validate.check_segment(folder / relative, io, layers, cases))
         else:
-            check = checklist.add(validate.check_onnxruntime(folder / relative, modules[io.name], io, cases, tolerance))
+            check = checklist.add(
+                validate.check_onnxruntime(
+                    folder / relative,
+                    modules[io.name],
+                    io,
+                    cases,
+                    validate.tolerance_of(config.dtype, quantization, io.kind, fused=fused),
+                )
+            )
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
         logger.info(
             "[%2d/%d] %-14s %-13s %5.1f s  onnxruntime %s %s",

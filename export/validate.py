@@ -78,9 +78,9 @@ RELATIVE_FLOAT32 = Tolerance(1e-5, 1e-3, of_max=True)
 INT8_ACTIVATIONS = Tolerance(1e-1, 0.0, of_max=True, l2=1e-1)
 
 
-def tolerance_of(dtype: str, quantization, *, fused: bool = False) -> Tolerance:
-    """The tolerance a graph of this export is validated with."""
-    if quantization is not None and quantization.activations == "int8":
+def tolerance_of(dtype: str, quantization, kind: str, *, fused: bool = False) -> Tolerance:
+    """The tolerance a graph of this kind (graphs/tensors.py KINDS) of this export is validated with."""
+    if quantization is not None and quantization.activations_of(kind) == "int8":
         return INT8_ACTIVATIONS
     if dtype == "float32" and (quantization is not None or fused):
         return RELATIVE_FLOAT32

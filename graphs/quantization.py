@@ -29,8 +29,15 @@ QUANTIZABLE = re.compile(
 # PyTorch on the dequantized weights; ParaDecode's batched calls then differ from plain decoding's single-token
 # ones by float32 rounding only); "int8" rounds them to int8 per block (onnxruntime's accuracy_level 4, as
 # onnxruntime-genai's CPU models and llama.cpp do: faster, but a batched call's float rounding can flip an int8
-# rounding, which the layers after it amplify, so ParaDecode equals plain decoding only up to such near ties).
-ACTIVATIONS = ("float", "int8")
+# rounding, which the layers after it amplify, so ParaDecode equals plain decoding only up to such near ties);
+# "int8-heads" rounds only the heads' (the final head's and the exit heads'): onnxruntime's float kernel
+# dequantizes the whole matrix for a call of several positions (SmolLM2's Q8_0 head: 8.1 ms for 2 positions
+# against 2.8 for 1), its int8 kernel does not (2.5 against 2.2), which is what ParaDecode's batched
+# verification needs; a head is the last product of a token, so a flipped rounding changes only a top-1 at a
+# near tie of the logits and nothing after it is amplified (measured on SmolLM2: ParaDecode equalled plain
+# decoding in every run, and plain decoding left float-activation plain decoding's path in 2 of 3 answers).
+ACTIVATIONS = ("float", "int8-heads", "int8")
+HEAD_KINDS = ("exit", "final")  # the subgraphs `int8-heads` computes with int8 activations
 
 
 def quantizable(name: str) -> bool:
@@ -132,6 +139,12 @@ class Quantization:
         bad = sorted(name for name in self.weights if not quantizable(name))
         if bad:
             raise ValueError(f"weights {bad} cannot be quantized (only {QUANTIZABLE.pattern}).")
+
+    def activations_of(self, kind: str) -> str:
+        """What a subgraph of this kind (graphs/tensors.py KINDS) computes with: "float" or "int8"."""
+        if self.activations == "int8-heads":
+            return "int8" if kind in HEAD_KINDS else "float"
+        return self.activations
 
     def sources(self) -> dict[str, int]:
         """How many weights come from each source format ("Q4_1": 210, ...)."""

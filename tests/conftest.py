@@ -122,17 +122,18 @@ MIXED_BLOCKS = {
     "ffn_down": "Q6_K",
     "output": "Q6_K",
 }
-QUANTIZED_SOURCES = ("gguf", "gguf-int8", "int4", "int8")
+QUANTIZED_SOURCES = ("gguf", "gguf-int8-heads", "gguf-int8", "int4", "int8")
 
 
 @pytest.fixture(scope="session")
 def quantized_exports(tmp_path_factory) -> Cache:
     """(family, source) -> (export folder, ExportResult, GGUF file) of a tiny GGUF of `family` in MIXED_BLOCKS,
-    exported with its blocks kept (`gguf`: --weights auto; `gguf-int8`: the same with int8 activations) or its
+    exported with its blocks kept (`gguf`: --weights auto; `gguf-int8-heads` / `gguf-int8`: the same with int8
+    activations in the heads / everywhere) or its
     dequantized weights quantized again by onnxruntime's quantizer (`int4` / `int8`). The GGUF fixtures, not the
     tiny float models: their greedy output varies (several of the tiny float models repeat one token whatever
     the prompt). Like `exports`: random trained heads over a reduced vocabulary, fused layer+exit graphs,
-    logits; float activations (the default) but for `gguf-int8`."""
+    logits; float activations (the default) but for the `gguf-int8*` sources."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.tiny_gguf import write_tiny_gguf
@@ -151,7 +152,7 @@ def quantized_exports(tmp_path_factory) -> Cache:
             with_logits=True,
             fused_exits=True,
             weights="auto" if source.startswith("gguf") else source,
-            activations="int8" if source == "gguf-int8" else "float",
+            activations={"gguf-int8-heads": "int8-heads", "gguf-int8": "int8"}.get(source, "float"),
         )
         return folder / "export", export_model(config), model
 

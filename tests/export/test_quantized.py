@@ -106,7 +106,9 @@ def test_quantization_names_only_quantizable_weights():
     fmt = WeightFormat("int8", 8, 32, (4, 64), "float32", zero_points=False, mins=None)
     with pytest.raises(ValueError, match=r"\['norm.weight'\] cannot be quantized"):
         Quantization("int8", {"norm.weight": fmt})
-    with pytest.raises(ManifestError, match=r"quantization.activations is 'int4'; expected one of \['float', 'int8'\]"):
+    with pytest.raises(
+        ManifestError, match=r"quantization.activations is 'int4'; expected one of \['float', 'int8-heads', 'int8'\]"
+    ):
         Quantization.from_dict({"activations": "int4", "weights": {}})
     record = Quantization("float", {"layers.1.attn.q.weight": fmt})
     assert Quantization.from_dict(json.loads(json.dumps(record.to_dict()))) == record
@@ -211,6 +213,39 @@ def test_float_activations_reproduce_pytorch_on_the_dequantized_model(tmp_path):
             assert model.manifest.quantization.activations == "float"
             ours = model.generate(prompt_ids=prompt, max_new_tokens=24, mode="ar", ignore_eos=True).token_ids
         assert_same_tokens(ours, expected, f"{backend} ar", prompt=prompt, score=hf_scorer(hf))
+
+
+@pytest.mark.slow
+def test_int8_heads_round_only_the_heads(tmp_path):
+    """--activations int8-heads: the heads' quantized products take int8 activations (onnxruntime's accuracy_level
+    4), every layer's float ones (0), and each graph is validated with its own kind's tolerance."""
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, block_types=MIXED_BLOCKS, tied=False, seed=4)
+    out = tmp_path / "export"
+    code, printed = run_cli([gguf_path, "-o", out, "--max-seq-len", 64, "--activations", "int8-heads"])
+    assert code == 0, printed
+    manifest = read_manifest(out)
+    assert manifest.quantization.activations == "int8-heads"
+    levels: dict[str, set[int]] = {}
+    for sub in manifest.subgraphs:
+        graph = onnx.load(str(out / sub.onnx), load_external_data=False).graph
+        levels.setdefault(sub.io.kind, set()).update(
+            attr.i
+            for node in graph.node
+            if node.op_type == "MatMulNBits"
+            for attr in node.attribute
+            if attr.name == "accuracy_level"
+        )
+    assert levels["final"] == {4}, levels
+    assert levels["layer"] == {0}, levels
+    assert all(found <= {0} for kind, found in levels.items() if kind not in ("final", "exit")), levels
+    checks = {line.split("]")[1].split()[0]: line for line in printed.splitlines() if "onnxruntime vs PyTorch" in line}
+    assert "|Δ|₂ <= 0.1·|ref|₂" in checks["final"], printed  # the int8 tolerance
+    assert "atol 1e-05·max|ref| rtol 0.001" in checks["layer_1"], printed
+    for kind, expected in {"final": "int8", "exit": "int8", "layer": "float", "segment": "float"}.items():
+        assert Quantization("int8-heads", {}).activations_of(kind) == expected
+        assert Quantization("float", {}).activations_of(kind) == "float"
+        assert Quantization("int8", {}).activations_of(kind) == "int8"
 
 
 # --- int8 / int4 from a float model ---------------------------------------------------------------------------
