@@ -31,10 +31,12 @@ class ExportConfig:
     # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
     # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/quantize.py)
     weights: str = "auto"
-    # what quantized graphs compute with: float (float32 activations: ParaDecode equals plain decoding token for
-    # token) or int8 (activations rounded to 8 bits per block: faster plain decoding, but a batched call's float
-    # rounding can flip an int8 rounding, so ParaDecode equals plain decoding only up to such near ties)
-    activations: str = "float"
+    # what quantized graphs compute with (graphs/quantization.py ACTIVATIONS): int8-heads (int8 activations in the
+    # heads, float32 in the layers: cheap batched verification, ParaDecode equal to plain decoding), float (float32
+    # everywhere: plain decoding within float32 rounding of PyTorch) or int8 (everywhere: faster plain decoding,
+    # but a batched call's float rounding can flip an int8 rounding, so ParaDecode equals plain decoding only up to
+    # such near ties)
+    activations: str = "int8-heads"
     ops: str = "auto"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
     max_batch: int = 1

@@ -28,7 +28,7 @@ def id_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import MODES, OVERLAPS
+    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS
 
     parser = argparse.ArgumentParser(
         prog="paradecode-generate",
@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompt lookup: propose up to N tokens that followed an earlier occurrence of the newest tokens "
         "(verified like early exits; default 5; 0: off)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        choices=ADAPTIVE,
+        help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
+        "(default: for greedy decoding with the export's thresholds on a CPU), on or off",
     )
     parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 3)")
     parser.add_argument(
@@ -154,7 +160,7 @@ def read_messages_file(path: Path) -> list:
 
 def config_of(args: argparse.Namespace):
     """The GenerationConfig the flags ask for: only the flags given; every default is GenerationConfig's."""
-    from paradecode.runtime.config import GenerationConfig, parse_threshold
+    from paradecode.runtime.config import ADAPTIVE, GenerationConfig, parse_threshold
 
     given = {
         "max_new_tokens": args.max_new_tokens,
@@ -171,6 +177,7 @@ def config_of(args: argparse.Namespace):
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
+        "adaptive": ADAPTIVE[args.adaptive] if args.adaptive else None,
     }
     return GenerationConfig(**{k: v for k, v in given.items() if v is not None})
 
@@ -226,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             f"[{stats.mode}{'/' + stats.overlap if stats.overlap else ''}] {stats.new_tokens} tokens, "
             f"{stats.tokens_per_second:.1f} tokens/s, early exits: {exits}, lookup: {stats.lookup_accepted} of "
             f"{stats.lookup_proposed} accepted, rollbacks: {stats.rollbacks}, stopped by {stats.stop_reason}"
-            + (f", seed {stats.seed}" if stats.seed is not None else ""),
+            + (f", seed {stats.seed}" if stats.seed is not None else "")
+            + (
+                f", passed up as not paying: {stats.exits_skipped} exit-head calls, {stats.lookups_skipped} lookups"
+                if stats.exits_skipped or stats.lookups_skipped
+                else ""
+            ),
             file=sys.stderr,
         )
     return 0

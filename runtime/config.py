@@ -14,6 +14,7 @@ from paradecode.runtime.sampling import SamplingParams
 
 MODES = ("ar", "paradecode")
 OVERLAPS = ("auto", "streams", "batched", "both")
+ADAPTIVE = {"auto": None, "on": True, "off": False}  # `adaptive` by the name the command-line tools take
 
 
 def parse_threshold(text: str) -> float:
@@ -86,6 +87,11 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
+    # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
+    # on a CPU (explicit thresholds are used as given; sampled runs keep their seed's sequence; on a GPU a call's
+    # host time is not its cost); True / False: on / off.
+    adaptive: bool | None = None
 
     def __post_init__(self) -> None:
         positive_integer(self.max_new_tokens, "max_new_tokens")
@@ -101,6 +107,8 @@ class GenerationConfig:
                 check_threshold(value, f"threshold for exit layer {layer}")
         elif self.thresholds is not None:
             check_threshold(self.thresholds)
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise UserInputError(f"adaptive must be True, False or None (automatic), got {self.adaptive!r}.")
         for name in ("ignore_eos",):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name} must be True or False, got {getattr(self, name)!r}.")
@@ -150,6 +158,12 @@ class GenerationConfig:
             max_ngram=self.lookup_max_ngram, min_ngram=self.lookup_min_ngram, max_tokens=max(1, self.lookup_tokens)
         )
         return config if self.lookup_tokens else None
+
+    def adapts(self, device: str) -> bool:
+        """Whether ParaDecode adapts its speculation to measured costs and acceptance (see `adaptive`)."""
+        if self.adaptive is not None:
+            return self.adaptive
+        return self.thresholds is None and self.temperature == 0 and device == "cpu"
 
     def resolve_thresholds(self, defaults: Mapping[int, float]) -> dict[int, float]:
         """Thresholds per exit layer: the export's defaults, overridden by this config."""

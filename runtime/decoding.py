@@ -69,6 +69,8 @@ class DecodeContext:
     timeline: Timeline
     stats: GenerationStats
     annotate: Callable[[str], AbstractContextManager] | None = None  # NVTX ranges while profiling
+    # observe(subgraph, positions, seconds) after each call of lane 0: adaptive speculation's cost estimates
+    observe: Callable[[str, int, float], None] | None = None
     positions: torch.Tensor = field(init=False)  # [1, capacity]: every call's positions are a slice of it
 
     def __post_init__(self) -> None:
@@ -143,7 +145,10 @@ class DecodeContext:
     def _timed(self, lane: str, name: str, start: int, end: int, feeds: dict, outputs) -> dict[str, torch.Tensor]:
         began = time.perf_counter()
         out = self.backend.run(name, feeds, lane, outputs)
-        self.timeline.add(lane, name, began, time.perf_counter(), (start, end))
+        ended = time.perf_counter()
+        self.timeline.add(lane, name, began, ended, (start, end))
+        if self.observe is not None and lane == MAIN:
+            self.observe(name, end - start, ended - began)
         return out
 
     def phase(self, name: str, positions: tuple[int, int]):

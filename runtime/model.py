@@ -40,6 +40,7 @@ from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
 from paradecode.runtime.loader import open_export
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
+from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextStream, TextTokenizer
 from paradecode.runtime.watched import WatchedFiles
@@ -116,6 +117,8 @@ class ParaDecodeModel:
         self.backend = backend_class(backend)(self.export, device=device, **options)
         self.cache = self.backend.allocate_cache()
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
+        # What decoding has measured of this model's call costs and acceptance: carried over between requests.
+        self.speculation = Speculation(self.backend.spec.num_layers)
         self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -355,7 +358,8 @@ class ParaDecodeModel:
                 "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
             )
         self.cache.reset()
-        ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate)
+        ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate, observe=self.speculation.times.observe)
+        adaptive = config.adapts(self.backend.device.type) and exit_policy is None
         eos = () if config.ignore_eos else self.export.eos_token_ids
         if config.mode == "ar":
             decoder = decode_ar(ctx, ids, sampling)
@@ -372,6 +376,7 @@ class ParaDecodeModel:
                 exit_policy=exit_policy,
                 lookup=config.lookup_config(),
                 sampling=sampling,
+                speculation=self.speculation if adaptive else None,
             ).run()
         text = TextStream(self.tokenizer, ids) if self.tokenizer and (with_text or config.stop) else None
         longest_stop = max((len(s) for s in config.stop), default=0)

@@ -28,7 +28,7 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
 - Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
   `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
 - Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `proposals`,
-  `lookup`, `draws`, `waited`.
+  `lookup`, `draws`, `waited`, `speculation`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
   `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
   cache's lengths (`cache.written`, `cache.rollback`).
@@ -55,6 +55,7 @@ from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose,
 from paradecode.runtime.lanes import Future, Lane
 from paradecode.runtime.lookup import LookupConfig, NgramIndex
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
+from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import LOOKUP, Mismatch
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class ParaDecoder:
         exit_policy=None,
         lookup: LookupConfig | None = None,
         sampling: SamplingParams | None = None,
+        speculation: Speculation | None = None,
     ):
         # Settings: read-only after __init__.
         self.ctx = ctx
@@ -110,6 +112,8 @@ class ParaDecoder:
         # For measurements only (tools/characterise.py): `exit_policy(position, layer, head_output)` returns
         # the early token, or None for no exit, in place of the threshold test. The head still runs.
         self.exit_policy = exit_policy
+        # Adaptive speculation (runtime/speculation.py): exit heads and lookup only while they pay; None: always.
+        self.speculation = speculation
         self.last_position = min(len(prompt) + max_new_tokens - 2, ctx.cache.capacity - 1)
         self.sync = ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
         # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
@@ -220,6 +224,9 @@ class ParaDecoder:
             self.last_position - position,
         )
         proposals = self.lookup.propose(self.tokens, position + 1, room)
+        if proposals and self.speculation is not None and not self.speculation.try_lookup():
+            self.ctx.stats.lookups_skipped += 1
+            return []
         for i, token in enumerate(proposals):
             if token in self.eos:
                 return proposals[: i + 1]
@@ -250,11 +257,13 @@ class ParaDecoder:
         frontier = group is self.frontier
         if frontier:
             stop = min([stop] + [e for e in self.thresholds if e > depth])
+        # whether the frontier's newest token may exit after layer `stop` (its exit head is then called)
+        exit_now = frontier and stop in self.thresholds and self.may_exit(end) and self.exit_pays(stop)
         first, final, early = depth + 1, None, None
         if depth == -1:
             hidden, depth, first = self.ctx.embed(MAIN, self.tokens[start:end], start), 0, 1
         # the exit layer `stop` in one call with its head, where the export fused them and the frontier may exit
-        fused_exit = frontier and stop in self.fused and self.may_exit(end)
+        fused_exit = exit_now and stop in self.fused
         if depth < stop - fused_exit:  # the layers before: segments where they cover them, else one call each
             hidden, depth = self.ctx.layers(MAIN, depth + 1, stop - fused_exit, hidden, start), stop - fused_exit
         if fused_exit and depth < stop:
@@ -268,7 +277,7 @@ class ParaDecoder:
                 self.ctx.cache.written(layer, end)
             group.hidden, group.depth, group.final, group.busy = hidden, depth, final, False
             self.progress()
-        if final is None and frontier and depth in self.thresholds:
+        if final is None and exit_now and depth == stop:
             self.try_exit(group, depth, early)
 
     def progress(self) -> None:
@@ -302,6 +311,13 @@ class ParaDecoder:
                 return group
         return None
 
+    def exit_pays(self, layer: int) -> bool:
+        """Whether calling exit layer `layer`'s head is expected to pay (always, without adaptive speculation)."""
+        if self.speculation is None or self.speculation.try_exit(layer):
+            return True
+        self.ctx.stats.exits_skipped += 1
+        return False
+
     def may_exit(self, end: int) -> bool:
         """Whether the frontier's newest token (at end - 1) may be emitted early now: fewer than K tokens are
         unverified, and a successor is needed (past the last needed position the group must finish anyway)."""
@@ -310,11 +326,10 @@ class ParaDecoder:
     def try_exit(self, group: Group, layer: int, out: HeadOutput | None = None) -> None:
         """After an exit layer: emit the frontier's newest token early if its exit head is confident enough.
 
-        `out` is the exit head's output when the fused layer_exit graph computed it already.
+        `out` is the exit head's output when the fused layer_exit graph computed it already. The caller has
+        checked that the token may exit (`may_exit`) and that trying pays (`exit_pays`).
         """
         if out is None:
-            if not self.may_exit(group.end):
-                return
             name = self.exit_head[layer]
             out = self.ctx.head(MAIN, name, group.hidden[:, -1:], group.end - 1, logits=self.sampling is not None)
         if self.exit_policy is not None:
@@ -322,11 +337,15 @@ class ParaDecoder:
             if token is None:
                 return
         elif out.prob[0] < self.thresholds[layer]:  # the head's confidence: never depends on a draw
+            if self.speculation is not None:
+                self.speculation.head_called(layer, exited=False)
             return
         elif self.sampling is None:
             token = out.token[0]
         else:
             token = self.draw_proposal(group.end - 1, layer, out)
+        if self.speculation is not None:
+            self.speculation.head_called(layer, exited=True)
         stats = self.ctx.stats
         self.tokens.append(token)
         self.source_of[group.end - 1] = layer
@@ -401,6 +420,8 @@ class ParaDecoder:
                     if position + 1 < len(self.tokens):  # a proposed token is waiting for this verdict
                         source = self.source_of.pop(position)
                         accepted, token = self.judge(group.final, i, position)
+                        if self.speculation is not None:
+                            self.speculation.verified(source, accepted)
                         if accepted:
                             stats.accept(source)
                             self.verified = position + 2

@@ -32,6 +32,9 @@ class GenerationStats:
     lookup_proposed: int = 0  # tokens proposed by prompt lookup
     lookup_accepted: int = 0  # ... and verified by the final layer
     rollbacks: int = 0
+    # adaptive speculation (runtime/speculation.py): exit-head calls and lookup proposals passed up as not paying
+    exits_skipped: int = 0
+    lookups_skipped: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     lane_busy_seconds: dict[str, float] = field(default_factory=dict)
     calls: int = 0

@@ -9,6 +9,7 @@ exits per layer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from paradecode.graphs.arguments import temperature
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
-from paradecode.runtime.config import OVERLAPS, GenerationConfig
+from paradecode.runtime.config import ADAPTIVE, OVERLAPS, GenerationConfig
 from paradecode.tools.options import choice_list
 from paradecode.tools.peers import PEERS, PRECISIONS
 from paradecode.tools.prompt_sets import NAMES_HELP
@@ -111,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N1,N2",
         help="prompt-lookup settings to try (most tokens proposed at once; 0: off): each threshold and overlap "
         f"runs once per value (default {GenerationConfig.lookup_tokens}, the runtime's)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        type=choice_list(ADAPTIVE, "--adaptive"),
+        default="auto",
+        help="adaptive speculation settings to try (runtime/speculation.py), from auto, on, off: each threshold, "
+        "overlap and lookup setting runs once per value (default auto, the runtime's)",
     )
     parser.add_argument(
         "--temperature",
@@ -298,7 +306,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:
         for threshold in thresholds:
-            for lookup in lookups:
+            for lookup, adaptive in itertools.product(lookups, args.adaptive):
                 label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
                 settings = {
                     "mode": "paradecode",
@@ -306,9 +314,11 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                     "thresholds": threshold,
                     "max_unverified": args.max_unverified,
                     "lookup_tokens": lookup,
+                    "adaptive": ADAPTIVE[adaptive],
                     **sampling,
                 }
                 name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
+                name += f" adaptive {adaptive}" if len(args.adaptive) > 1 or adaptive != "auto" else ""
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:

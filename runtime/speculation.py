@@ -1,0 +1,189 @@
+"""Speculation that pays for itself: exit and propose only while this export, on this machine, gains by it.
+
+ParaDecode's two sources of early tokens, exit heads and prompt lookup, each cost something whether or not
+their token is accepted: an exit head's call, extra positions in the layers' and the final head's calls, and
+on a rejected exit the successor's work. What an accepted token saves depends on those same costs, which
+differ by export and machine (SmolLM2's quantized export on a 2-core CPU: a layer call of 2 positions costs
+1.65x one of 1, the float export's 1.07x). So the decoder measures both as it goes and turns a source off
+while its expected gain is negative:
+
+- **Costs** (`CallTimes`): every subgraph call the decoder makes is timed already (`DecodeContext`); a layer's
+  time at one position, what each further position adds to a layer call and to the final head's, and each exit
+  head's time, as decayed averages, are learned from those timings.
+- **Acceptance** (`Rate`): per exit layer, the share of head calls whose token exits and the share of exits
+  the final layer accepts; for lookup, the share of proposed tokens accepted. Decayed averages too, so they
+  follow the text being written.
+- **The decision**, in seconds per opportunity, the batched form of the cost model of `tools/cost_model.py`
+  (one lane: an accepted early token's upper layers share the successor's calls):
+
+      exit at layer e:  P(exit) * (P(accept) * saved_e - P(reject) * lost) - head_e  > 0
+          saved_e = (L - e) * (layer - merge) + (final - final_merge)   what an accepted exit saves
+          lost    = L * layer + final                                   a rejected exit's discarded successor
+      lookup:           P(accept) * (L * layer + final) - (L * merge + final_merge)  > 0   per proposed token
+
+  A source that does not pay is still tried at every EXPLORE-th opportunity, so its estimate can recover
+  when the text changes. Decisions never change which tokens are verified: every early token is checked by
+  the final layer as before, so greedy output is plain decoding's whatever is decided.
+
+Timing-dependent decisions would make a seeded sampled run unrepeatable, so the decoder adapts greedy
+decoding only (GenerationConfig.adaptive). The estimates live with the loaded model and carry over from one
+request to the next, as a service's would.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from paradecode.runtime.stats import LOOKUP
+
+DECAY = 0.97  # weight of the estimate so far at each new observation: about the last 30 events count
+EXPLORE = 16  # a source that does not pay is still tried once every EXPLORE opportunities
+PRIOR_MERGE = 0.1  # what one more position adds to a layer or final head call, as a share of it, until measured
+CALL_NAMES = re.compile(r"(layer|exit|layer_exit)_(\d+)|segment_(\d+)_(\d+)|final|embed")
+
+
+@dataclass
+class Average:
+    """A decayed average: recent observations weigh most."""
+
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else DECAY * self.value + (1 - DECAY) * x
+
+
+@dataclass
+class Rate:
+    """A decayed share of successes, starting from `prior` successes in `weight` tries."""
+
+    prior: float
+    weight: float = 4.0
+    hits: float = 0.0
+    tries: float = 0.0
+
+    def add(self, hit: bool) -> None:
+        self.hits = DECAY * self.hits + hit
+        self.tries = DECAY * self.tries + 1
+
+    @property
+    def value(self) -> float:
+        return (self.hits + self.prior * self.weight) / (self.tries + self.weight)
+
+
+@dataclass
+class CallTimes:
+    """Seconds per call, learned from the decoder's own calls: a layer at one position, what each further
+    position adds to a layer call and to the final head's, the final head at one position, each exit head."""
+
+    layer: Average = field(default_factory=Average)
+    layer_extra: Average = field(default_factory=Average)
+    final: Average = field(default_factory=Average)
+    final_extra: Average = field(default_factory=Average)
+    exit_head: dict[int, Average] = field(default_factory=dict)
+
+    def observe(self, name: str, tokens: int, seconds: float) -> None:
+        """One call of subgraph `name` over `tokens` positions took `seconds`."""
+        match = CALL_NAMES.fullmatch(name)
+        if match is None:
+            return
+        kind, number, first, last = match.groups()
+        if name == "final":
+            self._by_positions(self.final, self.final_extra, tokens, seconds)
+        elif kind == "exit":
+            self.exit_head.setdefault(int(number), Average()).add(seconds)
+        elif kind == "layer":
+            self._by_positions(self.layer, self.layer_extra, tokens, seconds)
+        elif first is not None:  # a segment: per layer
+            self._by_positions(self.layer, self.layer_extra, tokens, seconds / (int(last) - int(first) + 1))
+        elif kind == "layer_exit" and self.layer.value is not None and tokens == 1:
+            # a layer and its exit head in one call: the head's share is what the call adds to a layer's
+            self.exit_head.setdefault(int(number), Average()).add(max(0.0, seconds - self.layer.value))
+
+    @staticmethod
+    def _by_positions(one: Average, extra: Average, tokens: int, seconds: float) -> None:
+        if tokens == 1:
+            one.add(seconds)
+        elif one.value is not None:
+            extra.add(max(0.0, seconds - one.value) / (tokens - 1))
+
+    @property
+    def known(self) -> bool:
+        return self.layer.value is not None and self.final.value is not None
+
+    def merge(self) -> float:
+        return self.layer_extra.value if self.layer_extra.value is not None else PRIOR_MERGE * self.layer.value
+
+    def final_merge(self) -> float:
+        return self.final_extra.value if self.final_extra.value is not None else PRIOR_MERGE * self.final.value
+
+
+@dataclass
+class ExitRates:
+    """At one exit layer: the share of head calls whose token exits, and of exits the final layer accepts."""
+
+    exits: Rate = field(default_factory=lambda: Rate(prior=0.5))
+    accepted: Rate = field(default_factory=lambda: Rate(prior=0.8))
+
+
+class Speculation:
+    """What the decoder has measured of this model's costs and acceptance, and the decisions from them.
+    One per loaded model (generate calls on a model run one at a time), so it carries over between requests."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.times = CallTimes()
+        self.exit_rates: dict[int, ExitRates] = {}
+        self.lookup_rate = Rate(prior=0.5)
+        self._skipped: dict[object, int] = {}  # source -> opportunities passed up since its last try
+
+    # --- what happened ------------------------------------------------------------------------------------
+    def head_called(self, layer: int, exited: bool) -> None:
+        self.exit_rates.setdefault(layer, ExitRates()).exits.add(exited)
+
+    def verified(self, source: int, accepted: bool) -> None:
+        """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP)."""
+        if source == LOOKUP:
+            self.lookup_rate.add(accepted)
+        else:
+            self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
+
+    # --- decisions ------------------------------------------------------------------------------------------
+    def exit_gain(self, layer: int) -> float | None:
+        """Expected seconds saved by calling exit layer `layer`'s head for a token (None: costs not known yet)."""
+        t = self.times
+        if not t.known:
+            return None
+        rates = self.exit_rates.setdefault(layer, ExitRates())
+        head = t.exit_head.get(layer)
+        layer_s, final_s = t.layer.value, t.final.value
+        saved = (self.num_layers - layer) * (layer_s - t.merge()) + (final_s - t.final_merge())
+        lost = self.num_layers * layer_s + final_s
+        accept = rates.accepted.value
+        head_s = head.value if head is not None and head.value is not None else 0.0
+        return rates.exits.value * (accept * saved - (1 - accept) * lost) - head_s
+
+    def lookup_gain(self) -> float | None:
+        """Expected seconds saved per token proposed by lookup (None: costs not known yet)."""
+        t = self.times
+        if not t.known:
+            return None
+        token = self.num_layers * t.layer.value + t.final.value
+        return self.lookup_rate.value * token - (self.num_layers * t.merge() + t.final_merge())
+
+    def try_exit(self, layer: int) -> bool:
+        return self._worth(("exit", layer), self.exit_gain(layer))
+
+    def try_lookup(self) -> bool:
+        return self._worth("lookup", self.lookup_gain())
+
+    def _worth(self, source: object, gain: float | None) -> bool:
+        if gain is None or gain > 0:
+            self._skipped[source] = 0
+            return True
+        skipped = self._skipped.get(source, 0) + 1
+        if skipped >= EXPLORE:
+            self._skipped[source] = 0
+            return True  # explore: the estimate must see the source now and then to recover
+        self._skipped[source] = skipped
+        return False

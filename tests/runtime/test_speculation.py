@@ -1,0 +1,107 @@
+"""Adaptive speculation (runtime/speculation.py): costs learned from the decoder's own calls, the decisions the
+cost model gives, exploration, when it is on, and that it never changes the output."""
+
+import pytest
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime import load
+from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.speculation import EXPLORE, CallTimes, Speculation
+from paradecode.runtime.stats import LOOKUP
+
+MS = 1e-3
+
+
+def test_call_times_learn_per_layer_and_per_position_costs():
+    times = CallTimes()
+    times.observe("layer_3", 1, 1 * MS)
+    times.observe("segment_4_7", 1, 4 * MS)  # four layers: 1 ms each
+    assert times.layer.value == pytest.approx(1 * MS)
+    times.observe("segment_4_7", 3, 6 * MS)  # 1.5 ms a layer at 3 positions: 0.25 ms per further position
+    assert times.layer_extra.value == pytest.approx(0.25 * MS)
+    times.observe("final", 1, 2 * MS)
+    times.observe("final", 2, 3 * MS)
+    assert (times.final.value, times.final_extra.value) == pytest.approx((2 * MS, 1 * MS))
+    times.observe("exit_4", 1, 0.5 * MS)
+    times.observe("layer_exit_8", 1, 1.3 * MS)  # a layer and its head: the head's share is 0.3 ms
+    assert times.exit_head[4].value == pytest.approx(0.5 * MS)
+    assert times.exit_head[8].value == pytest.approx(0.3 * MS)
+    times.observe("embed", 1, 9.0)  # not part of the model
+    times.observe("something_else", 1, 9.0)
+    assert times.layer.value == pytest.approx(1 * MS) and times.known
+
+
+def costs(speculation: Speculation, layer=1 * MS, layer_2=1.1 * MS, final=3 * MS, final_2=3.2 * MS, head=0.5 * MS):
+    for name, tokens, seconds in [
+        ("layer_1", 1, layer),
+        ("layer_1", 2, layer_2),
+        ("final", 1, final),
+        ("final", 2, final_2),
+        ("exit_4", 1, head),
+    ]:
+        speculation.times.observe(name, tokens, seconds)
+
+
+def test_exits_that_are_accepted_pay_and_rejected_ones_do_not():
+    speculation = Speculation(num_layers=12)
+    assert speculation.exit_gain(4) is None and speculation.try_exit(4)  # costs unknown: try
+    costs(speculation)
+    for _ in range(40):
+        speculation.head_called(4, exited=True)
+        speculation.verified(4, accepted=True)
+    # saved = 8 layers at (1 - 0.1) ms + (3 - 0.2) ms; nearly every head call exits and is accepted
+    gain = speculation.exit_gain(4)
+    assert gain == pytest.approx(
+        speculation.exit_rates[4].exits.value
+        * (
+            speculation.exit_rates[4].accepted.value * (8 * 0.9 + 2.8) * MS
+            - (1 - speculation.exit_rates[4].accepted.value) * (12 + 3) * MS
+        )
+        - 0.5 * MS
+    )
+    assert gain > 0 and speculation.try_exit(4)
+    for _ in range(60):
+        speculation.head_called(4, exited=True)
+        speculation.verified(4, accepted=False)
+    assert speculation.exit_gain(4) < 0
+    decisions = [speculation.try_exit(4) for _ in range(2 * EXPLORE)]
+    assert decisions.count(True) == 2 and decisions[EXPLORE - 1] and decisions[-1]  # explored, then skipped
+
+
+def test_lookup_pays_when_enough_of_its_tokens_are_accepted():
+    speculation = Speculation(num_layers=12)
+    costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)  # a further position: 0.5 ms a layer, 2 ms the head
+    for accepted in [True] * 50:
+        speculation.verified(LOOKUP, accepted)
+    token, extra = (12 * 1 + 3) * MS, (12 * 0.5 + 2) * MS
+    assert speculation.lookup_gain() == pytest.approx(speculation.lookup_rate.value * token - extra)
+    assert speculation.try_lookup()
+    for accepted in [False] * 100:
+        speculation.verified(LOOKUP, accepted)
+    assert speculation.lookup_gain() < 0 and not speculation.try_lookup()
+
+
+def test_when_adaptive_speculation_is_on():
+    assert GenerationConfig().adapts("cpu")
+    assert not GenerationConfig().adapts("cuda")  # a call's host time is not its cost there
+    assert not GenerationConfig(thresholds=0.5).adapts("cpu")  # explicit thresholds are used as given
+    assert not GenerationConfig(temperature=0.7).adapts("cpu")  # a seed must reproduce its sequence
+    assert GenerationConfig(thresholds=0.5, adaptive=True).adapts("cuda")
+    assert not GenerationConfig(adaptive=False).adapts("cpu")
+    with pytest.raises(UserInputError, match="adaptive must be True, False or None"):
+        GenerationConfig(adaptive="yes")
+
+
+def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(stories_export):
+    """stories260K without trained heads: at threshold 0 every token exits and nearly every exit is rolled back.
+    Adaptive speculation must notice and pass most exits up, with the same tokens as plain decoding."""
+    with load(stories_export[0]) as model:
+        ar = model.generate(prompt_ids=[1], max_new_tokens=120, mode="ar", ignore_eos=True)
+        forced = model.generate(prompt_ids=[1], max_new_tokens=120, thresholds=0.0, overlap="batched", ignore_eos=True)
+        adaptive = model.generate(
+            prompt_ids=[1], max_new_tokens=120, thresholds=0.0, overlap="batched", ignore_eos=True, adaptive=True
+        )
+    assert forced.token_ids == ar.token_ids and adaptive.token_ids == ar.token_ids
+    assert forced.stats.exits_skipped == 0 and forced.stats.rollbacks > 40, forced.stats
+    assert adaptive.stats.exits_skipped > 40, adaptive.stats
+    assert adaptive.stats.rollbacks < forced.stats.rollbacks / 2, (adaptive.stats, forced.stats)
