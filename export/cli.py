@@ -86,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="int8-heads",
         help="what quantized weights multiply: int8-heads (default: the heads' activations rounded to 8 bits per "
         "block, the layers' float32, so ParaDecode's verification of several positions in one call is cheap and its "
-        "output still equals plain decoding's), float (float32 everywhere: plain decoding within float32 rounding "
-        "of PyTorch on the dequantized weights) or int8 (every product's, as onnxruntime-genai and llama.cpp do: "
-        "faster plain decoding, but ParaDecode then equals it only up to int8 rounding near ties)",
+        "output equals plain decoding's up to near ties of the head's logits), float (float32 everywhere: plain "
+        "decoding within float32 rounding of PyTorch on the dequantized weights) or int8 (every product's, as "
+        "onnxruntime-genai and llama.cpp do: faster plain decoding, but ParaDecode then equals it only up to int8 "
+        "rounding near ties)",
     )
     parser.add_argument(
         "--ops",

@@ -89,8 +89,8 @@ class GenerationConfig:
     seed: int | None = None
     # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
     # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
-    # on a CPU (explicit thresholds are used as given; sampled runs keep their seed's sequence; on a GPU a call's
-    # host time is not its cost); True / False: on / off.
+    # on a CPU in the batched overlap (explicit thresholds are used as given; sampled runs keep their seed's
+    # sequence; on a GPU a call's host time is not its cost; its cost model is batched's); True / False: on / off.
     adaptive: bool | None = None
 
     def __post_init__(self) -> None:
@@ -159,11 +159,12 @@ class GenerationConfig:
         )
         return config if self.lookup_tokens else None
 
-    def adapts(self, device: str) -> bool:
-        """Whether ParaDecode adapts its speculation to measured costs and acceptance (see `adaptive`)."""
+    def adapts(self, device: str, overlap: str = "batched") -> bool:
+        """Whether ParaDecode adapts its speculation to measured costs and acceptance (see `adaptive`); `overlap`
+        is the resolved one (its cost model is `batched`'s)."""
         if self.adaptive is not None:
             return self.adaptive
-        return self.thresholds is None and self.temperature == 0 and device == "cpu"
+        return self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
 
     def resolve_thresholds(self, defaults: Mapping[int, float]) -> dict[int, float]:
         """Thresholds per exit layer: the export's defaults, overridden by this config."""

@@ -359,7 +359,7 @@ class ParaDecodeModel:
             )
         self.cache.reset()
         ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate, observe=self.speculation.times.observe)
-        adaptive = config.adapts(self.backend.device.type) and exit_policy is None
+        adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
         eos = () if config.ignore_eos else self.export.eos_token_ids
         if config.mode == "ar":
             decoder = decode_ar(ctx, ids, sampling)

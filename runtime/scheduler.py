@@ -313,7 +313,7 @@ class ParaDecoder:
 
     def exit_pays(self, layer: int) -> bool:
         """Whether calling exit layer `layer`'s head is expected to pay (always, without adaptive speculation)."""
-        if self.speculation is None or self.speculation.try_exit(layer):
+        if self.speculation is None or self.speculation.try_exit(layer, self.exit_head[layer] == "final"):
             return True
         self.ctx.stats.exits_skipped += 1
         return False
@@ -474,6 +474,10 @@ class ParaDecoder:
         del self.tokens[position + 1 :]
         self.tokens.append(token)
         self.verified = position + 2
+        if self.speculation is not None:  # discarded lookup proposals were paid for: they count as rejected
+            for q, source in self.source_of.items():
+                if q > position and source == LOOKUP:
+                    self.speculation.verified(LOOKUP, accepted=False)
         self.source_of = {q: e for q, e in self.source_of.items() if q < position}
         self.proposals = {q: v for q, v in self.proposals.items() if q < position}
         self.ctx.cache.rollback(position + 1)

@@ -16,9 +16,10 @@ while its expected gain is negative:
 - **The decision**, in seconds per opportunity, the batched form of the cost model of `tools/cost_model.py`
   (one lane: an accepted early token's upper layers share the successor's calls):
 
-      exit at layer e:  P(exit) * (P(accept) * saved_e - P(reject) * lost) - head_e  > 0
+      exit at layer e:  P(exit) * (saved_e - P(reject) * lost) - head_e  > 0
           saved_e = (L - e) * (layer - merge) + (final - final_merge)   what an accepted exit saves
-          lost    = L * layer + final                                   a rejected exit's discarded successor
+          lost    = L * layer + final       what a rejection adds: its discarded successor's work
+      (a rejected exit still costs what an accepted one does, plus `lost`: tools/cost_model.py's per_token)
       lookup:           P(accept) * (L * layer + final) - (L * merge + final_merge)  > 0   per proposed token
 
   A source that does not pay is still tried at every EXPLORE-th opportunity, so its estimate can recover
@@ -40,6 +41,8 @@ from paradecode.runtime.stats import LOOKUP
 DECAY = 0.97  # weight of the estimate so far at each new observation: about the last 30 events count
 EXPLORE = 16  # a source that does not pay is still tried once every EXPLORE opportunities
 PRIOR_MERGE = 0.1  # what one more position adds to a layer or final head call, as a share of it, until measured
+LEARN_TOKENS = 16  # calls of more positions (a prefill) say nothing of a decoding step's costs: not learned from
+OUTLIER = 3.0  # an observation is clipped to this many times the estimate (a preempted call on a shared CPU)
 CALL_NAMES = re.compile(r"(layer|exit|layer_exit)_(\d+)|segment_(\d+)_(\d+)|final|embed")
 
 
@@ -50,7 +53,10 @@ class Average:
     value: float | None = None
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else DECAY * self.value + (1 - DECAY) * x
+        if self.value is None:
+            self.value = x
+        else:
+            self.value = DECAY * self.value + (1 - DECAY) * min(x, OUTLIER * self.value)
 
 
 @dataclass
@@ -81,11 +87,16 @@ class CallTimes:
     final: Average = field(default_factory=Average)
     final_extra: Average = field(default_factory=Average)
     exit_head: dict[int, Average] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # subgraphs called at least once (the first call is not learned)
 
     def observe(self, name: str, tokens: int, seconds: float) -> None:
-        """One call of subgraph `name` over `tokens` positions took `seconds`."""
+        """One call of subgraph `name` over `tokens` positions took `seconds`. A subgraph's first call (which may
+        create its session) and calls of more than LEARN_TOKENS positions are not learned from."""
+        if name not in self.seen:
+            self.seen.add(name)
+            return
         match = CALL_NAMES.fullmatch(name)
-        if match is None:
+        if match is None or tokens > LEARN_TOKENS:
             return
         kind, number, first, last = match.groups()
         if name == "final":
@@ -149,19 +160,22 @@ class Speculation:
             self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
 
     # --- decisions ------------------------------------------------------------------------------------------
-    def exit_gain(self, layer: int) -> float | None:
-        """Expected seconds saved by calling exit layer `layer`'s head for a token (None: costs not known yet)."""
+    def exit_gain(self, layer: int, head_is_final: bool = False) -> float | None:
+        """Expected seconds saved by calling exit layer `layer`'s head for a token (None: costs not known yet).
+        `head_is_final`: the layer's head is the final head's graph (an export without trained heads)."""
         t = self.times
         if not t.known:
             return None
         rates = self.exit_rates.setdefault(layer, ExitRates())
-        head = t.exit_head.get(layer)
         layer_s, final_s = t.layer.value, t.final.value
         saved = (self.num_layers - layer) * (layer_s - t.merge()) + (final_s - t.final_merge())
         lost = self.num_layers * layer_s + final_s
-        accept = rates.accepted.value
-        head_s = head.value if head is not None and head.value is not None else 0.0
-        return rates.exits.value * (accept * saved - (1 - accept) * lost) - head_s
+        head = t.exit_head.get(layer)
+        if head_is_final:
+            head_s = final_s
+        else:
+            head_s = head.value if head is not None and head.value is not None else 0.0
+        return rates.exits.value * (saved - (1 - rates.accepted.value) * lost) - head_s
 
     def lookup_gain(self) -> float | None:
         """Expected seconds saved per token proposed by lookup (None: costs not known yet)."""
@@ -171,8 +185,8 @@ class Speculation:
         token = self.num_layers * t.layer.value + t.final.value
         return self.lookup_rate.value * token - (self.num_layers * t.merge() + t.final_merge())
 
-    def try_exit(self, layer: int) -> bool:
-        return self._worth(("exit", layer), self.exit_gain(layer))
+    def try_exit(self, layer: int, head_is_final: bool = False) -> bool:
+        return self._worth(("exit", layer), self.exit_gain(layer, head_is_final))
 
     def try_lookup(self) -> bool:
         return self._worth("lookup", self.lookup_gain())

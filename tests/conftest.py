@@ -133,7 +133,7 @@ def quantized_exports(tmp_path_factory) -> Cache:
     dequantized weights quantized again by onnxruntime's quantizer (`int4` / `int8`). The GGUF fixtures, not the
     tiny float models: their greedy output varies (several of the tiny float models repeat one token whatever
     the prompt). Like `exports`: random trained heads over a reduced vocabulary, fused layer+exit graphs,
-    logits; float activations (the default) but for the `gguf-int8*` sources."""
+    logits; float activations (not the default) but for the `gguf-int8*` sources."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.tiny_gguf import write_tiny_gguf

@@ -158,7 +158,7 @@ def test_a_gguf_export_keeps_every_block_bit_for_bit(family, quantized_exports):
     folder, result, gguf_path = quantized_exports[family, "gguf"]
     manifest = read_manifest(folder)
     quantization = manifest.quantization
-    assert quantization is not None and quantization.activations == "float"  # the default
+    assert quantization is not None and quantization.activations == "float"  # the fixture's (tests/conftest.py)
     assert not result.checklist.failed
     floats = canonical_weights(gguf_path)
     quantizable = {name for name in floats if canonical_shape(manifest.spec, name, manifest.head_vocab)}

@@ -94,7 +94,7 @@ def power_of_the_test(expected: dict[tuple, float], shift: float, runs: int = 40
 @pytest.fixture(scope="module", params=["float", "int4"], ids=["float-weights", "int4-weights"])
 def sampled(model_dirs, tmp_path_factory, request):
     """A tiny llama exported with random trained exit heads over a reduced vocabulary, with float weights or
-    int4 ones (float activations, the default), a prompt holding every token of the vocabulary once
+    int4 ones (the default activations: int8 in the heads), a prompt holding every token of the vocabulary once
     (so prompt lookup finds every new token in it and proposes what followed), and the exact distribution of
     the first NEW_TOKENS new tokens, from that export's own subgraphs.
 

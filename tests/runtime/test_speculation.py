@@ -6,14 +6,23 @@ import pytest
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import load
 from paradecode.runtime.config import GenerationConfig
-from paradecode.runtime.speculation import EXPLORE, CallTimes, Speculation
+from paradecode.runtime.speculation import EXPLORE, LEARN_TOKENS, OUTLIER, CallTimes, Speculation
 from paradecode.runtime.stats import LOOKUP
+from paradecode.tools.cost_model import CostModel
 
 MS = 1e-3
 
 
+def warmed(times: CallTimes, *names: str) -> CallTimes:
+    """`times` after a first call of each of `names`, which is never learned from (it may create the session)."""
+    for name in names:
+        times.observe(name, 1, 9.0)
+    return times
+
+
 def test_call_times_learn_per_layer_and_per_position_costs():
-    times = CallTimes()
+    times = warmed(CallTimes(), "layer_3", "segment_4_7", "final", "exit_4", "layer_exit_8")
+    assert times.layer.value is None and not times.known  # the first calls taught nothing
     times.observe("layer_3", 1, 1 * MS)
     times.observe("segment_4_7", 1, 4 * MS)  # four layers: 1 ms each
     assert times.layer.value == pytest.approx(1 * MS)
@@ -28,10 +37,14 @@ def test_call_times_learn_per_layer_and_per_position_costs():
     assert times.exit_head[8].value == pytest.approx(0.3 * MS)
     times.observe("embed", 1, 9.0)  # not part of the model
     times.observe("something_else", 1, 9.0)
+    times.observe("segment_4_7", LEARN_TOKENS + 1, 9.0)  # a prefill: not a decoding step's cost
     assert times.layer.value == pytest.approx(1 * MS) and times.known
+    times.observe("layer_3", 1, 1.0)  # a preempted call counts as OUTLIER times the estimate at most
+    assert times.layer.value == pytest.approx(0.97 * MS + 0.03 * OUTLIER * MS)
 
 
 def costs(speculation: Speculation, layer=1 * MS, layer_2=1.1 * MS, final=3 * MS, final_2=3.2 * MS, head=0.5 * MS):
+    warmed(speculation.times, "layer_1", "final", "exit_4")
     for name, tokens, seconds in [
         ("layer_1", 1, layer),
         ("layer_1", 2, layer_2),
@@ -49,16 +62,14 @@ def test_exits_that_are_accepted_pay_and_rejected_ones_do_not():
     for _ in range(40):
         speculation.head_called(4, exited=True)
         speculation.verified(4, accepted=True)
-    # saved = 8 layers at (1 - 0.1) ms + (3 - 0.2) ms; nearly every head call exits and is accepted
+    # the cost model of the calibration and the bench (tools/cost_model.py), in layer calls: calling the head at
+    # layer 4 for every token against plain decoding, at the shares this model estimates
+    rates = speculation.exit_rates[4]
+    exits, accepted = rates.exits.value, rates.accepted.value
+    model = CostModel(12, head=0.5, merge=0.1, final=3.0, final_merge=0.2)
+    per_token = model.per_token({4: exits}, [4], wrong={4: exits * (1 - accepted)})
     gain = speculation.exit_gain(4)
-    assert gain == pytest.approx(
-        speculation.exit_rates[4].exits.value
-        * (
-            speculation.exit_rates[4].accepted.value * (8 * 0.9 + 2.8) * MS
-            - (1 - speculation.exit_rates[4].accepted.value) * (12 + 3) * MS
-        )
-        - 0.5 * MS
-    )
+    assert gain == pytest.approx((model.ar() - per_token) * MS)
     assert gain > 0 and speculation.try_exit(4)
     for _ in range(60):
         speculation.head_called(4, exited=True)
@@ -66,6 +77,12 @@ def test_exits_that_are_accepted_pay_and_rejected_ones_do_not():
     assert speculation.exit_gain(4) < 0
     decisions = [speculation.try_exit(4) for _ in range(2 * EXPLORE)]
     assert decisions.count(True) == 2 and decisions[EXPLORE - 1] and decisions[-1]  # explored, then skipped
+
+
+def test_an_exit_head_that_is_the_final_head_costs_what_the_final_head_costs():
+    speculation = Speculation(num_layers=12)
+    costs(speculation)
+    assert speculation.exit_gain(4, head_is_final=True) == pytest.approx(speculation.exit_gain(4) + (0.5 - 3) * MS)
 
 
 def test_lookup_pays_when_enough_of_its_tokens_are_accepted():
