@@ -217,12 +217,16 @@ def test_float_activations_reproduce_pytorch_on_the_dequantized_model(tmp_path):
 
 @pytest.mark.slow
 def test_int8_heads_round_only_the_heads(tmp_path):
-    """--activations int8-heads: the heads' quantized products take int8 activations (onnxruntime's accuracy_level
-    4), every layer's float ones (0), and each graph is validated with its own kind's tolerance."""
+    """--activations int8-heads (the default): the heads' quantized products (the final head's, the trained exit
+    heads') take int8 activations (onnxruntime's accuracy_level 4), every layer's float ones (0), a fused layer_exit
+    graph's too, and each graph is validated with its own kind's tolerance."""
+    from tests.tiny_models import save_random_heads
+
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_path, block_types=MIXED_BLOCKS, tied=False, seed=4)
+    heads = save_random_heads(gguf_path, tmp_path / "heads.safetensors")
     out = tmp_path / "export"
-    code, printed = run_cli([gguf_path, "-o", out, "--max-seq-len", 64, "--activations", "int8-heads"])
+    code, printed = run_cli([gguf_path, "-o", out, "--max-seq-len", 64, "--heads", heads, "--fused-exits"])
     assert code == 0, printed
     manifest = read_manifest(out)
     assert manifest.quantization.activations == "int8-heads"
@@ -236,8 +240,8 @@ def test_int8_heads_round_only_the_heads(tmp_path):
             for attr in node.attribute
             if attr.name == "accuracy_level"
         )
-    assert levels["final"] == {4}, levels
-    assert levels["layer"] == {0}, levels
+    assert levels["final"] == {4} and levels["exit"] == {4}, levels
+    assert levels["layer"] == {0} and levels["layer_exit"] == {0}, levels
     assert all(found <= {0} for kind, found in levels.items() if kind not in ("final", "exit")), levels
     checks = {line.split("]")[1].split()[0]: line for line in printed.splitlines() if "onnxruntime vs PyTorch" in line}
     assert "|Δ|₂ <= 0.1·|ref|₂" in checks["final"], printed  # the int8 tolerance
