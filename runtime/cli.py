@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive",
         choices=ADAPTIVE,
         help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
-        "(default: for greedy decoding with the export's thresholds on a CPU), on or off",
+        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap), on or off",
     )
     parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 3)")
     parser.add_argument(

@@ -75,6 +75,21 @@ def test_calls_from_several_threads_are_serialised_and_correct(exports):
     assert not errors and results == expected
 
 
+def test_generate_adaptive_flag(stories_export, capsys):
+    """--adaptive on with forced exits (threshold 0, no trained heads: nearly every exit rolled back) passes exits
+    up; off never does; both give ar's tokens."""
+    folder = str(stories_export[0])
+    common = [folder, "--prompt-ids", "1", "--max-new-tokens", "80", "--json", "--ignore-eos", "--threshold", "0"]
+    runs = {}
+    for flag in ("on", "off"):
+        assert cli.main([*common, "--overlap", "batched", "--adaptive", flag]) == 0
+        runs[flag] = json.loads(capsys.readouterr().out)
+    assert cli.main([*common, "--mode", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert runs["on"]["token_ids"] == runs["off"]["token_ids"] == ar["token_ids"]
+    assert runs["on"]["stats"]["exits_skipped"] > 0 and runs["off"]["stats"]["exits_skipped"] == 0, runs
+
+
 def test_generate_json_prints_new_tokens_text_and_stats(exports, capsys):
     folder, _ = exports["gpt2"]
     assert (
