@@ -32,7 +32,8 @@ class ExportConfig:
     # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/quantize.py)
     weights: str = "auto"
     # what quantized graphs compute with (graphs/quantization.py ACTIVATIONS): int8-heads (int8 activations in the
-    # heads, float32 in the layers: cheap batched verification, ParaDecode equal to plain decoding), float (float32
+    # heads, float32 in the layers: cheap batched verification, ParaDecode equal to plain decoding up to near ties
+    # of the head's logits), float (float32
     # everywhere: plain decoding within float32 rounding of PyTorch) or int8 (everywhere: faster plain decoding,
     # but a batched call's float rounding can flip an int8 rounding, so ParaDecode equals plain decoding only up to
     # such near ties)

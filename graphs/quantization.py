@@ -12,6 +12,7 @@ from typing import Any
 
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import HEAD_SUBGRAPHS
 from paradecode.graphs.untrusted import json_field, json_integer, json_object, json_string, show
 
 BITS = (4, 8)
@@ -40,7 +41,6 @@ QUANTIZABLE = re.compile(
 # float-activation export's greedy path in 8 of 18 answers). ParaDecode equals plain decoding up to such near
 # ties, as with float activations, but the ties are wider (the int8 rounding's size, not float32's).
 ACTIVATIONS = ("float", "int8-heads", "int8")
-HEAD_KINDS = ("exit", "final")  # the subgraphs `int8-heads` computes with int8 activations
 
 
 def quantizable(name: str) -> bool:
@@ -146,7 +146,7 @@ class Quantization:
     def activations_of(self, kind: str) -> str:
         """What a subgraph of this kind (graphs/tensors.py KINDS) computes with: "float" or "int8"."""
         if self.activations == "int8-heads":
-            return "int8" if kind in HEAD_KINDS else "float"
+            return "int8" if kind in HEAD_SUBGRAPHS else "float"
         return self.activations
 
     def sources(self) -> dict[str, int]:

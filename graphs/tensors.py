@@ -56,6 +56,7 @@ IN_PLACE = {PRESENT_KEY: PAST_KEY, PRESENT_VALUE: PAST_VALUE}
 
 DTYPES = ("float32", "float16", "bfloat16")
 KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment")
+HEAD_SUBGRAPHS = ("exit", "final")  # the kinds that are a head alone (layer_exit holds a layer too)
 
 
 def of_layer(name: str, layer: int) -> str:

@@ -23,6 +23,7 @@ import torch
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
+from paradecode.graphs.tensors import HEAD_SUBGRAPHS
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
@@ -41,7 +42,6 @@ BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (
 # int8 kernels are fast enough that waking a second thread for each of a layer's operators costs more than the
 # core gives); float activations 97.2 all on 2 against 92.5 with layers on 1; float weights 60.9 all on 2 against
 # 55.9. A head's one large product splits well everywhere.
-HEAD_KINDS = ("exit", "final")
 
 
 def return_freed_weights_to_the_system() -> None:
@@ -125,7 +125,7 @@ class OnnxRuntimeBackend(Backend):
             )
         return_freed_weights_to_the_system()
         cores = max(1, os.cpu_count() or 1)
-        if threads is None:  # per subgraph (see HEAD_KINDS)
+        if threads is None:  # per subgraph (see HEAD_SUBGRAPHS)
             quantization = self.manifest.quantization
             int8 = quantization is not None and quantization.activations == "int8"
             self.threads = {"layers": 1 if int8 else cores, "heads": cores}
@@ -179,7 +179,7 @@ class OnnxRuntimeBackend(Backend):
                 session = self.sessions.get(name)
                 if session is None:
                     sub = self.subgraphs[name]
-                    part = "heads" if sub.io.kind in HEAD_KINDS else "layers"
+                    part = "heads" if sub.io.kind in HEAD_SUBGRAPHS else "layers"
                     session = self.sessions[name] = self._create_session(sub.onnx, options=self.options[part])
         return session
 
