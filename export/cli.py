@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.export.config import OPS, WEIGHT_SETTINGS
+from paradecode.export.config import OPS, WEIGHT_SETTINGS, ExportConfig
 from paradecode.export.known_models import known_models_help
 from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
@@ -106,7 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="KV-cache length (default: the model's max_position_embeddings, at most 2048)",
     )
-    parser.add_argument("--max-batch", type=positive_int, default=1, metavar="B", help="largest batch (default 1)")
+    parser.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=ExportConfig.max_batch,
+        metavar="B",
+        help="most requests a call decodes together, one row each: what a server batches "
+        f"(default {ExportConfig.max_batch})",
+    )
     parser.add_argument(
         "--max-unverified",
         type=positive_int,
@@ -172,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     def work():
         # Imported here, inside run_command, so that Ctrl-C or SIGTERM during the slow imports
         # (torch, transformers) ends as an interrupt too.
-        from paradecode.export.config import ExportConfig
         from paradecode.export.pipeline import export_model
 
         quiet_dependency_logs()

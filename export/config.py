@@ -40,7 +40,9 @@ class ExportConfig:
     activations: str = "int8-heads"
     ops: str = "auto"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
-    max_batch: int = 1
+    # rows a call may carry (independent requests, one token each: graphs/tensors.py): what a server batches. A
+    # symbolic batch costs a batch-1 call nothing measurable (SmolLM2, 62.0 vs 60.1 tokens/s of plain decoding)
+    max_batch: int = 8
     max_unverified: int = 5
     opset: int = MIN_OPSET
     engine: str = "onnx"

@@ -322,8 +322,9 @@ def random_inputs(
     dtype: torch.dtype,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Random inputs: hidden states, full random caches (masked slots must not matter), random positions."""
-    batch = min(2, max_batch)
+    """Random inputs: hidden states, full random caches (masked slots must not matter), random positions; two
+    rows of one token each where the export batches (the contract's batched calls, graphs/tensors.py), else one."""
+    batch = min(2, max_batch) if tokens == 1 else 1
     tokens = min(tokens, max_seq_len)
     starts = torch.randint(0, max_seq_len - tokens + 1, (batch,), generator=generator)
     inputs = {}

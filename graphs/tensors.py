@@ -22,7 +22,10 @@ Subgraphs (DESIGN.md §4), with layers numbered 1..L:
   layer's). An export's segments partition 1..L at its exit layers, so a token moves through a few
   calls instead of one per layer.
 
-Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export.
+Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export. ``batch`` is symbolic
+in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/batching.py), each at its
+own positions, so each row's cache length is its own. A call of several rows carries one token per row
+(onnxruntime's GroupQueryAttention refuses more on a CPU); a call of one row carries any number.
 """
 
 from __future__ import annotations

@@ -25,6 +25,33 @@ class KVCache:
         self.values = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over rows start..stop-1 of this one's buffers (views, no copy), with lengths of its own: a
+        batch's requests each decode in their rows of one cache [max_batch, H_kv, S, D_h]."""
+        view = KVCache.__new__(KVCache)
+        view.shape = (stop - start, *self.shape[1:])
+        view.keys = [k[start:stop] for k in self.keys]
+        view.values = [v[start:stop] for v in self.values]
+        view.lengths = list(self.lengths)
+        return view
+
+    def zero(self, row: int, start: int, stop: int) -> None:
+        """Zero slots start..stop-1 of `row` in every layer (slots a batched call may read, masked, before the row
+        reaches them: see runtime/batching.py)."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[row, :, start:stop] = 0
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy row `source`'s first `length` positions of every layer into row `target` (a batch closing a gap)."""
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[target, :, :length] = buffer[source, :, :length]
+
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
     @property
     def capacity(self) -> int:
         return self.shape[2]

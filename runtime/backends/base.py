@@ -127,8 +127,14 @@ class Backend(ABC):
         self.close()
 
     # buffers -------------------------------------------------------------------------------
-    def allocate_cache(self) -> KVCache:
-        shape = (1, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
+    def allocate_cache(self, batch: int = 1) -> KVCache:
+        """A KV cache of `batch` rows (at most the export's max_batch) at the export's max length."""
+        if batch > self.manifest.max_batch:
+            raise UserInputError(
+                f"a batch of {batch} rows needs an export with --max-batch {batch} or more; {self.export.path} was "
+                f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
+            )
+        shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
         return KVCache(self.spec.num_layers, shape, self.dtype, self.device)
 
     def new_stream(self):

@@ -65,14 +65,14 @@ def return_freed_weights_to_the_system() -> None:
 
 
 class Bound:
-    """An IOBinding made once for one subgraph, token count and lane (CPU).
+    """An IOBinding made once for one subgraph, batch size, token count and lane (CPU).
 
     Each call copies its inputs into persistent bound buffers and returns the output buffers, which
     `Backend.run` copies out (the ones asked for); the in-place buffers (the caches) stay bound where
     they are, and are rebound only if a call feeds other ones.
     """
 
-    def __init__(self, session, io, tokens: int):
+    def __init__(self, session, io, batch: int, tokens: int):
         self.session = session
         self.binding = session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
@@ -80,15 +80,15 @@ class Bound:
         self.bound: dict[str, int] = {}  # in-place input -> data_ptr it is bound to
         for spec in io.inputs:
             if spec.name not in self.in_place.values():
-                self._buffer(spec, tokens, self.binding.bind_ortvalue_input)
+                self._buffer(spec, batch, tokens, self.binding.bind_ortvalue_input)
         for spec in io.outputs:
             if spec.name not in self.in_place:
-                self._buffer(spec, tokens, self.binding.bind_ortvalue_output)
+                self._buffer(spec, batch, tokens, self.binding.bind_ortvalue_output)
         # the output buffers as tensors, made once: what every call returns (reused, so `run` copies them out)
         self.outputs = {n: torch.from_numpy(self.buffers[n]) for n in io.output_names if n not in self.in_place}
 
-    def _buffer(self, spec, tokens: int, bind) -> None:
-        buffer = np.zeros(spec.concrete(1, tokens), dtype=NUMPY_DTYPES[TORCH_DTYPES[spec.dtype]])
+    def _buffer(self, spec, batch: int, tokens: int, bind) -> None:
+        buffer = np.zeros(spec.concrete(batch, tokens), dtype=NUMPY_DTYPES[TORCH_DTYPES[spec.dtype]])
         self.buffers[spec.name] = buffer
         bind(spec.name, ort.OrtValue.ortvalue_from_numpy(buffer))
 
@@ -134,7 +134,7 @@ class OnnxRuntimeBackend(Backend):
         self.options = {part: self._options(count) for part, count in self.threads.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}  # CPU: created on a subgraph's first call
         self._lane_sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # GPU: (subgraph, lane)
-        self._bound: dict[tuple[str, int, str], Bound] = {}  # CPU: (subgraph, tokens, lane)
+        self._bound: dict[tuple[str, int, int, str], Bound] = {}  # CPU: (subgraph, batch, tokens, lane)
         self._creating = threading.Lock()  # sessions are created by whichever lane calls first
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
@@ -203,19 +203,19 @@ class OnnxRuntimeBackend(Backend):
         self.sessions.clear()
         self._lane_sessions.clear()
 
-    def allocate_cache(self) -> KVCache:
+    def allocate_cache(self, batch: int = 1) -> KVCache:
         self._bound.clear()
-        return super().allocate_cache()
+        return super().allocate_cache(batch)
 
     def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
         """On a CPU, a call of up to BOUND_TOKENS tokens through its lane's persistent binding (`Bound`); any
         other call binds the given tensors and new output buffers (by CUDA address on a GPU)."""
-        tokens = next(iter(feeds.values())).shape[1]
+        batch, tokens = next(iter(feeds.values())).shape[:2]
         if self.device.type == "cpu" and tokens <= BOUND_TOKENS:
-            key = (name, tokens, lane)
+            key = (name, batch, tokens, lane)
             bound = self._bound.get(key)
             if bound is None:
-                bound = self._bound[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, tokens)
+                bound = self._bound[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, batch, tokens)
             return bound(feeds)
         feeds = {k: v.contiguous() for k, v in feeds.items()}  # bound by address, kept alive until the run
         result = self.output_buffers(name, feeds)

@@ -91,7 +91,8 @@ class TorchBackend(Backend):
             module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)
             self.modules[sub.io.name] = module.to(self.device)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs: dict[tuple[str, int, str], GraphedCall] = {}  # (subgraph, tokens, lane)
+        # (subgraph, batch, tokens, lane, the caches' addresses): a graph writes the very caches it was captured with
+        self.graphs: dict[tuple, GraphedCall] = {}
         self.pools: dict[str, object] = {}  # lane -> CUDA graph memory pool
         self._capture = threading.Lock()
 
@@ -100,9 +101,9 @@ class TorchBackend(Backend):
         self.pools.clear()
         self.modules.clear()
 
-    def allocate_cache(self):
+    def allocate_cache(self, batch: int = 1):
         self.graphs.clear()  # captured layers point at the old buffers
-        return super().allocate_cache()
+        return super().allocate_cache(batch)
 
     @torch.inference_mode()
     def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
@@ -119,18 +120,20 @@ class TorchBackend(Backend):
             out = out if isinstance(out, tuple) else (out,)
             return tuple(t for n, t in zip(call.outputs, out) if n not in call.in_place)
 
-        computed, reused = self._call(name, lane, run, [feeds[n] for n in streamed])
+        where = tuple(t.data_ptr() for t in cached.values())
+        computed, reused = self._call(name, lane, run, [feeds[n] for n in streamed], where)
         return dict(zip(call.produced, computed)), reused
 
     def _call(
-        self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor]
+        self, name: str, lane: str, fn: Callable, inputs: list[torch.Tensor], where: tuple[int, ...] = ()
     ) -> tuple[tuple[torch.Tensor, ...], bool]:
         """`fn(*inputs)`: as a CUDA graph where enabled and the call is small (its outputs are then the graph's
-        static buffers, reused by its next replay), else directly."""
-        tokens = inputs[0].shape[1]
+        static buffers, reused by its next replay), else directly. `where`: the addresses of the caches `fn`
+        writes (one graph per cache: a batch's rows are views of one buffer at other addresses)."""
+        batch, tokens = inputs[0].shape[:2]
         if not self.cuda_graphs or tokens > GRAPH_TOKENS:
             return fn(*inputs), False
-        key = (name, tokens, lane)
+        key = (name, batch, tokens, lane, where)
         graph = self.graphs.get(key)
         if graph is None:
             with self._capture:

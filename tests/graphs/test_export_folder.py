@@ -319,8 +319,9 @@ TAMPERED = [
     ),
     (
         tampered_cache_shape,
-        r"subgraphs\[4\] \(layer_2\): input past_key has shape \[1, 2, 65, 12\], the contract has \[1, 2, 64, 12\];"
-        r" the contract for 4 layers, exit layers \[1, 2, 3\], dtype float32, max_seq_len 64",
+        r"subgraphs\[4\] \(layer_2\): input past_key has shape \['batch', 2, 65, 12\], "
+        r"the contract has \['batch', 2, 64, 12\]; "
+        r"the contract for 4 layers, exit layers \[1, 2, 3\], dtype float32, max_seq_len 64",
     ),
     (float_in_a_shape, r"subgraphs\[4\]\.inputs\[2\]\.shape\[2\] is 64\.0; expected an integer >= 1"),
     (tampered_tensor_dtype, r"subgraphs\[2\] \(exit_1\): output token has dtype 'int32', the contract has 'int64'"),
@@ -331,7 +332,7 @@ TAMPERED = [
     (unknown_dtype, r"dtype is 'int4'; expected one of \['float32', 'float16', 'bfloat16'\]"),
     (
         tampered_max_seq_len,
-        r"input past_key has shape \[1, 2, 64, 12\], the contract has \[1, 2, 65, 12\].*max_seq_len 65",
+        r"input past_key has shape \['batch', 2, 64, 12\], the contract has \['batch', 2, 65, 12\].*max_seq_len 65",
     ),
     (zero_max_batch, r"limits\.max_batch is 0; expected an integer >= 1"),
     (string_max_unverified, r"limits\.max_unverified is '5'; expected an integer >= 1"),

@@ -134,7 +134,7 @@ def test_a_feed_of_the_wrong_dtype_is_refused_naming_the_tensor(backends, backen
     message = refused(backend, monkeypatch, "layer_1", {**feeds, POSITIONS: feeds[POSITIONS].to(torch.int32)})
     print(message)
     assert message == (
-        "layer_1: input positions arrived as torch.int32 [1, 2]; the contract expects int64 [1, 'tokens']."
+        "layer_1: input positions arrived as torch.int32 [1, 2]; the contract expects int64 ['batch', 'tokens']."
     )
     message = refused(backend, monkeypatch, "final", {HIDDEN: head_feeds(backend, 1)[HIDDEN].double()})
     assert message.startswith("final: input hidden arrived as torch.float64 [1, 1, 48]; the contract expects float32")
