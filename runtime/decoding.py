@@ -85,17 +85,20 @@ class DecodeContext:
     def num_layers(self) -> int:
         return self.backend.spec.num_layers
 
+    def at(self, start: int, tokens: int) -> torch.Tensor:
+        """The positions [1, tokens] of a call from `start` (a batch of requests has one row per request)."""
+        return self.positions[:, start : start + tokens]
+
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
         feeds = {INPUT_IDS: torch.tensor([ids], dtype=torch.int64)}
         if self.learned_positions:
-            feeds[POSITIONS] = self.positions[:, start:end]
+            feeds[POSITIONS] = self.at(start, len(ids))
         return self._call(lane, "embed", "embed", start, end, feeds)[HIDDEN]
 
     def _layer_feeds(self, layer: int, hidden: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
         key, value = self.cache.layer(layer)
-        positions = self.positions[:, start : start + hidden.shape[1]]
-        return {HIDDEN: hidden, POSITIONS: positions, PAST_KEY: key, PAST_VALUE: value}
+        return {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1]), PAST_KEY: key, PAST_VALUE: value}
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         feeds = self._layer_feeds(layer, hidden, start)
@@ -116,7 +119,7 @@ class DecodeContext:
         return hidden
 
     def segment(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        feeds = {HIDDEN: hidden, POSITIONS: self.positions[:, start : start + hidden.shape[1]]}
+        feeds = {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1])}
         for layer in range(first, last + 1):
             feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
         name, label = f"segment_{first}_{last}", f"layers {first}-{last}"

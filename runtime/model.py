@@ -35,6 +35,7 @@ from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInpu
 from paradecode.graphs.manifest import TOKENIZER_DIR
 from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
+from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
 from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
@@ -42,7 +43,7 @@ from paradecode.runtime.loader import open_export
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
-from paradecode.runtime.tokenizer import TextStream, TextTokenizer
+from paradecode.runtime.tokenizer import TextTokenizer
 from paradecode.runtime.watched import WatchedFiles
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,15 @@ logger = logging.getLogger(__name__)
 # (tools/results/NVIDIA-H100-80GB-HBM3/: batched followed its bound in the 0.5B characterisation while streams
 # and both did not, but both was ahead on SmolLM2 in a single noisy run; decoding there is host-bound).
 AUTO_OVERLAP = {"cpu": "batched", "cuda": "both"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """A checked request (`ParaDecodeModel.request`): prompt token ids, settings, thresholds per exit layer."""
+
+    ids: list[int]
+    config: GenerationConfig
+    thresholds: dict[int, float]
 
 
 @dataclass
@@ -226,6 +236,24 @@ class ParaDecodeModel:
         self.files.check()
         if config is not None and not isinstance(config, GenerationConfig):
             raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
+        request = self.request(prompt, prompt_ids, messages, config, **settings)
+        self._refuse_reentry()
+        stream = GenerationStream()
+        stream._tokens = self._run(request, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
+        return stream
+
+    def request(
+        self,
+        prompt: str | None = None,
+        prompt_ids: list[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
+        config: GenerationConfig | None = None,
+        **settings,
+    ) -> Request:
+        """A request checked completely against this export (a bad one raises UserInputError here): its prompt's
+        token ids, its settings (`config` with `settings` applied) and its thresholds per exit layer."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         config = replace(config or GenerationConfig(), **settings) if settings else (config or GenerationConfig())
         ids = self.prompt_ids(prompt, prompt_ids, messages)
         if config.stop and self.tokenizer is None:
@@ -234,15 +262,53 @@ class ParaDecodeModel:
                 f"{self.export.path} has none: leave out the stop strings (stop on max_new_tokens or an "
                 "end-of-sequence token), or export the model with its tokenizer."
             )
+        if config.temperature != 0 and not self.manifest.with_logits:
+            raise UserInputError(
+                f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
+                "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
+            )
         thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
-        self._refuse_reentry()
-        stream = GenerationStream()
-        stream._tokens = self._run(
-            ids, config, thresholds, Timeline(record_spans=trace), stream, text, annotate, exit_policy
+        return Request(ids, config, thresholds)
+
+    def paradecoder(
+        self,
+        ctx: DecodeContext,
+        ids: list[int],
+        request: Request,
+        overlap: str,
+        sampling,
+        *,
+        max_new_tokens: int | None = None,
+        exit_policy=None,
+    ) -> ParaDecoder:
+        """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when a batch hands a
+        request back to ParaDecode) over `ctx`, with this model's lanes and speculation estimates."""
+        config = request.config
+        adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
+        return ParaDecoder(
+            ctx,
+            ids,
+            config.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            thresholds=request.thresholds,
+            max_unverified=config.max_unverified,
+            overlap=overlap,
+            side_lanes=self.side_lanes,
+            eos_token_ids=self.eos_of(config),
+            exit_policy=exit_policy,
+            lookup=config.lookup_config(),
+            sampling=sampling,
+            speculation=self.speculation if adaptive else None,
         )
-        return stream
+
+    def eos_of(self, config: GenerationConfig) -> tuple[int, ...]:
+        """The tokens that end a request's output (none when it ignores end-of-sequence tokens)."""
+        return () if config.ignore_eos else tuple(self.export.eos_token_ids)
+
+    def overlap_of(self, config: GenerationConfig) -> str:
+        """The request's overlap with `auto` resolved for this model's device."""
+        return config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
 
     # --- internals --------------------------------------------------------------------------
     def _warn_untrained(self) -> None:
@@ -254,6 +320,16 @@ class ParaDecodeModel:
                 "with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass "
                 "thresholds to exit with the model's own head anyway.",
                 self.export.path,
+            )
+
+    def _warn_full(self, new_tokens: int) -> None:
+        if not self._warned_full:  # once per model; every result says so in stats.stop_reason
+            self._warned_full = True
+            logger.warning(
+                "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export with a larger "
+                "--max-seq-len for longer outputs.",
+                new_tokens,
+                self.manifest.max_seq_len,
             )
 
     def _check_open(self) -> None:
@@ -320,9 +396,7 @@ class ParaDecodeModel:
 
     def _run(
         self,
-        ids: list[int],
-        config: GenerationConfig,
-        thresholds: dict[int, float],
+        request: Request,
         timeline: Timeline,
         stream: GenerationStream,
         with_text: bool,
@@ -336,15 +410,16 @@ class ParaDecodeModel:
             with self._state:
                 self._check_open()
                 self._active = stream
-            yield from self._decode(ids, config, thresholds, timeline, stream, with_text, annotate, exit_policy)
+            yield from self._decode(request, timeline, stream, with_text, annotate, exit_policy)
         finally:
             with self._state:
                 self._active = None
             self._owner = None
             self._lock.release()
 
-    def _decode(self, ids, config, thresholds, timeline, stream, with_text, annotate, exit_policy):
-        overlap = config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
+    def _decode(self, request: Request, timeline, stream, with_text, annotate, exit_policy):
+        ids, config = request.ids, request.config
+        overlap = self.overlap_of(config)
         sampling = config.sampling(config.seed if config.seed is not None else secrets.randbits(63))
         stats = GenerationStats(
             mode=config.mode,
@@ -352,73 +427,31 @@ class ParaDecodeModel:
             prompt_tokens=len(ids),
             seed=None if sampling is None else sampling.seed,
         )
-        if sampling is not None and not self.manifest.with_logits:
-            raise UserInputError(
-                f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
-                "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
-            )
         self.cache.reset()
         ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate, observe=self.speculation.times.observe)
-        adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
-        eos = () if config.ignore_eos else self.export.eos_token_ids
         if config.mode == "ar":
             decoder = decode_ar(ctx, ids, sampling)
         else:
-            decoder = ParaDecoder(
-                ctx,
-                ids,
-                config.max_new_tokens,
-                thresholds=thresholds,
-                max_unverified=config.max_unverified,
-                overlap=overlap,
-                side_lanes=self.side_lanes,
-                eos_token_ids=eos,
-                exit_policy=exit_policy,
-                lookup=config.lookup_config(),
-                sampling=sampling,
-                speculation=self.speculation if adaptive else None,
-            ).run()
-        text = TextStream(self.tokenizer, ids) if self.tokenizer and (with_text or config.stop) else None
-        longest_stop = max((len(s) for s in config.stop), default=0)
-        room = self.cache.capacity - len(ids) + 1  # tokens the cache leaves after the prompt: the last one ends it
-        tokens, margins = [], []
+            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, exit_policy=exit_policy).run()
+        eos = self.eos_of(config)
+        completion = Completion(ids, config, self.tokenizer, eos, self.cache.capacity, with_text)
+        tokens, margins = completion.tokens, completion.margins
         started = time.perf_counter()
         try:
             for token, margin in decoder:
                 if not tokens:
                     stats.prefill_seconds = time.perf_counter() - started
-                tokens.append(token)
-                margins.append(margin)
-                piece = text.push(token) if text else ""
-                if token in eos:
-                    stop = "eos"
-                elif len(tokens) >= config.max_new_tokens:
-                    stop = "max_new_tokens"
-                elif (
-                    piece
-                    and config.stop
-                    and any(s in text.text[-(len(piece) + longest_stop - 1) :] for s in config.stop)
-                ):
-                    stop = "stop_string"  # a stop string ends in the new piece: look there only
-                else:
-                    stop = None
-                if text and (stop or len(tokens) >= room):
-                    piece += text.finish()  # the last token: what was held back (a partial character) goes with it
+                piece, stop = completion.push(token, margin)
                 yield StreamedToken(token, piece)
+                if stop == MAX_SEQ_LEN:
+                    self._warn_full(len(tokens))
                 stats.stop_reason = stop or ("closed" if self._closed else None)
                 if stats.stop_reason:
                     break
                 self.files.check()  # before the next token reads the weights again
             else:
-                stats.stop_reason = "max_seq_len"
-                if not self._warned_full:  # once per model; every result says so in stats.stop_reason
-                    self._warned_full = True
-                    logger.warning(
-                        "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export "
-                        "with a larger --max-seq-len for longer outputs.",
-                        len(tokens),
-                        self.cache.capacity,
-                    )
+                stats.stop_reason = MAX_SEQ_LEN  # the decoder ends where the cache does
+                self._warn_full(len(tokens))
         except GeneratorExit:
             stats.stop_reason = stats.stop_reason or ("closed" if self._closed else "cancelled")
             raise

@@ -137,14 +137,23 @@ class ParaDecoder:
         self.error: BaseException | None = None  # a side lane's error, raised by lane 0
 
     # --- the generator lane 0 runs ------------------------------------------------------------
-    def run(self) -> Iterator[tuple[int, float]]:
+    def run(self, resume: int | None = None) -> Iterator[tuple[int, float]]:
+        """The verified tokens after the prompt, the first from its prefill. `resume`: the prompt is already in
+        the cache at every layer (a batch hands a request back to ParaDecode) and `resume` is the token after it,
+        verified and already returned: decoding goes on from there, yielding only the tokens after it."""
         n = len(self.prompt)
-        token, margin = prefill(self.ctx, self.prompt, self.sampling, self.draws)
+        if resume is None:
+            token, margin = prefill(self.ctx, self.prompt, self.sampling, self.draws)
+        else:
+            token = resume
+            for layer in range(1, self.L + 1):
+                self.ctx.cache.written(layer, n)
         self.tokens.append(token)
         self.verified = n + 1
         if self.lookup is not None:
             self.lookup.extend(self.tokens, self.verified)
-        yield token, margin
+        if resume is None:
+            yield token, margin
         with self.lock:
             self.start_frontier(n, token)
         workers: list[Future] = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]

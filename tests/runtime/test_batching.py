@@ -1,0 +1,229 @@
+"""Continuous batching (runtime/batching.py): requests decoded together equal each request decoded alone.
+
+Every family's tiny export (trained random heads, fused exits; max_batch 8, the default) on both CPU backends:
+requests of different prompt lengths and budgets join a batch of fewer rows than requests, so rows fill, leave
+and are refilled mid-run (the last row moving into a freed one). A `paradecode` request alone in its batch decodes
+with ParaDecode (thresholds 0: every token exits, most roll back), hands over to batched calls when another joins,
+and takes ParaDecode back when it is alone again: its tokens must not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime import load
+from paradecode.runtime.batching import ALONE, TOGETHER, Batch, Sequence, generate_batched
+from paradecode.runtime.kvcache import KVCache
+from paradecode.runtime.model import StreamedToken
+from paradecode.runtime.stats import GenerationResult
+from tests.tiny_models import TINY_CONFIGS
+
+BACKENDS = ("onnxruntime", "torch")
+# (prompt length, new tokens): different lengths, so rows sit at different positions in every batched call
+SHAPES = ((5, 20), (11, 9), (3, 30), (8, 14), (17, 25))
+
+
+def prompts_of(vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (length,), generator=generator).tolist() for length, _ in SHAPES]
+
+
+def requests_of(model, **settings):
+    prompts = prompts_of(model.manifest.spec.vocab_size)
+    return [
+        model.request(prompt_ids=ids, max_new_tokens=new, ignore_eos=True, **settings)
+        for ids, (_, new) in zip(prompts, SHAPES)
+    ]
+
+
+def alone(model, requests):
+    return [model.generate(prompt_ids=r.ids, config=r.config).token_ids for r in requests]
+
+
+class Collect:
+    """A sequence's sink: its streamed tokens, then its result (or error)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.end = None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, StreamedToken):
+            assert self.end is None, "a token after the end"
+            self.tokens.append(event.token)
+        else:
+            assert self.end is None, "two ends"
+            self.end = event
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_batched_greedy_equals_each_request_alone(loaded, family, backend):
+    model = loaded[family, backend]
+    for settings in ({"mode": "ar"}, {"mode": "paradecode", "thresholds": 0.0, "max_unverified": 3}):
+        requests = requests_of(model, **settings)
+        want = alone(model, requests)
+        got = generate_batched(model, requests, rows=3)
+        assert [r.token_ids for r in got] == want, settings
+        assert [r.stats.stop_reason for r in got] == ["max_new_tokens"] * len(requests)
+        assert [r.stats.new_tokens for r in got] == [new for _, new in SHAPES]
+        assert [r.stats.prompt_tokens for r in got] == [length for length, _ in SHAPES]
+
+
+def test_batched_sampling_draws_what_each_request_draws_alone(loaded):
+    """Draws are keyed by (seed, position): plain decoding samples the same tokens in a batch as alone."""
+    model = loaded["llama", "onnxruntime"]
+    requests = [
+        model.request(prompt_ids=r.ids, config=r.config, temperature=0.9, top_p=0.9, seed=i)
+        for i, r in enumerate(requests_of(model, mode="ar"))
+    ]
+    got = generate_batched(model, requests, rows=4)
+    assert [r.token_ids for r in got] == alone(model, requests)
+    assert [r.stats.seed for r in got] == list(range(len(requests)))
+    greedy = generate_batched(model, requests_of(model, mode="ar"), rows=4)
+    assert [r.token_ids for r in got] != [r.token_ids for r in greedy]  # it did sample
+
+
+def test_a_request_hands_paradecode_over_and_takes_it_back(loaded):
+    """Alone: ParaDecode steps (exits, rollbacks); another joins: batched calls from its newest token; alone again:
+    a new decoder resumes without a prefill. Both outputs equal their requests alone."""
+    model = loaded["qwen2", "onnxruntime"]
+    first, second = requests_of(model, mode="paradecode", thresholds=0.0)[2:4]  # 30 and 14 new tokens
+    want = alone(model, [first, second])
+    batch = Batch(model, 2)
+    a, b = Collect(), Collect()
+    batch.join(Sequence(first, a))
+    for _ in range(5):
+        batch.step()
+    assert batch.steps == {ALONE: 5, TOGETHER: 0} and len(a.tokens) == 6
+    assert batch.sequences[0].decoder is not None  # ParaDecode running
+    batch.join(Sequence(second, b))
+    while batch.size == 2:
+        batch.step()
+    assert batch.steps[TOGETHER] == 13 and a.end is None and isinstance(b.end, GenerationResult)
+    while batch.size:
+        batch.step()
+    assert batch.steps[ALONE] > 5
+    assert a.tokens == want[0] == a.end.token_ids and b.tokens == want[1] == b.end.token_ids
+    assert sum(a.end.stats.exits_per_layer.values()) > 0  # it did speculate, before and after the batched calls
+    assert a.end.stats.rollbacks > 0
+
+
+def test_a_waiting_request_keeps_a_lone_one_from_speculating(loaded):
+    model = loaded["llama", "onnxruntime"]
+    request = requests_of(model, mode="paradecode", thresholds=0.0)[0]
+    batch = Batch(model, 2)
+    batch.join(Sequence(request, Collect()))
+    batch.step(waiting=True)
+    assert batch.steps == {ALONE: 0, TOGETHER: 1} and batch.sequences[0].decoder is None
+
+
+def test_stops_and_cancellation_touch_only_their_own_rows(loaded):
+    model = loaded["llama", "onnxruntime"]
+    requests = requests_of(model, mode="ar")
+    want = alone(model, requests)
+    eos = want[1][4]  # made an end-of-sequence token below: the second request stops at its first occurrence
+    stopped = model.request(prompt_ids=requests[1].ids, config=requests[1].config, ignore_eos=False)
+    sinks = [Collect() for _ in requests]
+    cancel_after = 3
+    batch = Batch(model, len(requests))
+    cancelled = lambda: len(sinks[0].tokens) >= cancel_after
+    batch.join(Sequence(requests[0], sinks[0], cancelled))
+    original_eos = model.eos_of
+    model.eos_of = lambda config: (eos,) if not config.ignore_eos else ()
+    try:
+        batch.join(Sequence(stopped, sinks[1]))
+        for request, sink in zip(requests[2:], sinks[2:]):
+            batch.join(Sequence(request, sink))
+        while batch.size:
+            batch.step()
+    finally:
+        model.eos_of = original_eos
+    first = want[1].index(eos)
+    assert sinks[1].tokens == want[1][: first + 1] and sinks[1].end.stats.stop_reason == "eos"
+    assert sinks[0].tokens == want[0][:cancel_after] and sinks[0].end.stats.stop_reason == "cancelled"
+    for sink, tokens in zip(sinks[2:], want[2:]):
+        assert sink.tokens == tokens and sink.end.stats.stop_reason == "max_new_tokens"
+
+
+def test_a_full_cache_ends_only_its_request(loaded):
+    model = loaded["llama", "onnxruntime"]
+    capacity = model.manifest.max_seq_len
+    vocab = model.manifest.spec.vocab_size
+    long = model.request(prompt_ids=[i % vocab for i in range(capacity - 3)], max_new_tokens=50, ignore_eos=True)
+    short = requests_of(model, mode="ar")[2]
+    got = generate_batched(model, [long, short], rows=2)
+    assert got[0].stats.stop_reason == "max_seq_len" and len(got[0].token_ids) == 4
+    assert got[0].token_ids == model.generate(prompt_ids=long.ids, config=long.config).token_ids
+    assert got[1].token_ids == alone(model, [short])[0]
+
+
+def test_a_failing_prefill_fails_only_its_request(loaded, monkeypatch):
+    model = loaded["llama", "onnxruntime"]
+    requests = requests_of(model, mode="ar")[:3]
+    want = alone(model, requests)
+    batch = Batch(model, 3)
+    sinks = [Collect() for _ in requests]
+    batch.join(Sequence(requests[0], sinks[0]))
+    real = model.backend.run
+
+    def broken(name, feeds, lane, outputs=None):
+        if feeds[next(iter(feeds))].shape[1] == len(requests[1].ids):  # the second prompt's prefill
+            raise RuntimeError("the device fell over")
+        return real(name, feeds, lane, outputs)
+
+    monkeypatch.setattr(model.backend, "run", broken)
+    batch.join(Sequence(requests[1], sinks[1]))
+    monkeypatch.setattr(model.backend, "run", real)
+    batch.join(Sequence(requests[2], sinks[2]))
+    while batch.size:
+        batch.step()
+    assert isinstance(sinks[1].end, RuntimeError) and sinks[1].tokens == []
+    assert sinks[0].tokens == want[0] and sinks[2].tokens == want[2]
+
+
+def test_rows_are_views_and_a_moved_row_keeps_its_positions():
+    cache = KVCache(2, (3, 1, 8, 2), torch.float32, "cpu")
+    for buffer in (*cache.keys, *cache.values):
+        buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float32).view(buffer.shape))
+    before = [k[2].clone() for k in cache.keys]
+    rows = cache.rows(1, 3)
+    assert rows.shape == (2, 1, 8, 2) and rows.keys[0].data_ptr() == cache.keys[0][1].data_ptr()
+    cache.move_row(2, 0, 5)
+    for key, old in zip(cache.keys, before):
+        assert torch.equal(key[0, :, :5], old[:, :5]) and not torch.equal(key[0, :, 5:], old[:, 5:])
+    assert cache.batch == 3 and rows.batch == 2
+
+
+def test_a_batch_needs_an_export_with_rows(stories_dir, tmp_path):
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    out = tmp_path / "one-row"
+    export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=32, max_batch=1))
+    with load(out) as model:
+        with pytest.raises(UserInputError, match=r"exported with --max-batch 1\. Re-export it"):
+            Batch(model, 2)
+        with pytest.raises(UserInputError, match="positive number of rows"):
+            Batch(model, 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slots_a_row_has_not_reached_never_reach_its_output(loaded, backend):
+    """A batched call reads every row up to the batch's highest position (masked); a CPU cache starts
+    uninitialised, and a masked NaN would still reach the output (0 x NaN): the batch zeroes those slots first.
+    Here the cache starts as NaN everywhere, and a short row decodes beside a long one."""
+    model = loaded["gpt2", backend]  # the portable attention: it reads the slots up to the highest position
+    short, long = requests_of(model, mode="ar")[2], requests_of(model, mode="ar")[4]
+    want = alone(model, [short, long])
+    batch = Batch(model, 2)
+    for buffer in (*batch.cache.keys, *batch.cache.values):
+        buffer.fill_(float("nan"))
+    sinks = [Collect(), Collect()]
+    batch.join(Sequence(long, sinks[1]))
+    batch.join(Sequence(short, sinks[0]))
+    while batch.size:
+        batch.step()
+    assert [sinks[0].tokens, sinks[1].tokens] == want
