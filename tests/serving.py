@@ -106,6 +106,22 @@ def sse_events(lines) -> list:
     return events
 
 
+class SlowSteps:
+    """Makes every batch step wait `delay` s first (a slow device, for batching replicas): requests stay in their
+    batch long enough for a test to join, cancel or disconnect them mid-batch."""
+
+    def __init__(self, monkeypatch, delay: float):
+        from paradecode.runtime import batching
+
+        real = batching.Batch.step
+
+        def step(batch, *args, **kwargs):
+            time.sleep(delay)
+            return real(batch, *args, **kwargs)
+
+        monkeypatch.setattr(batching.Batch, "step", step)
+
+
 class SlowStreams:
     """Makes a replica's next `count` streams wait `delay` s before each token after the first (a slow device),
     and before the first too with `before_first`.

@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"models loaded (default {serve_default('replicas')}); each holds its own weights, KV cache and lanes",
     )
     load.add_argument(
+        "--max-batch",
+        type=positive_int,
+        metavar="B",
+        help="requests a replica decodes together, in one batched call per subgraph (default: the export's "
+        "--max-batch; 1: one at a time)",
+    )
+    load.add_argument(
+        "--prefill-tokens",
+        type=positive_int,
+        metavar="N",
+        help="prompt tokens a batch prefills between two decoding steps, at least one request's "
+        f"(default {serve_default('prefill_tokens')})",
+    )
+    load.add_argument(
         "--max-queue",
         type=non_negative_int,
         help=f"requests waiting for a replica (default {serve_default('max_queue')})",
@@ -160,6 +174,8 @@ def configs_of(args: argparse.Namespace):
             host=args.host,
             port=args.port,
             replicas=None if args.ray else args.replicas,
+            max_batch=args.max_batch,
+            prefill_tokens=args.prefill_tokens,
             max_queue=args.max_queue,
             request_timeout=args.request_timeout,
             read_timeout=args.read_timeout,

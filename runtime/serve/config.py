@@ -37,9 +37,14 @@ def non_negative_integer(value, name: str) -> int:
 class ServeConfig:
     """One server: an export, its replicas (each a whole model: weights, KV cache, lanes), and its limits.
 
+    A replica decodes up to `max_batch` requests together (one batched call per subgraph for all of them), so a
+    second replica pays only where one batch cannot use the machine: on a CPU, not at all (measured,
+    tools/results/cpu-2core/loadtest-smollm2-batching.md).
+
     `generation` holds the decoding defaults every request starts from (mode, thresholds, overlap, K);
     a request sets only what the OpenAI API names (max_tokens, stop, ...). `threads` None divides the
-    machine's cores between every lane of every replica, so replicas do not oversubscribe the CPU.
+    machine's cores between the lanes that compute at once in every replica, so replicas do not oversubscribe
+    the CPU.
     """
 
     export: Path
@@ -48,6 +53,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the log says which)
     replicas: int = 1
+    # requests a replica decodes together (continuous batching, runtime/batching.py); None: the export's --max-batch
+    max_batch: int | None = None
+    prefill_tokens: int = 512  # prompt tokens a batch prefills between two steps (at least one request's)
     max_queue: int = 16  # requests waiting for a free replica; one more gets 429
     request_timeout: float = 600.0  # seconds from arrival (reading, preparing and queueing included) to the last token
     read_timeout: float = 15.0  # seconds a client has to send a request's headers, and then its body
@@ -78,6 +86,9 @@ class ServeConfig:
         if not is_integer(self.port) or not 0 <= self.port <= 65535:
             raise UserInputError(f"port must be an integer in 0..65535 (0: any free port), got {self.port!r}.")
         positive_integer(self.replicas, "replicas")
+        if self.max_batch is not None:
+            positive_integer(self.max_batch, "max_batch")
+        positive_integer(self.prefill_tokens, "prefill_tokens")
         non_negative_integer(self.max_queue, "max_queue")
         positive_number(self.request_timeout, "request_timeout", " of seconds")
         positive_number(self.read_timeout, "read_timeout", " of seconds")
@@ -98,12 +109,27 @@ class ServeConfig:
         if not isinstance(self.generation, GenerationConfig):
             raise UserInputError(f"generation must be a GenerationConfig, got {type(self.generation).__name__}.")
 
+    def batch_rows(self, export_max_batch: int) -> int:
+        """Requests one replica decodes together: `max_batch`, or the export's; refused past what the export holds."""
+        if self.max_batch is None:
+            return export_max_batch
+        if self.max_batch > export_max_batch:
+            raise UserInputError(
+                f"max_batch {self.max_batch} is more rows than {self.export} holds (exported with --max-batch "
+                f"{export_max_batch}): re-export with --max-batch {self.max_batch}, or serve with --max-batch "
+                f"{export_max_batch} or less."
+            )
+        return self.max_batch
+
     @property
     def threads_per_call(self) -> int:
-        """onnxruntime threads per call: as given, or the cores shared by every lane of every replica."""
+        """onnxruntime threads per call: as given, or the cores shared by the lanes that compute at once in every
+        replica: all of a replica's lanes in the `streams` and `both` overlaps, its calling thread alone in
+        `batched` (a CPU's `auto`: the side lanes stay idle, and a batch's calls are the calling thread's)."""
         if self.threads is not None:
             return self.threads
-        return max(1, (os.cpu_count() or 1) // (self.lanes * self.replicas))
+        computing = self.lanes if self.generation.overlap in ("streams", "both") else 1
+        return max(1, (os.cpu_count() or 1) // (computing * self.replicas))
 
     def model_options(self) -> dict[str, Any]:
         """The keyword arguments of `paradecode.runtime.load` for one replica."""
@@ -120,7 +146,7 @@ class RayConfig:
     `num_cpus` / `num_gpus` are each replica's Ray resources. `autoscaling` is passed to Ray Serve
     unchanged (its `autoscaling_config`: min_replicas, max_replicas, target_ongoing_requests, ...)
     and replaces the fixed `replicas`. `max_ongoing_requests` is how many requests Ray sends one
-    replica at once; None: twice what the replica holds (one decoding plus `max_queue` waiting), so a
+    replica at once; None: twice what the replica holds (its batch of `max_batch` plus `max_queue` waiting), so a
     full replica answers 429 itself rather than Ray queueing without bound. `address` None starts
     or joins Ray the way `ray.init()` does (RAY_ADDRESS, else a local instance).
     """

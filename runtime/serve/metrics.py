@@ -15,6 +15,9 @@ replica workers update them, the event loop renders them.
     paradecode_early_exits_accepted_total{layer}      ... and verified by the final layer
     paradecode_rollbacks_total
     paradecode_requests_waiting / _requests_running   the queue depth, and requests being decoded
+    paradecode_batch_size                             requests in a batch's last step (batching replicas)
+    paradecode_batch_steps_total{speculation}         batch steps: `on` (one request alone, with ParaDecode's
+                                                      speculation) or `off` (requests together, plain decoding)
     paradecode_replicas
     process_resident_memory_bytes, process_cpu_seconds_total, ...   prometheus_client's process collector
                                                       (Linux; the whole server process, every replica)
@@ -81,6 +84,15 @@ class Metrics(PoolMetrics):
         self.waiting = Gauge("paradecode_requests_waiting", "Requests waiting for a replica", registry=registry)
         self.running = Gauge("paradecode_requests_running", "Requests being decoded", registry=registry)
         Gauge("paradecode_replicas", "Models loaded in this server", registry=registry).set(replicas)
+        self.batch_size = Gauge("paradecode_batch_size", "Requests in a batch's last step", registry=registry)
+        self.batch_steps = Counter(
+            "paradecode_batch_steps",
+            "Batch steps, with speculation on (one request alone) or off (requests decoded together)",
+            ("speculation",),
+            registry=registry,
+        )
+        for state in ("on", "off"):
+            self.batch_steps.labels(state)
         ProcessCollector(registry=registry)  # the default registry's RSS, CPU time and open files, in ours
         for endpoint in ("completions", "chat"):  # every series exists from the start, at 0
             for outcome in OUTCOMES:
@@ -105,6 +117,10 @@ class Metrics(PoolMetrics):
 
     def token(self, seconds: float, first: bool) -> None:
         (self.first_token if first else self.per_token).observe(seconds)
+
+    def step(self, size: int, speculating: bool) -> None:
+        self.batch_size.set(size)
+        self.batch_steps.labels("on" if speculating else "off").inc()
 
     def finished(self, result: GenerationResult) -> None:
         stats = result.stats

@@ -20,8 +20,15 @@ Threading model
   worker stops after its token; the `Finished` it then emits comes after the `Failed`, unread).
 - `close()` drains, joins the workers and closes the models.
 
+Batching: a replica whose export holds several rows (`--max-batch`, ServeConfig.max_batch) decodes up to that
+many jobs together (runtime/batching.py): its worker takes waiting jobs into its `Batch` between two steps (at most
+`prefill_tokens` prompt tokens of them per step, and always one), and each step gives every job in the batch its
+next token; a cancelled job leaves before the next step, its row free at once. A job alone in its batch with none
+waiting decodes with ParaDecode; with others, plain decoding in one batched call (speculation yields to load). A
+replica of one row decodes one job at a time, as `model.stream`.
+
 Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
-subgraph), its own KV cache and its own lanes.
+subgraph), its own KV caches and its own lanes; a batch's rows are one more KV cache of `max_batch` rows.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paradecode.graphs.errors import ParadecodeError
+from paradecode.runtime.batching import ALONE, Batch, Sequence
 from paradecode.runtime.config import GenerationConfig
-from paradecode.runtime.model import ParaDecodeModel, load
+from paradecode.runtime.model import ParaDecodeModel, StreamedToken, load
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable
 from paradecode.runtime.stats import GenerationResult
@@ -92,6 +100,7 @@ class PoolMetrics:
     def depth(self, waiting: int, running: int) -> None: ...
     def started(self, queue_seconds: float) -> None: ...
     def token(self, seconds: float, first: bool) -> None: ...
+    def step(self, size: int, speculating: bool) -> None: ...
     def finished(self, result: GenerationResult) -> None: ...
 
 
@@ -110,20 +119,22 @@ class ReplicaPool:
             for i in range(config.replicas):
                 logger.info("loading replica %d/%d of %s", i + 1, config.replicas, config.export)
                 self.models.append(load(config.export, **config.model_options()))
+            self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
         except BaseException:
             for model in self.models:
                 model.close()
             raise
         for i, model in enumerate(self.models):
-            thread = threading.Thread(target=self._work, args=(model,), name=f"paradecode-replica-{i}", daemon=True)
+            work = self._work if self.rows == 1 else self._work_batched
+            thread = threading.Thread(target=work, args=(model,), name=f"paradecode-replica-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
         self.metrics.depth(0, 0)
 
     @property
     def capacity(self) -> int:
-        """Jobs the pool holds at once: one decoding per replica, plus the queue."""
-        return self.config.replicas + self.config.max_queue
+        """Jobs the pool holds at once: a batch of `rows` decoding per replica, plus the queue."""
+        return self.config.replicas * self.rows + self.config.max_queue
 
     def counts(self) -> tuple[int, int]:
         """(waiting, running) jobs."""
@@ -138,7 +149,8 @@ class ReplicaPool:
                 raise ServiceUnavailable("the server is shutting down; send the request to another replica or retry.")
             if len(self._waiting) + len(self._running) >= self.capacity:
                 raise QueueFull(
-                    f"all {self.config.replicas} replica(s) are busy and {len(self._waiting)} request(s) are waiting "
+                    f"all {self.config.replicas} replica(s) are busy ({self.rows} request(s) each) and "
+                    f"{len(self._waiting)} request(s) are waiting "
                     f"(--max-queue {self.config.max_queue}); retry after {self.config.retry_after} s."
                 )
             self._waiting.append(job)
@@ -211,6 +223,81 @@ class ReplicaPool:
                     job.state = DONE
                     self._running.discard(job)
                     self._changed()
+
+    def _take(self, batch: Batch) -> list[Job]:
+        """Waiting jobs for `batch`'s free rows (the oldest first; their prompts within `prefill_tokens`, but at
+        least one); waits while there is nothing to do. None once the pool closes and the batch is empty."""
+        with self._lock:
+            while not self._waiting and not batch.size and not self._closing:
+                self._lock.wait()
+            if self._closing and not batch.size:
+                return None
+            taken, tokens = [], 0
+            while self._waiting and not self._closing and batch.size + len(taken) < batch.rows:
+                tokens += len(self._waiting[0].prompt_ids)
+                if taken and tokens > self.config.prefill_tokens:
+                    break
+                job = self._waiting.popleft()
+                job.state = RUNNING
+                job.started = time.monotonic()
+                self._running.add(job)
+                taken.append(job)
+            if taken:
+                self._changed()
+            return taken
+
+    def _work_batched(self, model: ParaDecodeModel) -> None:
+        batch = Batch(model, self.rows)
+        while (taken := self._take(batch)) is not None:
+            try:
+                self._batch_step(model, batch, taken)
+            except Exception as err:  # a bug, not a request's error (those end their own request): fail the batch
+                logger.exception("a batch step failed; its requests fail, the replica goes on")
+                batch.close(err)
+
+    def _batch_step(self, model: ParaDecodeModel, batch: Batch, taken: list[Job]) -> None:
+        """Join the `taken` jobs, then one step for every job in the batch."""
+        for job in taken:
+            self.metrics.started(job.queue_seconds)
+            sink = self._sink(job)
+            try:  # checked as `model.stream` checks it: a request this export cannot decode fails alone
+                request = model.request(prompt_ids=job.prompt_ids, config=job.config)
+            except ParadecodeError as err:
+                sink(err)
+                continue
+            batch.join(Sequence(request, sink, job.cancelled.is_set))
+        with self._lock:
+            waiting = bool(self._waiting) and not self._closing
+        if batch.size:
+            size, alone = batch.size, batch.steps[ALONE]
+            batch.step(waiting=waiting)
+            self.metrics.step(size, speculating=batch.steps[ALONE] > alone)
+
+    def _sink(self, job: Job):
+        """What a job's sequence in a batch hands over: its tokens to the loop, its end to the pool too."""
+        last, first = job.arrived, True
+
+        def sink(event) -> None:
+            nonlocal last, first
+            if isinstance(event, StreamedToken):
+                now = time.monotonic()
+                self.metrics.token(now - last, first=first)
+                last, first = now, False
+                job.emit(Token(event.token, event.text))
+                return
+            if isinstance(event, GenerationResult):
+                self.metrics.finished(event)
+                job.emit(Finished(event))
+            else:
+                if not isinstance(event, ParadecodeError):
+                    logger.error("decoding a request failed", exc_info=event)
+                job.emit(Failed(event))
+            with self._lock:
+                job.state = DONE
+                self._running.discard(job)
+                self._changed()
+
+        return sink
 
     def _decode(self, model: ParaDecodeModel, job: Job) -> None:
         self.metrics.started(job.queue_seconds)

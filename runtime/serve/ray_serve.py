@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 
 from paradecode.graphs.errors import MissingDependencyError, UserInputError, interrupts_raised
+from paradecode.graphs.manifest import read_manifest
 from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ def replica_config(config: ServeConfig, ray_config: RayConfig) -> ServeConfig:
 
 def deployment_options(config: ServeConfig, ray_config: RayConfig) -> dict:
     """`serve.deployment` keyword arguments: resources, replicas or autoscaling, concurrency, shutdown grace."""
-    ongoing = ray_config.max_ongoing_requests or 2 * (1 + config.max_queue)
+    # twice what a replica holds: its batch (the export's --max-batch unless config says) and its queue
+    rows = config.max_batch or read_manifest(config.export).max_batch
+    ongoing = ray_config.max_ongoing_requests or 2 * (rows + config.max_queue)
     options = dict(
         name=APP_NAME,
         ray_actor_options={"num_cpus": ray_config.num_cpus, "num_gpus": ray_config.num_gpus},

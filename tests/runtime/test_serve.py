@@ -385,7 +385,7 @@ def test_a_template_refused_at_load_stops_the_server_with_exit_2(served_export, 
 
 
 def test_a_bad_request_among_good_concurrent_ones(serve, served_export, reference, monkeypatch):
-    running = serve(served_export, replicas=2, max_queue=8)
+    running = serve(served_export, max_batch=1, replicas=2, max_queue=8)
     for model in running.pool.models:  # slow enough that the bad requests land while the good ones decode
         SlowStreams(model, monkeypatch, delay=0.01, count=10)
     want = expected(reference, 30, prompt=PROMPT).text
@@ -426,7 +426,7 @@ def start_stream(running: Server, max_tokens: int = LONG_RUN) -> httpx.Response:
 
 
 def test_429_with_retry_after_when_the_queue_is_full(serve, served_export, monkeypatch):
-    running = serve(served_export, replicas=1, max_queue=1, retry_after=3)
+    running = serve(served_export, max_batch=1, replicas=1, max_queue=1, retry_after=3)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.25)  # busy for 12 s unless cancelled
     first = start_stream(running)
     with ThreadPoolExecutor(1) as executor:
@@ -447,7 +447,7 @@ def test_429_with_retry_after_when_the_queue_is_full(serve, served_export, monke
 
 
 def test_timeout_whole_streamed_and_in_the_queue(serve, served_export, monkeypatch):
-    running = serve(served_export, replicas=1, max_queue=2, request_timeout=0.5)
+    running = serve(served_export, max_batch=1, replicas=1, max_queue=2, request_timeout=0.5)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=3)
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
     started = time.monotonic()
@@ -476,7 +476,7 @@ def test_timeout_whole_streamed_and_in_the_queue(serve, served_export, monkeypat
 
 def test_a_client_leaving_frees_the_replica(serve, served_export, monkeypatch):
     """Streamed and whole: the stream is closed after the token being computed, and the next request is served."""
-    running = serve(served_export, replicas=1, max_queue=2)
+    running = serve(served_export, max_batch=1, replicas=1, max_queue=2)
     slow = SlowStreams(running.pool.models[0], monkeypatch, delay=0.1, count=2)  # LONG_RUN tokens would take 4.8 s
     start_stream(running).close()
     wait_until(lambda: running.pool.counts() == (0, 0), 2, "the replica freed after a streamed client left")
@@ -508,7 +508,7 @@ def test_closing_the_pool_ends_its_jobs(served_export, monkeypatch):
     from paradecode.runtime.serve.errors import ServiceUnavailable
     from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
 
-    pool = ReplicaPool(config_of(served_export, replicas=1, max_queue=1))
+    pool = ReplicaPool(config_of(served_export, max_batch=1, replicas=1, max_queue=1))
     SlowStreams(pool.models[0], monkeypatch, delay=0.2)
     config = replace(GENERATION, max_new_tokens=LONG_RUN, ignore_eos=True)
 
@@ -647,7 +647,11 @@ def test_serve_config_checks_its_fields(served_export):
     ):
         with pytest.raises(UserInputError):
             ServeConfig(served_export, **bad)
-    assert ServeConfig(served_export, replicas=2, lanes=2).threads_per_call == max(1, (os.cpu_count() or 1) // 4)
+    cores = os.cpu_count() or 1
+    streams = GenerationConfig(overlap="streams")
+    assert ServeConfig(served_export, replicas=2, lanes=2, generation=streams).threads_per_call == max(1, cores // 4)
+    # batched (a CPU's auto): only the calling thread computes, so a replica's calls get its share of every core
+    assert ServeConfig(served_export, replicas=2, lanes=2).threads_per_call == max(1, cores // 2)
 
 
 # --- paradecode-serve, in a subprocess ------------------------------------------------------------------------------
@@ -664,6 +668,12 @@ def slow(self, *args):
             time.sleep(float(sys.argv[1]))
         yield piece
 model.ParaDecodeModel._decode = slow
+from paradecode.runtime import batching
+real_step = batching.Batch.step
+def slow_step(self, *args, **kwargs):
+    time.sleep(float(sys.argv[1]))
+    return real_step(self, *args, **kwargs)
+batching.Batch.step = slow_step
 sys.exit(cli.main(sys.argv[2:]))
 """
 
@@ -752,7 +762,8 @@ def whole_request(url: str, into: list) -> None:
 def test_shutdown_answers_what_outlasts_the_shutdown_timeout(served_export, tmp_path, signals, code):
     """A running stream gets an error event and [DONE], a running and a queued whole request get 503 JSON, as
     the README promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
-    process, url = start_cli(served_export, tmp_path / "log", 0.5, "--shutdown-timeout", "0.5", "--replicas", "2")
+    flags = ("--shutdown-timeout", "0.5", "--replicas", "2", "--max-batch", "1")  # one running request per replica
+    process, url = start_cli(served_export, tmp_path / "log", 0.5, *flags)
     try:
         lines: list = []
         answers: list = []

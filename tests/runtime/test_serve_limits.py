@@ -266,7 +266,7 @@ def test_the_runtime_refuses_changed_weights(served_export, tmp_path):
 def test_closing_answers_a_stream_and_a_queued_request(served_export, monkeypatch):
     """Server.close() shuts down as SIGTERM does: after shutdown_timeout the running stream gets an error event and
     [DONE], the queued whole request 503 JSON (the slow tests do the same with signals, in a subprocess)."""
-    running = Server(config_of(served_export, replicas=1, shutdown_timeout=0.5))
+    running = Server(config_of(served_export, max_batch=1, replicas=1, shutdown_timeout=0.5))
     SlowStreams(running.pool.models[0], monkeypatch, delay=0.2)
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
     lines: list = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -39,7 +40,9 @@ def test_deployment_options_pass_resources_and_autoscaling_through(exports):
     fixed = deployment_options(config, RayConfig(replicas=3, num_cpus=2, num_gpus=0.5))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 0.5}
-    assert fixed["max_ongoing_requests"] == 2 * (1 + 2) and fixed["graceful_shutdown_timeout_s"] == 30
+    # twice what a replica holds: its batch (the export's max_batch, 8 by default) and its queue of 2
+    assert fixed["max_ongoing_requests"] == 2 * (8 + 2) and fixed["graceful_shutdown_timeout_s"] == 30
+    assert deployment_options(replace(config, max_batch=1), RayConfig())["max_ongoing_requests"] == 2 * (1 + 2)
     scaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2}
     scaled = deployment_options(config, RayConfig(autoscaling=scaling, max_ongoing_requests=7))
     assert scaled["autoscaling_config"] == scaling and "num_replicas" not in scaled
