@@ -10,6 +10,7 @@ touched, its tokenizer and the runtime's own state.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -36,6 +37,7 @@ def measure(export: Path, backend: str, prompt: str, max_new_tokens: int) -> dic
     folder = open_export(export, verify=False)
     disk = sum(p.stat().st_size for p in Path(export).rglob("*") if p.is_file())
     weights = folder.file(folder.manifest.weights).stat().st_size
+    gc.collect()  # earlier work's garbage, freed during the load, would count against the model
     before = rss_mb()
     model = load(export, backend=backend)
     loaded = rss_mb()

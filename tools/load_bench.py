@@ -1,10 +1,11 @@
 """`paradecode-loadtest DIR`: a bounded load run against paradecode-serve, ParaDecode vs ar behind the server.
 
-For every mode (--modes) it starts `paradecode-serve DIR --mode MODE` on a free local port
-(`paradecode.tools.server_process`), waits for /health, runs the load (`paradecode.tools.load_client`:
-a warm-up, the RSS, --requests streamed requests per mode, --concurrency at once, in --rounds rounds
-that alternate the modes, the RSS again), and stops the servers (SIGTERM, also on errors and Ctrl-C).
-With --url it loads a server that is already running instead, and starts none.
+For every mode (--modes), and every --max-batch where several are given, it starts `paradecode-serve DIR --mode
+MODE [--max-batch B]` on a free local port (`paradecode.tools.server_process`), waits for /health, runs the load
+(`paradecode.tools.load_client`: a warm-up, the RSS, --requests streamed requests per server, --concurrency at
+once, in --rounds rounds that alternate the servers, the RSS again) once per --concurrency level (1,2,4,8,16: a
+run per level, the lowest first, each on the same servers), and stops the servers (SIGTERM, also on errors and
+Ctrl-C). With --url it loads a server that is already running instead, and starts none.
 
 Per mode: p50/p95 time to first token (from sending the request to the first chunk carrying text)
 and end-to-end latency, tokens/s (completion tokens, from the server's final `usage` chunk, over the
@@ -21,7 +22,7 @@ import shlex
 import sys
 import tempfile
 from contextlib import ExitStack
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("export", metavar="DIR", nargs="?", help="a folder written by paradecode-export")
     parser.add_argument("--requests", type=int, metavar="N", help=f"requests per mode (default {default('requests')})")
     parser.add_argument(
-        "--concurrency", type=int, metavar="C", help=f"requests in flight (default {default('concurrency')})"
+        "--concurrency",
+        metavar="C[,C...]",
+        help=f"requests in flight; several levels run one after another (default {default('concurrency')})",
+    )
+    parser.add_argument(
+        "--max-batch",
+        metavar="B[,B...]",
+        help="the servers' --max-batch; several start a server per mode and value (default: the server's)",
     )
     parser.add_argument("--modes", metavar="M1,M2", help=f"from {', '.join(MODES)} (default {DEFAULT_MODES})")
     parser.add_argument(
@@ -83,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout", type=float, metavar="S", help=f"seconds per request (default {default('request_timeout')})"
     )
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the summary and every request as JSON")
+    parser.add_argument(
+        "--plot", type=Path, metavar="OUT.png", help="plot tokens/s and TTFT against the concurrency, per server"
+    )
     return parser
 
 
@@ -108,10 +119,11 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], LoadSettings]:
     """(the targets: the modes, or [URL_TARGET] with --url; the load settings); bad flags are refused with a
     message naming the flag."""
     given = lambda **fields: {k: v for k, v in fields.items() if v is not None}
+    levels = concurrency_levels(args.concurrency)
     settings = LoadSettings(
         **given(
             requests=args.requests,
-            concurrency=args.concurrency,
+            concurrency=None if levels is None else levels[-1],
             rounds=args.rounds,
             warmup=args.warmup,
             max_tokens=args.max_tokens,
@@ -128,7 +140,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], LoadSettings]:
         if not args.url.startswith(("http://", "https://")):
             raise UserInputError(f"--url {args.url!r}: expected the server's address, such as http://127.0.0.1:8000.")
         starting = [
-            flag for flag, value in (("--modes", args.modes), ("--replicas", args.replicas)) if value is not None
+            flag
+            for flag, value in (("--modes", args.modes), ("--replicas", args.replicas), ("--max-batch", args.max_batch))
+            if value is not None
         ]
         if starting:
             raise UserInputError(
@@ -147,7 +161,42 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], LoadSettings]:
         )
     if len(set(modes)) < len(modes):
         raise UserInputError(f"--modes {args.modes!r} names a mode more than once.")
-    return modes, settings
+    batches = comma_integers(args.max_batch, "--max-batch")
+    if batches is None or len(batches) == 1:
+        return modes, settings
+    return [f"{mode}, batch {b}" for mode in modes for b in batches], settings
+
+
+def comma_integers(text: str | None, flag: str) -> list[int] | None:
+    """`text` ("1,2,4") as distinct integers of at least 1, in its order; None when not given."""
+    if text is None:
+        return None
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item)
+        except ValueError:
+            raise UserInputError(f"{flag} {text!r}: expected comma-separated integers, such as 1,2,4.") from None
+        if value < 1:
+            raise UserInputError(f"{flag} must be an integer of at least 1, got {value}.")
+        if value in values:
+            raise UserInputError(f"{flag} {text!r} names {value} more than once.")
+        values.append(value)
+    return values
+
+
+def concurrency_levels(text: str | None) -> list[int] | None:
+    """--concurrency's levels, lowest first; None when not given (LoadSettings' default)."""
+    levels = comma_integers(text, "--concurrency")
+    return None if levels is None else sorted(levels)
+
+
+def server_flags(name: str, args: argparse.Namespace) -> list[str]:
+    """paradecode-serve's flags for a target named by check_args ("ar", or "ar, batch 8")."""
+    mode, _, batch = name.partition(", batch ")
+    if not batch and args.max_batch is not None:
+        batch = args.max_batch  # one value: every server gets it
+    return ["--mode", mode, *(["--max-batch", batch] if batch else [])]
 
 
 def prompts_of(args: argparse.Namespace) -> list:
@@ -188,38 +237,52 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int]
     except ImportError as err:
         raise MissingDependencyError(f"{PROG} needs the openai client: `pip install openai` ({err}).") from err
     names, settings = check_args(args)
+    levels = concurrency_levels(args.concurrency) or [settings.concurrency]
+    if args.plot is not None:
+        from paradecode.tools.reporting import check_plotting
+
+        check_plotting()
     prompts = prompts_of(args)
     with ExitStack() as stack:
-        if args.url is not None:
-            targets = [Target(URL_TARGET, args.url.rstrip("/").removesuffix("/v1"))]
-            servers = {}
-        else:
+        servers = {}
+        if args.url is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="paradecode-loadtest-")))
             # --max-queue: every request in flight may wait, so none is refused for a full queue.
             flags = ["--max-queue", str(settings.concurrency), "--log-level", "warning"]
             if args.replicas is not None:
                 flags += ["--replicas", str(args.replicas)]
             servers = {}
-            for mode in names:
-                logger.info("starting paradecode-serve --mode %s", mode)
+            for name in names:
+                own = server_flags(name, args)
+                logger.info("starting paradecode-serve %s", shlex.join(own))
                 server = ServerProcess(
-                    Path(args.export), ["--mode", mode, *flags], log_dir, name=mode, start_timeout=args.start_timeout
+                    Path(args.export), [*own, *flags], log_dir, name=name, start_timeout=args.start_timeout
                 )
-                servers[mode] = stack.enter_context(server)
-            targets = [Target(mode, server.url) for mode, server in servers.items()]
-        logger.info(
-            "%d requests per mode (%s), %d at once, in %d rounds; max_tokens %d",
-            settings.requests,
-            ", ".join(names),
-            settings.concurrency,
-            settings.rounds,
-            settings.max_tokens,
-        )
-        with logging_redirect_tqdm():
-            records = asyncio.run(load(targets, prompts, settings))
-    summary = {t.name: summarize([r for r in records if r.target == t.name], t) for t in targets}
+                servers[name] = stack.enter_context(server)
+        records, levels_summary = [], {}
+        for level in levels:
+            level_settings = replace(settings, concurrency=level, warmup=settings.warmup if not records else 0)
+            logger.info(
+                "%d requests per server (%s), %d at once, in %d rounds; max_tokens %d",
+                settings.requests,
+                ", ".join(names),
+                level,
+                settings.rounds,
+                settings.max_tokens,
+            )
+            if args.url is None:
+                targets = [Target(name, server.url) for name, server in servers.items()]
+            else:
+                targets = [Target(URL_TARGET, args.url.rstrip("/").removesuffix("/v1"))]
+            with logging_redirect_tqdm():
+                level_records = asyncio.run(load(targets, prompts, level_settings))
+            records += level_records
+            levels_summary[level] = {
+                t.name: summarize([r for r in level_records if r.target == t.name], t) for t in targets
+            }
+    summary = levels_summary[levels[-1]]
     ratio = speedup(summary)
-    table = markdown(summary, ratio, settings)
+    table = markdown(levels_summary, settings)
     if args.json:
         from paradecode.tools.benchmarking import machine
         from paradecode.tools.reporting import save_json
@@ -235,12 +298,18 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int]
                 "flags": {k: None if v is None else str(v) for k, v in vars(args).items()},
                 "servers": {name: {"url": s.url, "command": shlex.join(s.command)} for name, s in servers.items()},
                 "prompts": prompts,
-                "summary": summary,
+                "summary": summary,  # at the highest concurrency
+                "levels": {str(level): rows for level, rows in levels_summary.items()},
                 "paradecode_vs_ar": ratio,
                 "records": [asdict(r) for r in records],
             },
         )
         logger.info("wrote %s", args.json)
+    if args.plot is not None:
+        from paradecode.tools.reporting import save_figure
+
+        save_figure(args.plot, load_figure(levels_summary, settings))
+        logger.info("wrote %s", args.plot)
     return table, [r for r in records if r.error is not None], len(records)
 
 
@@ -264,10 +333,48 @@ def summarize(records: list[Record], target: Target) -> dict[str, Any]:
         if None in (target.rss_before, target.rss_after)
         else mb(target.rss_after - target.rss_before),
     }
-    for name, values in (("ttft", first), ("latency", [r.latency_seconds for r in ok])):
+    # a request's inter-token latency: its mean time between two tokens after the first (streamed)
+    itl = [
+        (r.latency_seconds - r.first_token_seconds) / (r.completion_tokens - 1)
+        for r in ok
+        if r.first_token_seconds is not None and r.completion_tokens > 1
+    ]
+    for name, values in (("ttft", first), ("itl", itl), ("latency", [r.latency_seconds for r in ok])):
         p50, p95 = percentiles_ms(values)
         row[f"{name}_ms_p50"], row[f"{name}_ms_p95"] = p50, p95
     return row
+
+
+def load_figure(levels: dict[int, dict[str, dict[str, Any]]], settings: LoadSettings):
+    """Left: aggregate tokens/s against concurrent clients, per server; right: TTFT and ITL p50 (p95 dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    clients = sorted(levels)
+    names = list(dict.fromkeys(name for level in clients for name in levels[level]))
+    for name in names:
+        rows = [(c, levels[c][name]) for c in clients if name in levels[c]]
+        xs = [c for c, _ in rows]
+        left.plot(xs, [r["tokens_per_second"] for _, r in rows], marker="o", label=name)
+        (line,) = right.plot(xs, [r["ttft_ms_p50"] for _, r in rows], marker="o", label=f"{name}: TTFT")
+        right.plot(xs, [r["ttft_ms_p95"] for _, r in rows], ls=":", color=line.get_color())
+        right.plot(
+            xs, [r["itl_ms_p50"] for _, r in rows], marker="s", ls="--", color=line.get_color(), label=f"{name}: ITL"
+        )
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(clients, [str(c) for c in clients])
+        axis.set_xlabel("concurrent streaming clients")
+        axis.legend(fontsize=8)
+    left.set_ylabel("aggregate completion tokens/s")
+    left.set_title(f"throughput ({settings.max_tokens} tokens per request)")
+    right.set_yscale("log")
+    right.set_ylabel("ms (p50; TTFT p95 dotted)")
+    right.set_title("time to first token and between tokens")
+    return figure
 
 
 def percentiles_ms(values: list[float]) -> tuple[float | None, float | None]:
@@ -284,27 +391,35 @@ def speedup(summary: dict[str, dict[str, Any]]) -> float | None:
     return rates[0] / rates[1] if None not in rates and rates[1] > 0 else None
 
 
-def markdown(summary: dict[str, dict[str, Any]], ratio: float | None, settings: LoadSettings) -> str:
+def markdown(levels: dict[int, dict[str, dict[str, Any]]], settings: LoadSettings) -> str:
+    """One row per concurrency level and server; `x 1 client`: its tokens/s over the same server's with one client
+    (where that level ran)."""
     fmt = lambda value, digits=1: "-" if value is None else f"{value:.{digits}f}"
     lines = [
-        f"{settings.requests} requests per mode, {settings.concurrency} concurrent, in {settings.rounds} rounds "
-        f"alternating the modes; max_tokens {settings.max_tokens}; TTFT and latency in ms; tok/s = completion "
-        "tokens / the mode's wall time",
+        f"{settings.requests} requests per server and level, in {settings.rounds} rounds alternating the servers; "
+        f"max_tokens {settings.max_tokens}; TTFT, ITL (a request's mean time between tokens) and latency in ms; "
+        "tok/s = completion tokens / the server's wall time at that level",
         "",
-        "| mode | requests | errors | TTFT p50 | TTFT p95 | latency p50 | latency p95 | tokens | tok/s | "
-        "RSS before MB | RSS after MB | RSS growth MB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| clients | server | requests | errors | TTFT p50 | TTFT p95 | ITL p50 | ITL p95 | latency p50 | "
+        "latency p95 | tokens | tok/s | x 1 client | RSS before MB | RSS after MB | RSS growth MB |",
+        "| ---: | --- " + "| ---: " * 14 + "|",
     ]
-    for name, row in summary.items():
-        lines.append(
-            f"| {name} | {row['requests']} | {row['errors']} | {fmt(row['ttft_ms_p50'])} | {fmt(row['ttft_ms_p95'])} | "
-            f"{fmt(row['latency_ms_p50'])} | {fmt(row['latency_ms_p95'])} | {row['completion_tokens']} | "
-            f"{fmt(row['tokens_per_second'])} | {fmt(row['rss_mb_before'])} | {fmt(row['rss_mb_after'])} | "
-            f"{fmt(row['rss_mb_growth'])} |"
-        )
-    if ratio is not None:
-        lines += ["", f"paradecode tokens/s over ar: {ratio:.2f}x"]
-    return "\n".join(lines)
+    for level, summary in levels.items():
+        for name, row in summary.items():
+            alone = levels.get(1, {}).get(name, {}).get("tokens_per_second")
+            rate = row["tokens_per_second"]
+            gain = rate / alone if alone and rate is not None else None
+            lines.append(
+                f"| {level} | {name} | {row['requests']} | {row['errors']} | {fmt(row['ttft_ms_p50'])} | "
+                f"{fmt(row['ttft_ms_p95'])} | {fmt(row['itl_ms_p50'])} | {fmt(row['itl_ms_p95'])} | "
+                f"{fmt(row['latency_ms_p50'])} | {fmt(row['latency_ms_p95'])} | "
+                f"{row['completion_tokens']} | {fmt(rate)} | {fmt(gain, 2)} | {fmt(row['rss_mb_before'])} | "
+                f"{fmt(row['rss_mb_after'])} | {fmt(row['rss_mb_growth'])} |"
+            )
+        ratio = speedup(summary)
+        if ratio is not None:
+            lines += ["", f"{level} client(s): paradecode tokens/s over ar: {ratio:.2f}x", ""]
+    return "\n".join(lines).rstrip()
 
 
 if __name__ == "__main__":

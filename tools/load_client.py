@@ -76,6 +76,7 @@ class Record:
     tokens_from: str = "usage"  # "usage": the final usage chunk; "chunks": text chunks counted (no usage chunk)
     finish_reason: str | None = None
     error: str | None = None  # "ExceptionType: message"
+    concurrency: int = 0  # requests in flight at once in its run
 
 
 @dataclass
@@ -165,7 +166,9 @@ async def load(targets: list[Target], prompts: list, settings: LoadSettings) -> 
     async def batch(target: Target, indices: range, round_: int, bar=None) -> list[Record]:
         async def one(index: int) -> Record:
             endpoint, request = request_of(prompts[index % len(prompts)], index, settings)
-            record = Record(target=target.name, round=round_, index=index, endpoint=endpoint)
+            record = Record(
+                target=target.name, round=round_, index=index, endpoint=endpoint, concurrency=settings.concurrency
+            )
             async with semaphore:
                 await send(target.client, target.model, record, request, clock)
             if bar is not None:
