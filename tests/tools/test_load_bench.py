@@ -13,16 +13,19 @@ from paradecode.tools.load_client import LoadSettings, request_of
 @pytest.mark.timeout(300)
 def test_load_run_against_paradecode_and_ar(stories_export, tmp_path, capsys):
     out = tmp_path / "load.json"
-    argv = [str(stories_export[0]), "--requests", "8", "--concurrency", "4", "--modes", "paradecode,ar"]
+    argv = [str(stories_export[0]), "--requests", "8", "--concurrency", "1,4", "--modes", "paradecode,ar"]
     argv += ["--max-tokens", "8", "--replicas", "1", "--ignore-eos", "--rounds", "2", "--json", str(out)]
     assert load_bench.main(argv) == 0
     table = capsys.readouterr().out
-    assert "| mode | requests | errors | TTFT p50 |" in table and "paradecode tokens/s over ar: " in table
+    assert "| clients | server | requests | errors | TTFT p50 |" in table and "paradecode tokens/s over ar: " in table
+    assert "| 1 | paradecode | 8 | 0 |" in table and "| 4 | ar | 8 | 0 |" in table
     data = json.loads(out.read_text())
     assert data["command"].startswith("paradecode-loadtest ") and "cpus" in data["machine"]
     assert set(data["servers"]) == {"paradecode", "ar"}
+    assert set(data["levels"]) == {"1", "4"} and data["levels"]["4"] == data["summary"]
     for mode in ("paradecode", "ar"):
-        records = [r for r in data["records"] if r["target"] == mode]
+        assert data["levels"]["1"][mode]["requests"] == 8
+        records = [r for r in data["records"] if r["target"] == mode and r["concurrency"] == 4]
         assert len(records) == 8 and sorted(r["index"] for r in records) == list(range(8))
         assert {r["round"] for r in records} == {0, 1}
         for r in records:
@@ -59,6 +62,10 @@ def parse(*flags: str):
         (("--request-timeout", "0"), "--request-timeout must be a positive number"),
         (("--url", "localhost:8000"), "--url 'localhost:8000': expected the server's address"),
         (("--url", "http://127.0.0.1:1", "--modes", "ar"), "--modes set how this tool starts its servers"),
+        (("--url", "http://127.0.0.1:1", "--max-batch", "8"), "--max-batch set how this tool starts its servers"),
+        (("--concurrency", "1,x"), "--concurrency '1,x': expected comma-separated integers"),
+        (("--concurrency", "2,2"), "--concurrency '2,2' names 2 more than once"),
+        (("--max-batch", "0"), "--max-batch must be an integer of at least 1, got 0"),
     ],
 )
 def test_bad_flags_are_named(flags, message):
@@ -72,6 +79,14 @@ def test_targets_settings_and_requests_from_the_flags(capsys):
     names, settings = load_bench.check_args(parse("--url", "http://127.0.0.1:8000", "--requests", "3", "--ignore-eos"))
     assert names == [load_bench.URL_TARGET] and settings == LoadSettings(requests=3, rounds=3, ignore_eos=True)
     assert LoadSettings(requests=10, rounds=4).edges() == [0, 2, 5, 7, 10]  # every request in one round
+    # several levels run lowest first; several batch sizes start a server per mode and size
+    levels = parse("--concurrency", "8,1,2", "--max-batch", "8,1", "--modes", "paradecode,ar")
+    names, settings = load_bench.check_args(levels)
+    assert names == ["paradecode, batch 8", "paradecode, batch 1", "ar, batch 8", "ar, batch 1"]
+    assert load_bench.concurrency_levels(levels.concurrency) == [1, 2, 8] and settings.concurrency == 8
+    assert load_bench.server_flags("ar, batch 1", levels) == ["--mode", "ar", "--max-batch", "1"]
+    assert load_bench.server_flags("ar", parse("--max-batch", "4")) == ["--mode", "ar", "--max-batch", "4"]
+    assert load_bench.server_flags("ar", parse()) == ["--mode", "ar"]
     with pytest.raises(UserInputError, match="give DIR"):
         load_bench.check_args(load_bench.build_parser().parse_args([]))
     assert load_bench.main(["--requests", "0"]) == 2
