@@ -141,7 +141,6 @@ class Batch:
         )
         sequence.started = time.perf_counter()
         row = self.size
-        self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill writes the prompt's slots
         self.sequences.append(sequence)
         try:
             ctx = self._alone_context(row, sequence)
@@ -150,6 +149,7 @@ class Batch:
             self.sequences.pop()
             self._fail(sequence, err)
             return
+        self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill wrote the prompt's slots
         sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
         sequence.position = len(request.ids)
         self._deliver(sequence, token, margin)
@@ -267,6 +267,7 @@ class Batch:
             self.finite[row] = max(self.finite[row], last.position)
             self.sequences[row] = last
         stats, completion = sequence.stats, sequence.completion
+        self.model.remember(sequence.request, completion.tokens)
         stats.stop_reason = reason
         stats.seconds = time.perf_counter() - sequence.started
         stats.new_tokens = len(completion.tokens)

@@ -81,6 +81,11 @@ class GenerationConfig:
     lookup_tokens: int = 5
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 2
+    # Lookup also proposes what earlier requests' outputs on this loaded model continued with (where the request's
+    # own prompt and output have no match), and this request's output joins them (runtime/lookup.py,
+    # SharedContinuations). Proposals are verified, so outputs do not change; only their speed can tell that
+    # an earlier request produced the same text. Off by default: measured only on a repeated workload so far.
+    lookup_shared: bool = False
     # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None
     # draws one (recorded in the result's stats, so the run can be reproduced).
     temperature: float = 0.0
@@ -109,7 +114,7 @@ class GenerationConfig:
             check_threshold(self.thresholds)
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise UserInputError(f"adaptive must be True, False or None (automatic), got {self.adaptive!r}.")
-        for name in ("ignore_eos",):
+        for name in ("ignore_eos", "lookup_shared"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if not is_integer(self.lookup_tokens) or self.lookup_tokens < 0:

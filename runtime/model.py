@@ -40,6 +40,7 @@ from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
 from paradecode.runtime.loader import open_export
+from paradecode.runtime.lookup import SharedContinuations
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
@@ -129,6 +130,8 @@ class ParaDecodeModel:
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
         # What decoding has measured of this model's call costs and acceptance: carried over between requests.
         self.speculation = Speculation(self.backend.spec.num_layers)
+        # What its requests' outputs continued with, for lookup proposals across requests (runtime/lookup.py).
+        self.continuations = SharedContinuations()
         self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -298,9 +301,16 @@ class ParaDecodeModel:
             eos_token_ids=self.eos_of(config),
             exit_policy=exit_policy,
             lookup=config.lookup_config(),
+            shared=self.continuations if config.lookup_shared else None,
             sampling=sampling,
             speculation=self.speculation if adaptive else None,
         )
+
+    def remember(self, request: Request, tokens: list[int]) -> None:
+        """Add a finished request's verified tokens to the continuations later requests' lookup proposes from."""
+        config = request.config
+        if config.lookup_shared and config.lookup_tokens and tokens:
+            self.continuations.add(request.ids, tokens)
 
     def eos_of(self, config: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a request's output (none when it ignores end-of-sequence tokens)."""
@@ -457,6 +467,7 @@ class ParaDecodeModel:
             raise
         finally:
             decoder.close()
+            self.remember(request, tokens)
             stats.seconds = time.perf_counter() - started
             stats.new_tokens = len(tokens)
             stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}

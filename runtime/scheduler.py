@@ -53,7 +53,7 @@ import torch
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
-from paradecode.runtime.lookup import LookupConfig, NgramIndex
+from paradecode.runtime.lookup import LookupConfig, NgramIndex, SharedContinuations
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import LOOKUP, Mismatch
@@ -88,6 +88,7 @@ class ParaDecoder:
         eos_token_ids: tuple[int, ...] = (),
         exit_policy=None,
         lookup: LookupConfig | None = None,
+        shared: SharedContinuations | None = None,
         sampling: SamplingParams | None = None,
         speculation: Speculation | None = None,
     ):
@@ -127,6 +128,7 @@ class ParaDecoder:
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
         self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
         self.lookup = NgramIndex(lookup) if lookup is not None else None
+        self.shared = shared if lookup is not None else None  # earlier requests' outputs, where the request has none
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.
         self.groups: list[Group] = []
@@ -233,6 +235,8 @@ class ParaDecoder:
             self.last_position - position,
         )
         proposals = self.lookup.propose(self.tokens, position + 1, room)
+        if not proposals and self.shared is not None and room > 0:
+            proposals = self.shared.propose(self.tokens, position + 1, room)
         if proposals and self.speculation is not None and not self.speculation.try_lookup():
             self.ctx.stats.lookups_skipped += 1
             return []

@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help=f"default {default(GenerationConfig, 'max_unverified')}",
     )
+    decoding.add_argument(
+        "--shared-lookup",
+        action="store_true",
+        help="lookup also proposes what earlier requests' outputs continued with (outputs never change; only their "
+        "speed can tell that another request produced the same text)",
+    )
     ray = parser.add_argument_group("Ray Serve (needs the ray extra)")
     ray.add_argument("--ray", action="store_true", help="deploy on Ray Serve: --replicas Ray replicas, one model each")
     ray.add_argument("--ray-address", metavar="ADDR", help="a Ray cluster to join (default: RAY_ADDRESS, else local)")
@@ -165,6 +171,7 @@ def configs_of(args: argparse.Namespace):
             overlap=args.overlap,
             thresholds=parse_threshold(args.threshold) if args.threshold is not None else None,
             max_unverified=args.max_unverified,
+            lookup_shared=True if args.shared_lookup else None,
         )
     )
     config = ServeConfig(

@@ -6,7 +6,7 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig
-from paradecode.runtime.lookup import LookupConfig, NgramIndex
+from paradecode.runtime.lookup import LookupConfig, NgramIndex, SharedContinuations
 from tests.parity import assert_same_tokens, export_scorer
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,3 +87,50 @@ def test_lookup_output_equals_ar(loaded, family, backend, overlap, thresholds):
     )
     stats = result.stats
     assert stats.lookup_proposed > 0 and 0 <= stats.lookup_accepted <= stats.lookup_proposed
+
+
+# --- lookup over earlier requests' outputs (SharedContinuations) -------------------------------------------------
+
+
+def test_shared_continuations_follow_what_earlier_outputs_agreed_on():
+    shared = SharedContinuations(LookupConfig(max_ngram=2, min_ngram=1))
+    shared.add([1, 2], [3, 4, 5, 6])
+    assert shared.propose([9, 2, 3], 3, 5) == [4, 5, 6]  # "2 3" -> 4, "3 4" -> 5, "4 5" -> 6, then nothing seen
+    assert shared.propose([9, 2, 3], 3, 2) == [4, 5]
+    assert shared.propose([7, 8], 2, 5) == [] and shared.propose([9, 2, 3], 3, 0) == []
+    shared.add([1, 2], [3, 4, 7])  # "3 4" was followed by 5 once and 7 once: half agree, the first seen wins
+    assert shared.propose([2, 3], 2, 5) == [4, 5, 6]
+    shared.add([1, 2], [3, 4, 7])  # now 7 twice against 5 once
+    assert shared.propose([2, 3], 2, 5) == [4, 7]
+    shared.add([0], [8, 1, 8, 2, 8, 3])  # "8" alone: followed by 1, 2, 3: no agreement, no proposal
+    assert shared.propose([5, 8], 2, 3) == []
+
+
+def test_shared_continuations_stay_within_their_bound():
+    shared = SharedContinuations(LookupConfig(max_ngram=2, min_ngram=2), max_contexts=10)
+    for start in range(0, 100, 10):
+        shared.add([], list(range(start, start + 10)))
+    assert len(shared) == 10
+    assert shared.propose([0, 1], 2, 3) == []  # the oldest n-grams were forgotten
+    assert shared.propose([91, 92], 2, 3) == [93, 94, 95]  # the newest are kept
+    shared.clear()
+    assert len(shared) == 0
+
+
+def test_a_repeated_request_is_proposed_what_the_first_produced(stories_export):
+    """With lookup_shared, a request's output feeds later requests' lookup; outputs stay ar's either way."""
+    from paradecode.runtime import load
+
+    with load(stories_export[0]) as model:
+        settings = dict(prompt="Once upon a time", max_new_tokens=40, thresholds=float("inf"), ignore_eos=True)
+        want = model.generate(mode="ar", **settings).token_ids
+        alone = model.generate(lookup_shared=False, **settings)
+        assert len(model.continuations) == 0  # requests without lookup_shared leave nothing behind
+        first = model.generate(lookup_shared=True, **settings)
+        assert len(model.continuations) > 0
+        again = model.generate(lookup_shared=True, **settings)
+        assert alone.token_ids == first.token_ids == again.token_ids == want
+        assert again.stats.lookup_accepted > first.stats.lookup_accepted
+        assert again.stats.lookup_accepted >= len(want) // 2  # most of the repeat was proposed and accepted
+    with pytest.raises(UserInputError, match="lookup_shared"):
+        GenerationConfig(lookup_shared="yes")

@@ -198,3 +198,16 @@ def test_a_failing_batch_step_fails_its_requests_and_the_replica_goes_on(serve, 
     want = expected(reference, 8, prompt=PROMPTS[1])
     served = running.openai().completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8)
     assert served.choices[0].text == want.text and running.pool.counts() == (0, 0)
+
+
+def test_serve_flags_set_batching_and_shared_lookup(served_export):
+    from paradecode.runtime.serve import cli
+
+    args = cli.build_parser().parse_args(
+        [str(served_export), "--max-batch", "4", "--prefill-tokens", "64", "--shared-lookup"]
+    )
+    config, ray = cli.configs_of(args)
+    assert ray is None and config.max_batch == 4 and config.prefill_tokens == 64
+    assert config.generation.lookup_shared is True
+    default, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export)]))
+    assert default.max_batch is None and default.generation.lookup_shared is False
