@@ -574,3 +574,23 @@ def test_bench_compares_another_export_of_the_same_model(stories_export, stories
     export_model(ExportConfig(model=str(tmp_path / "llama"), output=other_model, max_seq_len=64))
     assert bench.main([str(stories_export[0]), *argv, "--compare-export", str(other_model)]) == 2
     assert "was exported from another model" in capsys.readouterr().err
+
+
+def test_repeated_workload_reports_both_passes(stories_export, tmp_path, capsys):
+    from paradecode.tools import repeated_workload
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe little dog\n")
+    out = tmp_path / "rw.json"
+    argv = [str(stories_export[0]), "--prompts", str(prompts), "--max-new-tokens", "12", "--json", str(out)]
+    assert repeated_workload.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| 2 | shared |" in table and "| 1 | ar | " in table
+    data = json.loads(out.read_text())
+    assert data["prompts"] == 2 and data["shared_contexts"] > 0
+    for number in ("1", "2"):
+        for mode in ("ar", "own", "shared"):
+            row = data["passes"][number][mode]
+            same = row["tokens"] == data["passes"]["1"]["ar"]["tokens"] > 0  # equal outputs: equal token counts
+            assert row["same_as_ar"] == 2 and same and row["tokens_per_second"] > 0, (number, mode)
+    assert data["passes"]["2"]["shared"]["accepted"] > 0  # the repeat was proposed what the first pass produced
