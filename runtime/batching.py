@@ -126,6 +126,26 @@ class Batch:
         """Prefill `sequence` in the next free row and hand it its first token (it may end there)."""
         if self.full:
             raise UserInputError(f"the batch is full ({self.rows} rows): wait for a sequence to finish.")
+        request = sequence.request
+        row = self.size
+        try:
+            self.model.files.check()  # before the prefill reads the weights (runtime/watched.py)
+            self._start(sequence)
+            self.sequences.append(sequence)
+            ctx = self._alone_context(row, sequence)
+            token, margin = prefill(ctx, request.ids, sequence.sampling, sequence.draws)
+        except Exception as err:  # this request fails alone
+            if sequence in self.sequences:
+                self.sequences.remove(sequence)
+            self._fail(sequence, err)
+            return
+        self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill wrote the prompt's slots
+        sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
+        sequence.position = len(request.ids)
+        self._deliver(sequence, token, margin)
+
+    def _start(self, sequence: Sequence) -> None:
+        """A joining sequence's own state: its draws, statistics and output so far."""
         model, request = self.model, sequence.request
         config = request.config
         sequence.sampling = config.sampling(config.seed if config.seed is not None else secrets.randbits(63))
@@ -140,19 +160,6 @@ class Batch:
             request.ids, config, model.tokenizer, model.eos_of(config), self.cache.capacity, sequence.with_text
         )
         sequence.started = time.perf_counter()
-        row = self.size
-        self.sequences.append(sequence)
-        try:
-            ctx = self._alone_context(row, sequence)
-            token, margin = prefill(ctx, request.ids, sequence.sampling, sequence.draws)
-        except Exception as err:
-            self.sequences.pop()
-            self._fail(sequence, err)
-            return
-        self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill wrote the prompt's slots
-        sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
-        sequence.position = len(request.ids)
-        self._deliver(sequence, token, margin)
 
     def step(self, waiting: bool = False) -> None:
         """One verified token for every sequence in the batch (cancelled ones leave first). `waiting`: requests
@@ -267,12 +274,16 @@ class Batch:
             self.finite[row] = max(self.finite[row], last.position)
             self.sequences[row] = last
         stats, completion = sequence.stats, sequence.completion
-        self.model.remember(sequence.request, completion.tokens)
-        stats.stop_reason = reason
-        stats.seconds = time.perf_counter() - sequence.started
-        stats.new_tokens = len(completion.tokens)
-        tokenizer, ids = self.model.tokenizer, sequence.request.ids
-        text = tokenizer.completion(ids, completion.tokens) if tokenizer else None
+        try:
+            self.model.remember(sequence.request, completion.tokens)
+            stats.stop_reason = reason
+            stats.seconds = time.perf_counter() - sequence.started
+            stats.new_tokens = len(completion.tokens)
+            tokenizer, ids = self.model.tokenizer, sequence.request.ids
+            text = tokenizer.completion(ids, completion.tokens) if tokenizer else None
+        except Exception as err:  # it has left the batch: it must still get its end
+            self._fail(sequence, err)
+            return
         sequence.sink(GenerationResult(completion.tokens, text, stats, completion.margins))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
@@ -284,6 +295,8 @@ def generate_batched(
 ) -> list[GenerationResult]:
     """Decode `requests` together in one batch of `rows` rows (default: all of them, at most the export's
     max_batch), admitting the next as soon as one finishes; their results in order. Raises the first error."""
+    if not requests:
+        return []
     rows = rows or min(len(requests), model.manifest.max_batch)
     results: list[object] = [None] * len(requests)
 

@@ -44,10 +44,8 @@ class Completion:
             stop = EOS
         elif len(self.tokens) >= config.max_new_tokens:
             stop = MAX_NEW_TOKENS
-        elif (
-            piece and config.stop and any(s in text.text[-(len(piece) + self.longest_stop - 1) :] for s in config.stop)
-        ):
-            stop = STOP_STRING  # a stop string ends in the new piece: look there only
+        elif piece and config.stop and self._stop_string_in(piece):
+            stop = STOP_STRING
         elif len(self.tokens) >= self.room:
             stop = MAX_SEQ_LEN
         else:
@@ -57,6 +55,6 @@ class Completion:
         return piece, stop
 
     def _stop_string_in(self, piece: str) -> bool:
-        """Whether a stop string ends in the newest piece (only the text it could span is looked at)."""
+        """Whether a stop string ends in the newest piece: only the text it could span is looked at."""
         tail = self.text.text[-(len(piece) + self.longest_stop - 1) :]
         return any(s in tail for s in self.config.stop)

@@ -18,6 +18,7 @@ prompt and output first, and there second.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,7 +102,8 @@ class SharedContinuations:
         self.config = config or LookupConfig()
         self.sizes = range(self.config.max_ngram, self.config.min_ngram - 1, -1)
         self.max_contexts = max_contexts
-        self.next: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> {following token: count}
+        # n-gram -> {following token: count}, oldest n-gram first (an OrderedDict forgets its first in O(1))
+        self.next: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -122,8 +124,8 @@ class SharedContinuations:
                     if i >= n:
                         following = self.next.setdefault(tuple(tokens[i - n : i]), {})
                         following[tokens[i]] = following.get(tokens[i], 0) + 1
-            while len(self.next) > self.max_contexts:  # forget the oldest n-grams (dicts keep insertion order)
-                del self.next[next(iter(self.next))]
+            while len(self.next) > self.max_contexts:  # forget the oldest n-grams
+                self.next.popitem(last=False)
 
     def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
         """Up to `count` tokens earlier outputs agree on after tokens[:end]."""

@@ -120,13 +120,15 @@ class ReplicaPool:
                 logger.info("loading replica %d/%d of %s", i + 1, config.replicas, config.export)
                 self.models.append(load(config.export, **config.model_options()))
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
+            # each replica's batch (its KV-cache rows), made here so that a failure stops the start, not a worker
+            self.batches = [Batch(model, self.rows) for model in self.models] if self.rows > 1 else []
         except BaseException:
             for model in self.models:
                 model.close()
             raise
         for i, model in enumerate(self.models):
-            work = self._work if self.rows == 1 else self._work_batched
-            thread = threading.Thread(target=work, args=(model,), name=f"paradecode-replica-{i}", daemon=True)
+            work, args = (self._work, (model,)) if self.rows == 1 else (self._work_batched, (model, self.batches[i]))
+            thread = threading.Thread(target=work, args=args, name=f"paradecode-replica-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
         self.metrics.depth(0, 0)
@@ -246,8 +248,7 @@ class ReplicaPool:
                 self._changed()
             return taken
 
-    def _work_batched(self, model: ParaDecodeModel) -> None:
-        batch = Batch(model, self.rows)
+    def _work_batched(self, model: ParaDecodeModel, batch: Batch) -> None:
         while (taken := self._take(batch)) is not None:
             try:
                 self._batch_step(model, batch, taken)
@@ -262,10 +263,9 @@ class ReplicaPool:
             sink = self._sink(job)
             try:  # checked as `model.stream` checks it: a request this export cannot decode fails alone
                 request = model.request(prompt_ids=job.prompt_ids, config=job.config)
-            except ParadecodeError as err:
+                batch.join(Sequence(request, sink, job.cancelled.is_set))  # a failure in it fails the job alone
+            except Exception as err:  # the sink logs what is not a ParadecodeError
                 sink(err)
-                continue
-            batch.join(Sequence(request, sink, job.cancelled.is_set))
         with self._lock:
             waiting = bool(self._waiting) and not self._closing
         if batch.size:

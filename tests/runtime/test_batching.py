@@ -243,3 +243,42 @@ def test_a_batch_remembers_outputs_for_shared_lookup(loaded):
         assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
     finally:
         model.continuations.clear()
+
+
+def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(loaded, monkeypatch):
+    """A truncated memory-mapped weights file would kill the process (SIGBUS) on the prefill's first read."""
+    from paradecode.graphs.errors import ExportChangedError
+
+    model = loaded["llama", "onnxruntime"]
+    request = requests_of(model, mode="ar")[0]
+    batch, sink = Batch(model, 2), Collect()
+
+    def changed():
+        raise ExportChangedError("the weights changed on disk")
+
+    monkeypatch.setattr(model.files, "check", changed)
+    monkeypatch.setattr(model.backend, "run", lambda *args, **kwargs: pytest.fail("the weights were read"))
+    batch.join(Sequence(request, sink))
+    assert isinstance(sink.end, ExportChangedError) and sink.tokens == [] and batch.size == 0
+
+
+def test_an_error_setting_a_request_up_fails_it_alone(loaded, monkeypatch):
+    from paradecode.runtime import batching
+
+    model = loaded["llama", "onnxruntime"]
+    first, second = requests_of(model, mode="ar")[:2]
+    want = alone(model, [first])[0]
+    batch, sinks = Batch(model, 2), [Collect(), Collect()]
+    batch.join(Sequence(first, sinks[0]))
+    real = batching.Completion
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the set-up")
+
+    monkeypatch.setattr(batching, "Completion", broken)
+    batch.join(Sequence(second, sinks[1]))
+    monkeypatch.setattr(batching, "Completion", real)
+    assert isinstance(sinks[1].end, RuntimeError) and batch.size == 1
+    while batch.size:
+        batch.step()
+    assert sinks[0].tokens == want and generate_batched(model, []) == []

@@ -211,3 +211,21 @@ def test_serve_flags_set_batching_and_shared_lookup(served_export):
     assert config.generation.lookup_shared is True
     default, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export)]))
     assert default.max_batch is None and default.generation.lookup_shared is False
+
+
+def test_a_batch_that_cannot_be_made_stops_the_start(served_export, monkeypatch):
+    """A replica's batch (its KV-cache rows) is made when the pool starts: a failure there is the start's, and the
+    models are freed, rather than a worker thread dying and its requests waiting for their timeout."""
+    from paradecode.runtime.serve import pool as pool_module
+    from tests.serving import config_of
+
+    def no_memory(model, rows):
+        raise MemoryError("no room for the KV-cache rows")
+
+    monkeypatch.setattr(pool_module, "Batch", no_memory)
+    loaded = []
+    real_load = pool_module.load
+    monkeypatch.setattr(pool_module, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    with pytest.raises(MemoryError, match="KV-cache rows"):
+        pool_module.ReplicaPool(config_of(served_export))
+    assert loaded and all(model.closed for model in loaded)
