@@ -237,8 +237,6 @@ class ParaDecodeModel:
         """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
         self._check_open()
         self.files.check()
-        if config is not None and not isinstance(config, GenerationConfig):
-            raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
         request = self.request(prompt, prompt_ids, messages, config, **settings)
         self._refuse_reentry()
         stream = GenerationStream()
