@@ -3,7 +3,8 @@
 Threading model
 ---------------
 A model may be shared by many threads; its calls are *serialised* (one at a time, in arrival order)
-because they share the KV cache and the lanes. For parallel requests, load one model per worker.
+because they share the KV cache and the lanes. For parallel requests over one copy of the weights, batch them
+(runtime/batching.py), or load one model per worker.
 
 - `_lock` is held by the call that is decoding, from its first token request (`next()` on its
   stream; `generate` does that at once) until the stream is exhausted or closed.
