@@ -27,6 +27,7 @@ from onnx import TensorProto, numpy_helper
 from torch.export import Dim
 
 from paradecode.export import onnx_quant
+from paradecode.export.exact_rows import pad_attention_rows
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.quantized import QuantizedWeight
@@ -224,6 +225,8 @@ class GraphTemplate:
         stored: dict[str, StoredTensor],
         quantization: Quantization | None = None,
         tensorrt: Mapping[str, QuantizedWeight] | None = None,
+        *,
+        pad_attention: bool = False,
     ) -> onnx.ModelProto:
         """This graph for subgraph `io`, its weights read from the weights file.
 
@@ -233,7 +236,8 @@ class GraphTemplate:
         read it); one the exporter had transposed reads the stored layout through a Transpose node, which
         onnxruntime folds when it loads the graph. The readers of a weight that `quantization` lists are
         rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
-        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py).
+        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py). With `pad_attention`, its fused
+        attention computes a one-row call's positions as it does several (export/exact_rows.py).
         """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
@@ -276,6 +280,8 @@ class GraphTemplate:
             onnx_quant.rewrite(graph, readers, part, quantization.activations_of(io.kind), tensorrt)
             if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
+        if pad_attention and tensorrt is None and not pad_attention_rows(graph):
+            raise ValidationError(f"{io.name}: padded attention was asked for, but the graph has no fused attention.")
         check_contract(model, io)
         return model
 

@@ -43,7 +43,7 @@ from paradecode.graphs.manifest import (
     Subgraph,
     onnx_path,
 )
-from paradecode.graphs.modules import build_subgraph, fused_attention_fits, subgraph_state
+from paradecode.graphs.modules import build_subgraph, fused_attention_fits, padded_attention, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES, rope_caches
 from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.quantized import QuantizedWeight
@@ -412,7 +412,8 @@ def write_subgraphs(
         else:
             template, how = template_for(io, templates, spec, weights, config, fused, generator, export_args)
             canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, fused=fused).items()}
-            model = template.instantiate(io, canonical, stored, quantization)
+            pad = padded_attention(io.kind, quantization, fused, spec)
+            model = template.instantiate(io, canonical, stored, quantization, pad_attention=pad)
             variant = None
             if tensorrt_variants:
                 variant = template.instantiate(io, canonical, stored, quantization, tensorrt=all_weights.quantized)
@@ -449,6 +450,7 @@ def write_subgraphs(
                     io,
                     cases,
                     validate.tolerance_of(config.dtype, quantization, io.kind, fused=fused),
+                    spare_slot=padded_attention(io.kind, quantization, fused, spec),
                 )
             )
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note

@@ -220,6 +220,16 @@ class Manifest:
         """Whether the export has segment graphs (layers between its exit layers in one call each)."""
         return any(s.io.kind == "segment" for s in self.subgraphs)
 
+    @property
+    def padded_attention(self) -> bool:
+        """Whether the layer graphs give onnxruntime's attention kernel a copy of a one-row call's last token
+        (export/exact_rows.py): int8 activations in the layers and onnxruntime's fused attention. A one-row call's
+        positions then compute bit for bit alike at any token count, but a call of several rows (the kernel's
+        one-token path) computes otherwise than the same rows alone."""
+        from paradecode.graphs.modules import padded_attention
+
+        return padded_attention("layer", self.quantization, self.ops == "fused", self.spec)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,

@@ -143,6 +143,18 @@ def fused_attention_fits(spec: ModelSpec) -> bool:
     return spec.head_dim % 16 == 0
 
 
+def padded_attention(kind: str, quantization, fused: bool, spec: ModelSpec) -> bool:
+    """Whether an export's graph of this kind gives the fused attention kernel a copy of a one-row call's last token
+    (export/exact_rows.py): a graph with layers, int8 activations and onnxruntime's fused attention."""
+    return (
+        kind in ("layer", "layer_exit", "segment")
+        and fused
+        and quantization is not None
+        and quantization.activations_of(kind) == "int8"
+        and fused_attention_fits(spec)
+    )
+
+
 class LayerGraph(nn.Module):
     """One pre-norm decoder layer with its fixed-size KV cache written in place.
 

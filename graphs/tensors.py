@@ -26,6 +26,10 @@ Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed
 in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/batching.py), each at its
 own positions, so each row's cache length is its own. A call of several rows carries one token per row
 (onnxruntime's GroupQueryAttention refuses more on a CPU); a call of one row carries any number.
+
+A layer of an export with int8 activations and fused attention (`Manifest.padded_attention`) may also write the
+slot after a one-row call's last position (a copy of its last token's keys and values, export/exact_rows.py): a
+slot past the layer's length, which the next position overwrites before any query reads it.
 """
 
 from __future__ import annotations

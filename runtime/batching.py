@@ -13,6 +13,10 @@ One `step` gives every sequence in the batch its next verified token:
   length is its position, and attention masks by position, so rows of every length share a call), then the final
   head gives each row its token: its top-1, or a draw from its distribution keyed by its position (sampling).
   This is plain decoding per row; a batched call costs little more than one row's (the weights are read once).
+  On an export with int8 activations in its layers (`Manifest.padded_attention`) a call of several rows computes
+  otherwise than the same rows alone (onnxruntime's attention kernel takes its one-token path for them, and int8
+  rounding amplifies the difference), so there each row's token goes through calls of its own row: the same tokens
+  as the request alone, without the shared reads of the weights.
 - **Alone** (one sequence, nothing waiting): a `paradecode` request decodes with ParaDecode, one verified token
   of its `ParaDecoder` per step, as it would alone. When another request joins, its decoder is closed after its
   newest verified token and the row goes on in the batched calls from there (the cache holds every position
@@ -231,18 +235,35 @@ class Batch:
         sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
-            hidden = ctx.layers(
-                MAIN, 1, ctx.num_layers, ctx.embed_rows([s.completion.tokens[-1] for s in sequences]), 0
-            )
-            out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
+            if self.model.manifest.padded_attention:
+                outs = [self._row_alone(ctx, row, s, sampled) for row, s in enumerate(sequences)]
+            else:
+                hidden = ctx.layers(
+                    MAIN, 1, ctx.num_layers, ctx.embed_rows([s.completion.tokens[-1] for s in sequences]), 0
+                )
+                out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
+                outs = [(out, row) for row in range(n)]
         except Exception as err:
             self.close(err)
             return
-        tokens = [choose(out, row, s.position, s.sampling, s.draws) for row, s in enumerate(sequences)]
+        picks = [
+            (choose(out, i, s.position, s.sampling, s.draws), out.margin[i]) for (out, i), s in zip(outs, sequences)
+        ]
         for sequence in sequences:  # every row's cache now holds its position: all move on before any leaves
             sequence.position += 1
-        for row, sequence in enumerate(sequences):
-            self._deliver(sequence, tokens[row], out.margin[row])
+        for sequence, (token, margin) in zip(sequences, picks):
+            self._deliver(sequence, token, margin)
+
+    def _row_alone(self, together: RowsContext, row: int, sequence: Sequence, sampled: bool) -> tuple:
+        """`sequence`'s newest token through every layer in calls of its row alone: for an export whose several-row
+        calls compute otherwise than one row's (`Manifest.padded_attention`), so its tokens stay those of the request
+        decoded alone; such a batch shares the machine between requests but not the weights' reads."""
+        ctx = DecodeContext(self.backend, self.cache.rows(row, row + 1), self.timeline, together.stats)
+        position = sequence.position
+        hidden = ctx.layers(
+            MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [sequence.completion.tokens[-1]], position), position
+        )
+        return ctx.head(MAIN, "final", hidden, position, logits=sampled), 0
 
     # --- a sequence's life ----------------------------------------------------------------------
     def _alone_context(self, row: int, sequence: Sequence) -> DecodeContext:
