@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "block, the layers' float32, so ParaDecode's verification of several positions in one call is cheap and its "
         "output equals plain decoding's up to near ties of the head's logits), float (float32 everywhere: plain "
         "decoding within float32 rounding of PyTorch on the dequantized weights) or int8 (every product's, as "
-        "onnxruntime-genai and llama.cpp do: faster plain decoding, but ParaDecode then equals it only up to int8 "
-        "rounding near ties)",
+        "onnxruntime-genai and llama.cpp do: cheap calls of several positions; with fused ops the layers compute a "
+        "position alike at any token count, so ParaDecode equals plain decoding exactly, but a batch of requests "
+        "then decodes each row in calls of its own)",
     )
     parser.add_argument(
         "--ops",

@@ -34,9 +34,10 @@ class ExportConfig:
     # what quantized graphs compute with (graphs/quantization.py ACTIVATIONS): int8-heads (int8 activations in the
     # heads, float32 in the layers: cheap batched verification, ParaDecode equal to plain decoding up to near ties
     # of the head's logits), float (float32
-    # everywhere: plain decoding within float32 rounding of PyTorch) or int8 (everywhere: faster plain decoding,
-    # but a batched call's float rounding can flip an int8 rounding, so ParaDecode equals plain decoding only up to
-    # such near ties)
+    # everywhere: plain decoding within float32 rounding of PyTorch) or int8 (everywhere: cheap calls of several
+    # positions; with fused ops the layer graphs compute a position alike at any token count, export/exact_rows.py,
+    # so ParaDecode equals plain decoding exactly; elsewhere a batched call's float rounding can flip an int8
+    # rounding, so it equals plain decoding only up to such near ties)
     activations: str = "int8-heads"
     ops: str = "auto"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN

@@ -175,6 +175,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             tensorrt=tensorrt,
             quantization=quantization,
             ops=config.resolved_ops,
+            padded_attention=padded_attention("layer", quantization, config.resolved_ops == "fused", spec),
             paradecode_version=package_version(),
         )
         manifest.write(folder)

@@ -196,6 +196,10 @@ class Manifest:
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
     quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
     ops: str = "portable"  # "fused": onnxruntime's fused kernels; "portable": operators TensorRT reads too
+    # The layer graphs give the fused attention kernel a copy of a one-row call's last token (export/exact_rows.py):
+    # a one-row call's positions compute bit for bit alike at any token count, the slot after the call is written,
+    # and a call of several rows computes otherwise than the same rows alone. Absent (exports made before): False.
+    padded_attention: bool = False
     paradecode_version: str = "unknown"
     format_version: int = FORMAT_VERSION
 
@@ -219,16 +223,6 @@ class Manifest:
     def segments(self) -> bool:
         """Whether the export has segment graphs (layers between its exit layers in one call each)."""
         return any(s.io.kind == "segment" for s in self.subgraphs)
-
-    @property
-    def padded_attention(self) -> bool:
-        """Whether the layer graphs give onnxruntime's attention kernel a copy of a one-row call's last token
-        (export/exact_rows.py): int8 activations in the layers and onnxruntime's fused attention. A one-row call's
-        positions then compute bit for bit alike at any token count, but a call of several rows (the kernel's
-        one-token path) computes otherwise than the same rows alone."""
-        from paradecode.graphs.modules import padded_attention
-
-        return padded_attention("layer", self.quantization, self.ops == "fused", self.spec)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -254,6 +248,7 @@ class Manifest:
             "tensorrt": self.tensorrt,
             "quantization": None if self.quantization is None else self.quantization.to_dict(),
             "ops": self.ops,
+            "padded_attention": self.padded_attention,
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
         }
 
@@ -298,6 +293,7 @@ class Manifest:
             tensorrt=_tensorrt(data.get("tensorrt")),
             quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
             ops=json_string(data.get("ops", "portable"), "ops", OPS),
+            padded_attention=_flag(data.get("padded_attention", False), "padded_attention"),
             calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
             paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
             format_version=json_integer(json_field(data, "format_version", ""), "format_version"),
@@ -408,6 +404,12 @@ class Manifest:
         path = Path(folder) / MANIFEST_NAME
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError(f"{where} is {show(value)}; expected true or false.")
+    return value
 
 
 def _thresholds(value: Any) -> dict[int, float]:

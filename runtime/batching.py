@@ -113,6 +113,8 @@ class Batch:
         self.finite = [0] * rows
         self.steps = {ALONE: 0, TOGETHER: 0}
         self._together: dict[int, RowsContext] = {}  # batch size -> its context (views of the first rows)
+        # onnxruntime computes a call of several rows otherwise than each row alone here: see `_row_alone`
+        self.rows_alone = model.manifest.padded_attention and self.backend.name == "onnxruntime"
 
     @property
     def rows(self) -> int:
@@ -235,7 +237,7 @@ class Batch:
         sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
-            if self.model.manifest.padded_attention:
+            if self.rows_alone:
                 outs = [self._row_alone(ctx, row, s, sampled) for row, s in enumerate(sequences)]
             else:
                 hidden = ctx.layers(

@@ -14,8 +14,13 @@ from paradecode.graphs.errors import UserInputError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device):
+    def __init__(
+        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device, spare: int = 0
+    ):
         self.shape = tuple(shape)
+        # Slots at the end that no position takes: an export with padded attention (export/exact_rows.py) writes a
+        # copy into the slot after a call, so its last slot is kept for that copy and every position gets it.
+        self.spare = spare
         # Only written slots are ever read on a CPU (attention reads slots up to the highest position of the
         # call, all written by then), so the buffers need not be zeroed there: untouched pages cost no memory
         # until the sequence reaches them. On CUDA attention reads the whole cache (masked), so it starts at 0:
@@ -30,6 +35,7 @@ class KVCache:
         batch's requests each decode in their rows of one cache [max_batch, H_kv, S, D_h]."""
         view = KVCache.__new__(KVCache)
         view.shape = (stop - start, *self.shape[1:])
+        view.spare = self.spare
         view.keys = [k[start:stop] for k in self.keys]
         view.values = [v[start:stop] for v in self.values]
         view.lengths = list(self.lengths)
@@ -54,7 +60,8 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.shape[2]
+        """The positions a sequence can take: the buffers' slots but the spare ones."""
+        return self.shape[2] - self.spare
 
     @property
     def num_layers(self) -> int:

@@ -395,11 +395,11 @@ class ParaDecodeModel:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise UserInputError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1}).")
-        capacity = self.manifest.max_seq_len
+        capacity = self.cache.capacity  # max_seq_len, less a spare slot where the graphs write one (kvcache.py)
         if len(ids) > capacity:
             raise UserInputError(
-                f"the prompt has {len(ids)} tokens, more than the export's max_seq_len ({capacity}, the KV-cache "
-                "length set at export). Shorten the prompt or re-export with a larger --max-seq-len."
+                f"the prompt has {len(ids)} tokens, more than the export's KV cache holds ({capacity} positions, set "
+                "by --max-seq-len at export). Shorten the prompt or re-export with a larger --max-seq-len."
             )
         return ids
 

@@ -135,7 +135,8 @@ class Backend(ABC):
                 f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
-        return KVCache(self.spec.num_layers, shape, self.dtype, self.device)
+        spare = 1 if self.manifest.padded_attention else 0  # the copy's slot after the last position
+        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare)
 
     def new_stream(self):
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""

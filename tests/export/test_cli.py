@@ -182,8 +182,8 @@ def test_a_failed_validation_writes_nothing(model_dirs, tmp_path, capsys, monkey
 
     real = validate.check_onnxruntime
 
-    def broken(path, module, io, cases, dtype):
-        check = real(path, module, io, cases, dtype)
+    def broken(path, module, io, cases, dtype, **options):
+        check = real(path, module, io, cases, dtype, **options)
         if io.name == "layer_2":
             check.status, check.note = "FAIL", "simulated mismatch"
         return check

@@ -438,7 +438,7 @@ def test_generate_refuses_two_prompts_and_bad_messages(chat_export):
             model.stream(prompt_ids=[1, 2], messages=chat, max_new_tokens=2)
         with pytest.raises(UserInputError, match=r"messages\[0\]\['content'\] is int 5"):
             model.generate(messages=[{"role": "user", "content": 5}], max_new_tokens=2)
-        with pytest.raises(UserInputError, match="more than the export's max_seq_len"):
+        with pytest.raises(UserInputError, match="more than the export's KV cache holds"):
             model.generate(messages=[{"role": "user", "content": "four " * 200}], max_new_tokens=2)
         assert model.generate(messages=chat, max_new_tokens=2, ignore_eos=True).stats.new_tokens == 2  # still usable
 

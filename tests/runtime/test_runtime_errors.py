@@ -24,7 +24,9 @@ def still_works(model) -> None:
 
 
 def test_prompt_longer_than_the_cache(model):
-    with pytest.raises(UserInputError, match=r"65 tokens, more than the export's max_seq_len \(64.*--max-seq-len"):
+    with pytest.raises(
+        UserInputError, match=r"65 tokens, more than the export's KV cache holds \(64 positions.*--max-seq-len"
+    ):
         model.generate(prompt_ids=[1] * 65, max_new_tokens=4)
     still_works(model)
 
