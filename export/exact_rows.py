@@ -58,7 +58,12 @@ def pad_attention_rows(graph: onnx.GraphProto) -> int:
                 "padding it is not implemented."
             )
         split = producer.get(node.input[0])
-        packed = split is not None and split.op_type == "Split" and list(split.output) == list(node.input[:3])
+        packed = (
+            split is not None
+            and split.op_type == "Split"
+            and list(split.output) == list(node.input[:3])
+            and _axis(split) in (-1, 2)  # split by features: the copied row goes to all three
+        )
         if packed:  # one copy of the row the queries, keys and values are split from
             padded, nodes = _with_copy(split.input[0], f"{prefix}/qkv")
             before.setdefault(id(split), []).extend(nodes)
@@ -92,7 +97,10 @@ def _decision(graph: onnx.GraphProto, node: onnx.NodeProto, prefix: str) -> list
         return f"{prefix}/{hint}"
 
     one, two, zero = const("one", 1), const("two", 2), const("zero", 0)
-    n = f"{prefix}/".__add__
+
+    def n(hint: str) -> str:
+        return f"{prefix}/{hint}"
+
     return [
         helper.make_node("Shape", [POSITIONS], [n("shape")]),
         helper.make_node("Slice", [n("shape"), zero, one], [n("rows")]),
@@ -148,7 +156,11 @@ def _shape_of(graph: onnx.GraphProto, name: str) -> list:
     for value in graph.input:
         if value.name == name:
             return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value.type.tensor_type.shape.dim]
-    raise ValueError(f"{graph.name}: {name} is not an input of the graph")
+    raise ValidationError(f"{graph.name}: the attention's cache {name} is not an input of the graph")
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
 def _forget_shapes(graph: onnx.GraphProto, names: list[str]) -> None:
