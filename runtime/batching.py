@@ -115,6 +115,7 @@ class Batch:
         self._together: dict[int, RowsContext] = {}  # batch size -> its context (views of the first rows)
         # onnxruntime computes a call of several rows otherwise than each row alone here: see `_row_alone`
         self.rows_alone = model.manifest.padded_attention and self.backend.name == "onnxruntime"
+        self._row_contexts: dict[int, DecodeContext] = {}  # row -> the calls of that row alone (views of it)
 
     @property
     def rows(self) -> int:
@@ -238,7 +239,7 @@ class Batch:
         self.steps[TOGETHER] += 1
         try:
             if self.rows_alone:
-                outs = [self._row_alone(ctx, row, s, sampled) for row, s in enumerate(sequences)]
+                outs = [self._row_alone(row, s, sampled) for row, s in enumerate(sequences)]
             else:
                 hidden = ctx.layers(
                     MAIN, 1, ctx.num_layers, ctx.embed_rows([s.completion.tokens[-1] for s in sequences]), 0
@@ -256,11 +257,16 @@ class Batch:
         for sequence, (token, margin) in zip(sequences, picks):
             self._deliver(sequence, token, margin)
 
-    def _row_alone(self, together: RowsContext, row: int, sequence: Sequence, sampled: bool) -> tuple:
+    def _row_alone(self, row: int, sequence: Sequence, sampled: bool) -> tuple:
         """`sequence`'s newest token through every layer in calls of its row alone: for an export whose several-row
         calls compute otherwise than one row's (`Manifest.padded_attention`), so its tokens stay those of the request
         decoded alone; such a batch shares the machine between requests but not the weights' reads."""
-        ctx = DecodeContext(self.backend, self.cache.rows(row, row + 1), self.timeline, together.stats)
+        ctx = self._row_contexts.get(row)
+        if ctx is None:
+            stats = GenerationStats(mode="ar")  # the batch's calls; each sequence counts its own tokens
+            ctx = self._row_contexts[row] = DecodeContext(
+                self.backend, self.cache.rows(row, row + 1), self.timeline, stats
+            )
         position = sequence.position
         hidden = ctx.layers(
             MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [sequence.completion.tokens[-1]], position), position
