@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lanes", type=positive_int, default=2, help="concurrent lanes, the calling thread included (default 2)"
     )
     parser.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: every core)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch backend: compile the model's modules with torch.compile (faster decoding on a GPU once compiled; "
+        "the first calls of each shape compile)",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             lanes=args.lanes,
             threads=args.threads,
+            torch_compile=args.compile,
             verify=not args.no_verify,
         ) as model:
             if args.prompt_ids is None and model.tokenizer is None:

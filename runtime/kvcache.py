@@ -15,7 +15,13 @@ from paradecode.graphs.errors import UserInputError
 
 class KVCache:
     def __init__(
-        self, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device, spare: int = 0
+        self,
+        num_layers: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: str | torch.device,
+        spare: int = 0,
+        zeroed: bool | None = None,
     ):
         self.shape = tuple(shape)
         # Slots at the end that no position takes: an export with padded attention (export/exact_rows.py) writes a
@@ -23,9 +29,12 @@ class KVCache:
         self.spare = spare
         # Only written slots are ever read on a CPU (attention reads slots up to the highest position of the
         # call, all written by then), so the buffers need not be zeroed there: untouched pages cost no memory
-        # until the sequence reaches them. On CUDA attention reads the whole cache (masked), so it starts at 0:
-        # masked garbage could be NaN, and 0 x NaN would leak through the masked softmax.
-        new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        # until the sequence reaches them. On CUDA, and wherever the backend says so (`zeroed`: torch.compile'd
+        # modules), attention reads the whole cache (masked), so it starts at 0: masked garbage could be NaN,
+        # and 0 x NaN would leak through the masked softmax.
+        if zeroed is None:
+            zeroed = torch.device(device).type != "cpu"
+        new = torch.zeros if zeroed else torch.empty
         self.keys = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers

@@ -109,6 +109,7 @@ class ParaDecodeModel:
         lanes: int = 2,
         threads: int | None = None,
         cuda_graphs: bool = True,
+        torch_compile: bool = False,
         verify: bool = True,
     ):
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
@@ -119,6 +120,11 @@ class ParaDecodeModel:
         # Text first: a broken tokenizer or chat template is refused before the sessions load.
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
         self.chat_template = ChatTemplate.from_export(self.export)
+        if torch_compile and backend != "torch":
+            raise UserInputError(
+                f"torch_compile compiles the torch backend's modules; the {backend!r} backend runs the export's own "
+                "graphs. Use backend='torch' (--backend torch), or leave torch_compile off."
+            )
         options = {}
         if backend == "onnxruntime":
             # None: every core per call, but one for the layers of int8-activation exports (onnxruntime_backend,
@@ -126,6 +132,7 @@ class ParaDecodeModel:
             options["threads"] = threads
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
+            options["torch_compile"] = torch_compile
         self.backend = backend_class(backend)(self.export, device=device, **options)
         self.cache = self.backend.allocate_cache()
         self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]

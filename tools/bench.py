@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch backend: compile every subgraph module with torch.compile; ar also runs uncompiled ('ar (eager)')",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure and sample as JSON")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="write the speedup and exits plot")
@@ -181,7 +186,10 @@ def run(args) -> str:
     peers = peer_settings(args)
     prompts = load_prompts(args.prompts) if args.prompts else None
     with (
-        opened_with_ar_baselines(args.export, backend=args.backend, device=args.device) as (main_model, ar_models),
+        opened_with_ar_baselines(args.export, backend=args.backend, device=args.device, torch_compile=args.compile) as (
+            main_model,
+            ar_models,
+        ),
         ExitStack() as peer_runners,
     ):
         if prompts is None:

@@ -37,19 +37,22 @@ DEFAULT_PROMPTS = (
 UNCATEGORISED = "uncategorised"  # the group of prompts without a category, where others have one
 
 
-def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu"):
+def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu", torch_compile: bool = False):
     """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every core per call, but one
     for the layers of int8-activation exports), plus the ar baselines worth measuring beside it.
 
     Returns (model, {label: model}). ar runs on that model, and, with onnxruntime on a multi-core CPU, also on a
     1-lane model whose calls use one thread each, and one whose calls use every core: which is the faster plain
     decoding depends on the model and the machine. The harness reports the fastest as *the* ar
-    (`Results.baseline`).
+    (`Results.baseline`). With `torch_compile` (the torch backend), the model's modules are compiled, and ar also
+    runs on a model without compilation, `ar (eager)`, so the two are measured side by side.
     """
     from paradecode.runtime import load
 
     cores = os.cpu_count() or 1
-    model = load(export, backend=backend, device=device, lanes=2)
+    model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile)
+    if torch_compile:
+        return model, {"ar": model, "ar (eager)": load(export, backend=backend, device=device, lanes=1, verify=False)}
     if backend != "onnxruntime":
         return model, {"ar": model}
     baselines = {"ar (default threads)": model}
@@ -72,9 +75,11 @@ def close_all(model, baselines: dict) -> None:
 
 
 @contextmanager
-def opened_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu") -> Iterator[tuple]:
+def opened_with_ar_baselines(
+    export, *, backend: str = "onnxruntime", device: str = "cpu", torch_compile: bool = False
+) -> Iterator[tuple]:
     """`load_with_ar_baselines` as a context manager: (model, {label: model}), all closed on leaving."""
-    model, baselines = load_with_ar_baselines(export, backend=backend, device=device)
+    model, baselines = load_with_ar_baselines(export, backend=backend, device=device, torch_compile=torch_compile)
     try:
         yield model, baselines
     finally:

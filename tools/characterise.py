@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", choices=ONNX_BACKENDS, default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch backend: compile every subgraph module with torch.compile; ar also runs uncompiled ('ar (eager)')",
+    )
     parser.add_argument("--json", type=Path, metavar="OUT")
     parser.add_argument("--plot", type=Path, metavar="OUT.png")
     parser.add_argument("--work-dir", type=Path, help="keep the model and export here (default: a temporary folder)")
@@ -157,7 +162,10 @@ def run(args) -> str:
                     force=True,
                 )
             )
-        with opened_with_ar_baselines(export_dir, backend=args.backend, device=args.device) as (pd_model, ar_models):
+        opened = opened_with_ar_baselines(
+            export_dir, backend=args.backend, device=args.device, torch_compile=args.compile
+        )
+        with opened as (pd_model, ar_models):
             measured = measure(args, depths, pd_model, ar_models)
         bandwidth = copy_bandwidth(args.device)
         weight_bytes = weight_bytes_per_token(export_dir)
@@ -165,6 +173,7 @@ def run(args) -> str:
         "shape": {k: getattr(args, k) for k in ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab")},
         "dtype": args.dtype,
         "segments": args.segments,
+        "torch_compile": args.compile,
         "baseline": measured["baseline"],
         "ar_tokens_per_second": measured["ar_tokens_per_second"],
         "copy_bandwidth_gb_s": bandwidth / 1e9,
@@ -255,10 +264,13 @@ def checked(mode: Mode, expected: list[int]) -> Mode:
 def table(payload: dict) -> str:
     lines = [
         f"baseline {payload['baseline']}: {payload['ar_tokens_per_second']:.1f} tokens/s; shape {payload['shape']}, "
-        f"{payload['dtype']}, {'segments' if payload['segments'] else 'one graph per layer'}",
+        f"{payload['dtype']}, {'segments' if payload['segments'] else 'one graph per layer'}"
+        f"{', torch.compile' if payload.get('torch_compile') else ''}",
         f"memory-bandwidth bound of ar: {payload['weight_bytes_per_token'] / 1e6:.1f} MB of weights per token at "
         f"{payload['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth = "
         f"{payload['ar_bandwidth_bound_tokens_per_second']:.1f} tokens/s",
+        "ar variants (median tokens/s): "
+        + ", ".join(f"{name} {rate:.1f}" for name, rate in payload["ar_variants"].items() if rate is not None),
         "",
         "| exit layer | acceptance | exits done | overlap | tok/s | speedup (min-max) | bound |",
         "| ---: | ---: | ---: | --- | ---: | --- | ---: |",

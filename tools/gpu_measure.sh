@@ -14,6 +14,13 @@
 #   segments     plain decoding through segment graphs against one call per layer (--no-segments), on the 0.5B
 #                and SmolLM2 layer shapes (random weights), each against the memory-bandwidth bound; ParaDecode
 #                in every overlap on the 0.5B shape; the 0.5B shape in bfloat16
+#   compile      the torch backend with torch.compile (--compile) against the same export uncompiled ('ar
+#                (eager)'), side by side: ar and ParaDecode (batched, controlled acceptance) on the SmolLM2 and
+#                0.5B layer shapes (random weights, segments) against the bandwidth bound; then where a compiled
+#                token's time goes on the SmolLM2 shape (tools/where_time_goes.py --compile)
+# TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS);
+# STAGE_TIMEOUT (seconds) bounds each
+# command of a stage, so that a lease's time limit leaves the later stages their turn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z ${PYTHON:-} ]]; then
@@ -32,7 +39,7 @@ device=${DEVICE:-cuda}  # DEVICE=cpu runs the same commands on a CPU: a dry run 
 gpu=$($py -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
 out=${RESULTS:-tools/results/$gpu}
 mkdir -p "$out"
-run() { echo "+ $*"; "$@"; }
+run() { echo "+ $*"; if [[ -n ${STAGE_TIMEOUT:-} ]]; then timeout "$STAGE_TIMEOUT" "$@"; else "$@"; fi; }
 stories=${PARADECODE_STORIES260K:-../shared/models/stories260K}/hf
 smollm2=${PARADECODE_SMOLLM2:-smollm2}
 work=${WORK:-$(mktemp -d)}
@@ -46,7 +53,7 @@ parity_and_bench() {  # NAME: an export in $work/NAME
 }
 
 stage_tests() {
-  run $py -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --timeout 300 tests/
+  run $py -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --timeout 300 ${TESTS:-tests/}
 }
 
 stage_tiny() {
@@ -84,6 +91,15 @@ stage_segments() {
   run $char $half --dtype bfloat16 --acceptance 0,1 --overlaps batched --json "$out/char-0.5b-bf16-segments.json"
 }
 
+stage_compile() {
+  local half="--hidden 896 --ffn 4864 --layers 24 --heads 14 --kv-heads 2 --vocab 32000"
+  local smol="--hidden 576 --ffn 1536 --layers 30 --heads 9 --kv-heads 3 --vocab 49152"
+  local char="$py -m paradecode.tools.characterise --device $device --backend torch --compile --repeat ${REPEAT:-3} --depths 0.25"
+  run $char $smol --acceptance 0,1 --overlaps batched --json "$out/char-smollm2-compiled.json"
+  run $char $half --acceptance 0,0.5,1 --overlaps batched --json "$out/char-0.5b-compiled.json"
+  run $py -m paradecode.tools.where_time_goes "$out" --device "$device" --compile
+}
+
 stage_profile() {
   [[ -d $work/demo-float32 ]] || run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-float32" \
       --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
@@ -99,7 +115,7 @@ stage_profile() {
 }
 
 for stage in "${stages[@]}"; do
-  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments)" >&2; exit 2; }
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile)" >&2; exit 2; }
   echo "== $stage on $gpu, results in $out"
   "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done

@@ -6,10 +6,11 @@ A random Llama of SmolLM2-135M's layer shape (or --small: a tiny one, for a dry 
 one exit layer (8) so ar runs embed, segment 1-8, segment 9-30 and the final head. Reports the wall time per
 token, the host time inside each subgraph call (no synchronisation), the same calls each synchronised
 before and after (host + device), and torch.profiler's device time per token with its top kernels. With
---compile, then the same model with every subgraph module through torch.compile (Inductor fuses the small
-kernels; the backend still captures each call as a CUDA graph): its wall time per token and whether its
-tokens equal the eager modules' (an experiment: the torch backend does not compile). The H200 figures of
-2026-11-26 (tools/results/NVIDIA-H200/) were taken with this script when it lived in that folder.
+--compile, then the same export loaded with `torch_compile=True` (Inductor fuses the small kernels; the backend
+still captures each call as a CUDA graph): its wall time per token, interleaved with the eager model's, its
+device time and kernel launches per token, and whether its tokens equal the eager modules'. The H200 figures
+of 2026-11-26 (tools/results/NVIDIA-H200/) were taken with an earlier form of this script, which compiled the
+modules in place (`torch.compile(dynamic=False)`).
 """
 
 import collections
@@ -38,7 +39,7 @@ def main() -> int:
         if small
         else SimpleNamespace(vocab=49152, hidden=576, ffn=1536, layers=30, heads=9, kv_heads=3)
     )
-    work = Path("/tmp/where-time-goes")
+    work = Path("/tmp/where-time-goes-small" if small else "/tmp/where-time-goes")
     if not (work / "export" / "manifest.json").is_file():
         build_model(shape, work / "model")
         export_model(
@@ -50,8 +51,8 @@ def main() -> int:
     prompt = list(range(5, 21))
     TOKENS = 128
 
-    def generate(n=TOKENS):
-        return model.generate(prompt_ids=prompt, max_new_tokens=n, mode="ar", ignore_eos=True)
+    def generate(which=model, n=TOKENS):
+        return which.generate(prompt_ids=prompt, max_new_tokens=n, mode="ar", ignore_eos=True)
 
     def sync():
         if device == "cuda":
@@ -107,7 +108,7 @@ def main() -> int:
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
-        generate(32)
+        generate(model, 32)
     events = profile.key_averages()
     device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
     report["profiler_device_ms_per_token"] = device_us / 1000 / 32
@@ -123,25 +124,37 @@ def main() -> int:
     print(json.dumps(report["top_kernels"][:12], indent=1))
 
     if "--compile" in sys.argv:
-        torch._dynamo.config.cache_size_limit = 64  # one compilation per module and token count
+        # The backend's own option (`torch_compile=True`): a second model, its modules compiled, interleaved with the
+        # eager one so the two are measured side by side.
         reference = result.token_ids
         began = time.perf_counter()
-        backend.graphs.clear()
-        backend.modules = {name: torch.compile(module, dynamic=False) for name, module in backend.modules.items()}
-        compiled = generate()
+        compiled = load(work / "export", backend="torch", device=device, torch_compile=True)
+        first = generate(compiled)
         compiled_report = {
             "first_generate_seconds": time.perf_counter() - began,
-            "same_tokens": compiled.token_ids == reference,
+            "same_tokens": first.token_ids == reference,
         }
-        generate()
-        walls = []
+        generate(compiled)
+        walls = {"eager": [], "compiled": []}
         for _ in range(5):
-            sync()
-            began = time.perf_counter()
-            generate()
-            sync()
-            walls.append(1000 * (time.perf_counter() - began) / TOKENS)
-        compiled_report["wall_ms_per_token"] = sorted(walls)
+            for name, which in (("eager", model), ("compiled", compiled)):
+                sync()
+                began = time.perf_counter()
+                generate(which)
+                sync()
+                walls[name].append(1000 * (time.perf_counter() - began) / TOKENS)
+        compiled_report["wall_ms_per_token"] = sorted(walls["compiled"])
+        compiled_report["eager_wall_ms_per_token_interleaved"] = sorted(walls["eager"])
+        with torch.profiler.profile(activities=activities) as profile:
+            generate(compiled, 32)
+        events = profile.key_averages()
+        compiled_report["profiler_device_ms_per_token"] = (
+            sum(getattr(e, "self_device_time_total", 0) for e in events) / 1000 / 32
+        )
+        compiled_report["kernel_launches_per_token"] = (
+            sum(e.count for e in events if getattr(e, "self_device_time_total", 0) > 0) / 32
+        )
+        compiled.close()
         report["compiled"] = compiled_report
         (out / "where-time-goes.json").write_text(json.dumps(report, indent=1))
         print(json.dumps(compiled_report, indent=1))

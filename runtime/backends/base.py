@@ -81,6 +81,7 @@ class SubgraphCall:
 
 class Backend(ABC):
     name = "base"
+    reads_whole_cache = False  # attention reads every cache slot (masked), not only written ones: caches start at 0
 
     def __init__(self, export: ExportFolder, device: str = "cpu"):
         self.export = export
@@ -136,7 +137,9 @@ class Backend(ABC):
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
         spare = 1 if self.manifest.padded_attention else 0  # the copy's slot after the last position
-        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare)
+        # A backend whose attention reads every slot (masked) needs the buffers zeroed; otherwise the device decides.
+        zeroed = True if self.reads_whole_cache else None
+        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed)
 
     def new_stream(self):
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""

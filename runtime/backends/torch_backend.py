@@ -11,12 +11,20 @@ static buffers. The KV cache has fixed addresses, which is what makes the captur
 valid for every later call. Each lane has its own memory pool, so graphs replaying concurrently on
 two lanes never share intermediate buffers; captures are serialised by a lock (a capture must not
 overlap another lane's capture).
+
+With `torch_compile`, every subgraph module goes through torch.compile (Inductor fuses the many small
+kernels of a layer: norms, rotary, the mask, softmax, the cache write), and CUDA graphs, where on, capture
+the compiled call. A call's token and batch dimensions are marked dynamic, so each module compiles twice
+(one token, and any other count) rather than once per shape; the first calls of a new shape pay for the
+compilation (seconds per module on a GPU; Inductor's on-disk cache makes a second process cheaper).
+Compiled modules read the whole KV cache, masked, as CUDA does (a length read from the positions is a
+shape Inductor cannot plan for), so their caches start at 0.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -28,6 +36,34 @@ from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.loader import ExportFolder
 
 GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
+# torch.compile recompiles a module's code for each new set of guards (shapes, dispatch keys); past dynamo's
+# limit (8 by default, counted over every module of one class) it runs the code eagerly, silently. Token counts
+# and batch sizes are marked dynamic, so a handful suffice; this leaves room for them.
+RECOMPILE_LIMIT = 64
+
+
+def compiled(module: torch.nn.Module) -> Callable:
+    """`module` through torch.compile, whole (a graph break is an error, not a slow path)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
+    setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
+    return torch.compile(module, fullgraph=True)
+
+
+def mark_dynamic(streamed: tuple[torch.Tensor, ...], caches: Iterable[torch.Tensor]) -> None:
+    """Mark the batch dimension of every input, and the token dimension of the streamed ones (hidden states, token
+    ids, positions: [B, T, ...]), dynamic where it is above 1, so other counts reuse the compiled code."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for t in streamed:
+        for dim in (0, 1)[: t.dim()]:
+            if t.shape[dim] > 1:
+                maybe_mark_dynamic(t, dim)
+    for t in caches:
+        if t.shape[0] > 1:
+            maybe_mark_dynamic(t, 0)
 
 
 class GraphedCall:
@@ -59,7 +95,9 @@ class GraphedCall:
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, export: ExportFolder, device: str = "cpu", cuda_graphs: bool = True):
+    def __init__(
+        self, export: ExportFolder, device: str = "cpu", cuda_graphs: bool = True, torch_compile: bool = False
+    ):
         super().__init__(export, device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UserInputError("device 'cuda' was asked for, but torch sees no CUDA GPU. Use --device cpu.")
@@ -90,6 +128,10 @@ class TorchBackend(Backend):
             self.check_names(sub, contract.input_names, contract.output_names, "the torch module")
             module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)
             self.modules[sub.io.name] = module.to(self.device)
+        self.torch_compile = torch_compile
+        self.reads_whole_cache = torch_compile
+        if torch_compile:
+            self.modules = {name: compiled(module) for name, module in self.modules.items()}
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         # (subgraph, batch, tokens, lane, the caches' addresses): a graph writes the very caches it was captured with
         self.graphs: dict[tuple, GraphedCall] = {}
@@ -116,6 +158,8 @@ class TorchBackend(Backend):
         def run(*inputs):
             full = dict(zip(streamed, inputs))
             full.update(cached)
+            if self.torch_compile:
+                mark_dynamic(inputs, cached.values())
             out = module(*[full[n] for n in order])
             out = out if isinstance(out, tuple) else (out,)
             return tuple(t for n, t in zip(call.outputs, out) if n not in call.in_place)

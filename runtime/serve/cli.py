@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--device", choices=("cpu", "cuda"), help=f"default {serve_default('device')}")
     load.add_argument("--lanes", type=positive_int, help=f"lanes per replica (default {serve_default('lanes')})")
     load.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: cores / all lanes)")
+    load.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch backend: compile the model's modules with torch.compile (the first requests of each shape compile)",
+    )
     load.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
     decoding = parser.add_argument_group("decoding (every request)")
     decoding.add_argument("--mode", choices=MODES, help=f"default {default(GenerationConfig, 'mode')}")
@@ -192,6 +197,7 @@ def configs_of(args: argparse.Namespace):
             device=args.device,
             lanes=args.lanes,
             threads=args.threads,
+            torch_compile=args.compile or None,
         ),
         verify=not args.no_verify,
         generation=generation,

@@ -68,6 +68,7 @@ class ServeConfig:
     device: str = "cpu"
     lanes: int = 2
     threads: int | None = None
+    torch_compile: bool = False  # the torch backend's modules through torch.compile (runtime/backends/torch_backend.py)
     verify: bool = True
     generation: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -104,6 +105,13 @@ class ServeConfig:
         positive_integer(self.lanes, "lanes")
         if self.threads is not None:
             positive_integer(self.threads, "threads")
+        if not isinstance(self.torch_compile, bool):
+            raise UserInputError(f"torch_compile must be True or False, got {self.torch_compile!r}.")
+        if self.torch_compile and self.backend != "torch":
+            raise UserInputError(
+                f"torch_compile compiles the torch backend's modules, and backend is {self.backend!r}: serve with "
+                "backend torch (--backend torch), or without torch_compile (--compile)."
+            )
         if not isinstance(self.verify, bool):
             raise UserInputError(f"verify must be True or False, got {self.verify!r}.")
         if not isinstance(self.generation, GenerationConfig):
@@ -136,6 +144,8 @@ class ServeConfig:
         options: dict[str, Any] = dict(backend=self.backend, device=self.device, lanes=self.lanes, verify=self.verify)
         if self.backend == "onnxruntime":
             options["threads"] = self.threads_per_call
+        if self.torch_compile:
+            options["torch_compile"] = True
         return options
 
 

@@ -131,3 +131,20 @@ def test_quantized_export_on_cuda(source, quantized_exports):
                 prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap=overlap, ignore_eos=True
             )
             assert_same_tokens(ours.token_ids, ar, f"{source} cuda {overlap} vs ar", prompt=PROMPT, score=score)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiled_modules_on_cuda(family, cpu_ar, exports):
+    """torch.compile'd modules (`torch_compile=True`) captured as CUDA graphs: CUDA ar must equal the CPU torch
+    reference, and ParaDecode (every overlap, every token exiting) the compiled model's own ar."""
+    cpu, expected = cpu_ar[family]
+    score = export_scorer(cpu)
+    with load(exports[family][0], backend="torch", device="cuda", torch_compile=True) as gpu:
+        ar = gpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+        assert_same_tokens(ar, expected, f"{family} compiled cuda ar vs cpu", prompt=PROMPT, score=score)
+        for overlap in OVERLAPS:
+            ours = gpu.generate(
+                prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap=overlap, ignore_eos=True
+            )
+            what = f"{family} compiled cuda {overlap} vs ar"
+            assert_same_tokens(ours.token_ids, ar, what, prompt=PROMPT, score=score)

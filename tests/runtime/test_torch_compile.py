@@ -1,0 +1,103 @@
+"""The torch backend with torch.compile (`torch_compile=True`, `--compile`), on the CPU.
+
+Inductor compiles every subgraph module; the tokens must be the eager modules' (the same reference as every
+parity test: a divergence only at a reported near tie), ParaDecode's must be the compiled model's own ar in
+every overlap, and the token and batch dimensions must be dynamic, so a new prompt length or proposal count
+reuses the compiled code instead of compiling again. The GPU test (test_gpu.py) runs the same with CUDA graphs.
+"""
+
+import shutil
+
+import pytest
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime import load
+from tests.parity import assert_same_tokens, export_scorer
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="torch.compile's CPU code generation needs a C++ compiler (g++), which this machine lacks",
+)
+PROMPT = [3, 1, 4, 1, 5]
+NEW_TOKENS = 32
+FAMILIES = ["llama", "gpt2"]  # rotary and grouped-query attention; learned positions and full heads
+
+
+@pytest.fixture(scope="module")
+def compiled_models(exports):
+    """family -> the export loaded with the torch backend, its modules compiled; closed when the module ends."""
+    models = {}
+
+    def get(family):
+        if family not in models:
+            models[family] = load(exports[family][0], backend="torch", torch_compile=True)
+        return models[family]
+
+    yield get
+    for model in models.values():
+        model.close()
+
+
+def compile_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_decoding_is_the_eager_modules(family, loaded, compiled_models):
+    eager = loaded[family, "torch"]
+    model = compiled_models(family)
+    expected = eager.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+    ar = model.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+    score = export_scorer(eager)
+    assert_same_tokens(ar, expected, f"{family} compiled ar vs eager ar", prompt=PROMPT, score=score)
+    for overlap in ("batched", "streams", "both"):
+        # threshold 0: every token exits at the first exit layer, its upper layers pending (random heads: most
+        # roll back, where the model does not repeat one token)
+        ours = model.generate(
+            prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap=overlap, ignore_eos=True
+        )
+        assert sum(ours.stats.exits_per_layer.values()) > 0, "no token exited: no pending layers were tested"
+        what = f"{family} compiled ParaDecode {overlap} vs compiled ar"
+        assert_same_tokens(ours.token_ids, ar, what, prompt=PROMPT, score=score)
+
+
+def test_other_lengths_reuse_the_compiled_code(exports, compiled_models):
+    model = compiled_models("llama")
+    model.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap="batched", ignore_eos=True)
+    model.generate(prompt_ids=PROMPT * 3, max_new_tokens=8, thresholds=0.0, overlap="batched", ignore_eos=True)
+    before = compile_count()
+    # another prompt length, other verification widths (K = 3), another sequence: no new compilation
+    model.generate(prompt_ids=PROMPT * 5, max_new_tokens=24, thresholds=0.0, max_unverified=3, ignore_eos=True)
+    model.generate(prompt_ids=[7, 2], max_new_tokens=24, mode="ar", ignore_eos=True)
+    assert compile_count() == before
+
+
+def test_compiled_caches_start_at_zero(monkeypatch, loaded, compiled_models):
+    # Compiled attention reads every slot (masked): a never-written slot must hold 0, not whatever memory held
+    # (NaN there leaks through the masked softmax as 0 x NaN). The allocator made to return NaN shows it.
+    import torch
+
+    from paradecode.runtime import kvcache
+
+    real_empty = torch.empty
+    monkeypatch.setattr(kvcache.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    compiled, eager = compiled_models("llama").backend, loaded["llama", "torch"].backend
+    assert compiled.reads_whole_cache and not eager.reads_whole_cache
+    assert all(int(t.count_nonzero()) == 0 for t in compiled.allocate_cache().keys)
+    assert all(bool(t.isnan().all()) for t in eager.allocate_cache().keys)  # the CPU's eager caches stay unzeroed
+
+
+def test_compile_needs_the_torch_backend(exports):
+    with pytest.raises(UserInputError, match="torch_compile compiles the torch backend"):
+        load(exports["llama"][0], backend="onnxruntime", torch_compile=True)
+
+
+def test_serve_config_refuses_compile_without_torch(tmp_path):
+    from paradecode.runtime.serve.config import ServeConfig
+
+    with pytest.raises(UserInputError, match="backend torch"):
+        ServeConfig(export=tmp_path, torch_compile=True)
+    options = ServeConfig(export=tmp_path, backend="torch", torch_compile=True).model_options()
+    assert options["torch_compile"] is True
