@@ -156,9 +156,10 @@ def attention(
     computed from the positions), so a call costs what the sequence so far needs, not what the
     cache's fixed length would. On CUDA the eager path reads the whole cache instead: the slice's
     length would need a device-to-host copy, which CUDA graphs cannot capture; so does a module under
-    torch.compile (a length read from the data is a shape Inductor cannot plan for).
+    torch.compile (a length read from the data is a shape Inductor cannot plan for), whose caches
+    therefore start at 0 (runtime/kvcache.py).
     """
-    if (torch.onnx.is_in_onnx_export() or key_cache.device.type == "cpu") and not torch.compiler.is_compiling():
+    if torch.onnx.is_in_onnx_export() or (key_cache.device.type == "cpu" and not torch.compiler.is_compiling()):
         span = positions.max() + 1
         key_cache, value_cache = key_cache[:, :, :span], value_cache[:, :, :span]
     batch, heads, tokens, dim = q.shape

@@ -183,6 +183,22 @@ def test_every_backend_gives_the_same_outputs(backends, tokens):
 
 
 @pytest.mark.parametrize("backend_name", CPU_BACKENDS)
+def test_attention_reads_no_memory_a_new_cache_held(monkeypatch, backends, backend_name):
+    """A CPU cache starts unzeroed (untouched pages cost no memory), so attention must read only written slots (the
+    graphs slice the cache at the call's highest position): a masked slot holding a NaN would reach the output as
+    0 x NaN. The allocator made to return NaN shows it; an export whose graphs lost that slice fails here."""
+    real_empty = torch.empty
+    backend = backends[backend_name]
+    for tokens in (1, 2):
+        with monkeypatch.context() as patched:  # the cache's allocation only
+            patched.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+            feeds = layer_feeds(backend, tokens)
+        assert feeds[PAST_KEY].isnan().all(), "the allocator's NaN did not reach the cache: the test tests nothing"
+        hidden = backend.run("layer_1", feeds, outputs=(HIDDEN_OUT,))[HIDDEN_OUT]
+        assert not hidden.isnan().any(), f"{backend_name}, {tokens} tokens: NaN in the layer's output"
+
+
+@pytest.mark.parametrize("backend_name", CPU_BACKENDS)
 def test_outputs_are_the_callers_not_the_next_calls(backends, backend_name):
     """A backend that reuses its output buffers (onnxruntime's persistent binding) copies out what it returns:
     a later call leaves an earlier result as it was."""
