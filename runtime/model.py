@@ -251,6 +251,23 @@ class ParaDecodeModel:
         stream._tokens = self._run(request, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
         return stream
 
+    def warm_up(self, rows: int = 1) -> None:
+        """Decode a few tokens in every kind of call decoding makes (a prefill; one position; several, as exits
+        and lookup proposals do; with `rows` > 1 several requests in one call), then forget what that taught the
+        adaptive speculation and the shared lookup. With `torch_compile` the modules compile now rather than in
+        the first requests (`paradecode-serve --compile` does this before it listens); CUDA graphs are captured
+        per cache, so a batch of another cache still captures its own at its first steps."""
+        from paradecode.runtime.batching import generate_batched  # it imports this module
+
+        prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3, 1, 2, 3, 1, 2)]  # repeated: lookup proposes
+        settings = dict(prompt_ids=prompt, max_new_tokens=8, ignore_eos=True)
+        self.generate(**settings, mode="ar")
+        self.generate(**settings, thresholds=0.0, overlap="batched", adaptive=False)  # every token exits
+        if rows > 1:
+            generate_batched(self, [self.request(**settings, mode="ar") for _ in range(rows)])
+        self.speculation = Speculation(self.backend.spec.num_layers)
+        self.continuations.clear()
+
     def request(
         self,
         prompt: str | None = None,

@@ -27,8 +27,8 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
 - Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
   `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
-- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `proposals`,
-  `lookup`, `draws`, `waited`, `speculation`.
+- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `lookup_depth`,
+  `proposals`, `lookup`, `draws`, `waited`, `speculation`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
   `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
   cache's lengths (`cache.written`, `cache.rollback`).
@@ -126,6 +126,7 @@ class ParaDecoder:
         self.tokens = list(prompt)
         self.verified = len(prompt)  # tokens[:verified] are verified
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
+        self.lookup_depth: dict[int, int] = {}  # position q -> tokens[q + 1]'s place in its lookup proposal (1..)
         self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
         self.lookup = NgramIndex(lookup) if lookup is not None else None
         self.shared = shared if lookup is not None else None  # earlier requests' outputs, where the request has none
@@ -218,8 +219,9 @@ class ParaDecoder:
             return
         proposals = self.propose(position)
         self.tokens.extend(proposals)
-        for q in range(position, position + len(proposals)):
+        for depth, q in enumerate(range(position, position + len(proposals)), start=1):
             self.source_of[q] = LOOKUP
+            self.lookup_depth[q] = depth
         self.ctx.stats.lookup_proposed += len(proposals)
         self.frontier = Group(position, position + 1 + len(proposals), -1)
         self.groups.append(self.frontier)
@@ -237,9 +239,11 @@ class ParaDecoder:
         proposals = self.lookup.propose(self.tokens, position + 1, room)
         if not proposals and self.shared is not None and room > 0:
             proposals = self.shared.propose(self.tokens, position + 1, room)
-        if proposals and self.speculation is not None and not self.speculation.try_lookup():
-            self.ctx.stats.lookups_skipped += 1
-            return []
+        if proposals and self.speculation is not None:
+            keep = self.speculation.lookup_tokens(len(proposals))
+            if keep == 0:
+                self.ctx.stats.lookups_skipped += 1
+            proposals = proposals[:keep]
         for i, token in enumerate(proposals):
             if token in self.eos:
                 return proposals[: i + 1]
@@ -433,8 +437,9 @@ class ParaDecoder:
                     if position + 1 < len(self.tokens):  # a proposed token is waiting for this verdict
                         source = self.source_of.pop(position)
                         accepted, token = self.judge(group.final, i, position)
+                        depth = self.lookup_depth.pop(position, None)
                         if self.speculation is not None:
-                            self.speculation.verified(source, accepted)
+                            self.speculation.verified(source, accepted, depth)
                         if accepted:
                             stats.accept(source)
                             self.verified = position + 2
@@ -492,6 +497,7 @@ class ParaDecoder:
                 if q > position and source == LOOKUP:
                     self.speculation.verified(LOOKUP, accepted=False)
         self.source_of = {q: e for q, e in self.source_of.items() if q < position}
+        self.lookup_depth = {q: d for q, d in self.lookup_depth.items() if q < position}
         self.proposals = {q: v for q, v in self.proposals.items() if q < position}
         self.ctx.cache.rollback(position + 1)
         self.start_frontier(position + 1, token)

@@ -20,7 +20,13 @@ while its expected gain is negative:
           saved_e = (L - e) * (layer - merge) + (final - final_merge)   what an accepted exit saves
           lost    = L * layer + final       what a rejection adds: its discarded successor's work
       (a rejected exit still costs what an accepted one does, plus `lost`: tools/cost_model.py's per_token)
-      lookup:           P(accept) * (L * layer + final) - (L * merge + final_merge)  > 0   per proposed token
+      lookup, the d-th token of a proposal:
+                        P(tokens 1..d all accepted) * (L * layer + final) - (L * merge + final_merge)  > 0
+
+  A proposal's tokens are not alike: the d-th is judged only if the ones before it were accepted, and how
+  often that holds falls with d (a copied passage ends somewhere). So acceptance is learned per depth d, as the
+  share of d-th tokens accepted among those judged, and a proposal keeps its longest prefix whose last token
+  still pays (SuffixDecoding's proposal length adapted to what the match supports, in cost-model form).
 
   A source that does not pay is still tried at every EXPLORE-th opportunity, so its estimate can recover
   when the text changes. Decisions never change which tokens are verified: every early token is checked by
@@ -145,17 +151,22 @@ class Speculation:
         self.num_layers = num_layers
         self.times = CallTimes()
         self.exit_rates: dict[int, ExitRates] = {}
-        self.lookup_rate = Rate(prior=0.5)
+        self.lookup_rate = Rate(prior=0.5)  # every proposed token, discarded ones as rejected (reported)
+        # [d - 1]: of the d-th tokens of proposals that were judged (the ones before accepted), the share accepted
+        self.lookup_depth: list[Rate] = []
         self._skipped: dict[object, int] = {}  # source -> opportunities passed up since its last try
 
     # --- what happened ------------------------------------------------------------------------------------
     def head_called(self, layer: int, exited: bool) -> None:
         self.exit_rates.setdefault(layer, ExitRates()).exits.add(exited)
 
-    def verified(self, source: int, accepted: bool) -> None:
-        """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP)."""
+    def verified(self, source: int, accepted: bool, depth: int | None = None) -> None:
+        """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP): then
+        `depth` is its place in its proposal (1: the first; None: discarded unjudged, after a rejection)."""
         if source == LOOKUP:
             self.lookup_rate.add(accepted)
+            if depth is not None:
+                self._depth_rate(depth).add(accepted)
         else:
             self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
 
@@ -177,19 +188,45 @@ class Speculation:
             head_s = head.value if head is not None and head.value is not None else 0.0
         return rates.exits.value * (saved - (1 - rates.accepted.value) * lost) - head_s
 
-    def lookup_gain(self) -> float | None:
-        """Expected seconds saved per token proposed by lookup (None: costs not known yet)."""
+    def _depth_rate(self, depth: int) -> Rate:
+        while len(self.lookup_depth) < depth:
+            # the first token of a proposal: as likely as not; a later one follows accepted ones, so more likely
+            self.lookup_depth.append(Rate(prior=0.5 if not self.lookup_depth else 0.7))
+        return self.lookup_depth[depth - 1]
+
+    def lookup_length(self, count: int) -> int | None:
+        """How many of `count` proposed tokens are expected to pay: the longest prefix whose last token, reached
+        and accepted with the product of the depth rates, saves more than its position adds to the calls (None:
+        costs not known yet)."""
         t = self.times
         if not t.known:
             return None
         token = self.num_layers * t.layer.value + t.final.value
-        return self.lookup_rate.value * token - (self.num_layers * t.merge() + t.final_merge())
+        extra = self.num_layers * t.merge() + t.final_merge()
+        reached, paying = 1.0, 0
+        for depth in range(1, count + 1):
+            reached *= self._depth_rate(depth).value
+            if reached * token <= extra:
+                break
+            paying = depth
+        return paying
+
+    def lookup_tokens(self, count: int) -> int:
+        """How many of `count` proposed tokens to propose: `lookup_length`, but every EXPLORE-th proposal that
+        would be cut is proposed whole, so the rates of the depths cut off can recover when the text changes."""
+        paying = self.lookup_length(count)
+        if paying is None or paying >= count:
+            self._skipped["lookup"] = 0
+            return count
+        skipped = self._skipped.get("lookup", 0) + 1
+        if skipped >= EXPLORE:
+            self._skipped["lookup"] = 0
+            return count
+        self._skipped["lookup"] = skipped
+        return paying
 
     def try_exit(self, layer: int, head_is_final: bool = False) -> bool:
         return self._worth(("exit", layer), self.exit_gain(layer, head_is_final))
-
-    def try_lookup(self) -> bool:
-        return self._worth("lookup", self.lookup_gain())
 
     def _worth(self, source: object, gain: float | None) -> bool:
         if gain is None or gain > 0:

@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--compile",
         action="store_true",
-        help="torch backend: compile the model's modules with torch.compile (the first requests of each shape compile)",
+        help="torch backend: compile the model's modules with torch.compile; each replica compiles before the server "
+        "listens",
     )
     load.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
     decoding = parser.add_argument_group("decoding (every request)")

@@ -122,6 +122,10 @@ class ReplicaPool:
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
             # each replica's batch (its KV-cache rows), made here so that a failure stops the start, not a worker
             self.batches = [Batch(model, self.rows) for model in self.models] if self.rows > 1 else []
+            if config.torch_compile:  # compile before listening, not in the first requests
+                for i, model in enumerate(self.models):
+                    logger.info("compiling replica %d/%d (torch.compile)", i + 1, config.replicas)
+                    model.warm_up(self.rows)
         except BaseException:
             for model in self.models:
                 model.close()

@@ -229,3 +229,23 @@ def test_a_batch_that_cannot_be_made_stops_the_start(served_export, monkeypatch)
     with pytest.raises(MemoryError, match="KV-cache rows"):
         pool_module.ReplicaPool(config_of(served_export))
     assert loaded and all(model.closed for model in loaded)
+
+
+def test_a_compiling_server_warms_every_replica_up_before_it_serves(served_export, monkeypatch):
+    """`paradecode-serve --compile`: each replica compiles (ParaDecodeModel.warm_up, tested in test_torch_compile.py)
+    in the pool's start, for the batch it will decode, so no request waits for a compilation."""
+    from paradecode.runtime.model import ParaDecodeModel
+    from paradecode.runtime.serve.pool import ReplicaPool
+    from tests.serving import config_of
+
+    warmed = []
+    monkeypatch.setattr(ParaDecodeModel, "warm_up", lambda model, rows=1: warmed.append((model, rows)))
+    pool = ReplicaPool(config_of(served_export, backend="torch", torch_compile=True, replicas=2, max_batch=4))
+    try:
+        assert [(model, rows) for model, rows in warmed] == [(model, 4) for model in pool.models]
+        assert all(model.backend.torch_compile for model in pool.models)
+    finally:
+        pool.close()
+    plain = ReplicaPool(config_of(served_export, backend="torch", replicas=1))
+    plain.close()
+    assert len(warmed) == 2  # without --compile nothing is warmed up

@@ -85,17 +85,32 @@ def test_an_exit_head_that_is_the_final_head_costs_what_the_final_head_costs():
     assert speculation.exit_gain(4, head_is_final=True) == pytest.approx(speculation.exit_gain(4) + (0.5 - 3) * MS)
 
 
-def test_lookup_pays_when_enough_of_its_tokens_are_accepted():
+def test_lookup_proposes_as_many_tokens_as_pay():
     speculation = Speculation(num_layers=12)
+    assert speculation.lookup_length(5) is None and speculation.lookup_tokens(5) == 5  # costs unknown: propose
     costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)  # a further position: 0.5 ms a layer, 2 ms the head
-    for accepted in [True] * 50:
-        speculation.verified(LOOKUP, accepted)
-    token, extra = (12 * 1 + 3) * MS, (12 * 0.5 + 2) * MS
-    assert speculation.lookup_gain() == pytest.approx(speculation.lookup_rate.value * token - extra)
-    assert speculation.try_lookup()
-    for accepted in [False] * 100:
-        speculation.verified(LOOKUP, accepted)
-    assert speculation.lookup_gain() < 0 and not speculation.try_lookup()
+    token, extra = (12 * 1 + 3) * MS, (12 * 0.5 + 2) * MS  # a token's pass; what one more position adds
+    for _ in range(50):  # the first two tokens of a proposal are always accepted, the third never
+        for depth, accepted in ((1, True), (2, True), (3, False)):
+            speculation.verified(LOOKUP, accepted, depth)
+    rates = [speculation.lookup_depth[d].value for d in range(3)]
+    assert rates[0] * rates[1] * token > extra and rates[0] * rates[1] * rates[2] * token < extra
+    assert speculation.lookup_length(5) == 2 and speculation.lookup_length(1) == 1
+    for _ in range(100):  # now the first is never accepted: no token pays
+        speculation.verified(LOOKUP, False, 1)
+    assert speculation.lookup_length(5) == 0
+    proposed = [speculation.lookup_tokens(5) for _ in range(2 * EXPLORE)]
+    assert proposed.count(5) == 2 and proposed[EXPLORE - 1] == 5 and proposed.count(0) == 2 * EXPLORE - 2
+
+
+def test_a_depth_is_learned_only_from_the_tokens_judged_there():
+    speculation = Speculation(num_layers=12)
+    costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)
+    for _ in range(40):
+        speculation.verified(LOOKUP, True, 1)
+        speculation.verified(LOOKUP, False, None)  # discarded unjudged after a rejection: no depth's verdict
+    assert speculation.lookup_depth[0].value > 0.9 and len(speculation.lookup_depth) == 1
+    assert speculation.lookup_rate.value == pytest.approx(0.5, abs=0.05)  # every proposed token: the share reported
 
 
 def test_when_adaptive_speculation_is_on():

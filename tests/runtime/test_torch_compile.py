@@ -96,6 +96,21 @@ def test_compiled_attention_reads_no_memory_a_new_cache_held(monkeypatch, loaded
         assert not out.isnan().any(), f"compiled={backend.torch_compile}: NaN in the layer's output"
 
 
+def test_a_warmed_up_model_compiles_nothing_more_and_forgets_the_warm_up(exports):
+    from paradecode.runtime.batching import generate_batched
+
+    with load(exports["qwen3"][0], backend="torch", torch_compile=True) as model:
+        at_start = compile_count()
+        model.warm_up(rows=2)
+        assert compile_count() > at_start  # qwen3's modules (q/k norms) are compiled by no earlier test
+        assert model.speculation.times.layer.value is None and len(model.continuations) == 0
+        before = compile_count()
+        model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: exits, lookup
+        model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
+        generate_batched(model, [model.request(prompt_ids=p, max_new_tokens=12) for p in ([5, 6], [7, 8, 9])])
+        assert compile_count() == before
+
+
 def test_compile_needs_the_torch_backend(exports):
     with pytest.raises(UserInputError, match="torch_compile compiles the torch backend"):
         load(exports["llama"][0], backend="onnxruntime", torch_compile=True)
