@@ -320,10 +320,11 @@ class Batch:
 
 
 def generate_batched(
-    model: ParaDecodeModel, requests: list[Request], rows: int | None = None
+    model: ParaDecodeModel, requests: list[Request], rows: int | None = None, batch: Batch | None = None
 ) -> list[GenerationResult]:
     """Decode `requests` together in one batch of `rows` rows (default: all of them, at most the export's
-    max_batch), admitting the next as soon as one finishes; their results in order. Raises the first error."""
+    max_batch), or in `batch` (an idle one of this model's, its rows kept: a server's), admitting the next as soon
+    as one finishes; their results in order. Raises the first error."""
     if not requests:
         return []
     rows = rows or min(len(requests), model.manifest.max_batch)
@@ -336,7 +337,7 @@ def generate_batched(
 
         return sink
 
-    batch = Batch(model, rows)
+    batch = batch if batch is not None else Batch(model, rows)
     pending = list(enumerate(requests))
     while pending or batch.size:
         while pending and not batch.full:

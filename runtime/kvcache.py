@@ -21,19 +21,17 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device,
         spare: int = 0,
-        zeroed: bool | None = None,
+        zeroed: bool = False,
     ):
         self.shape = tuple(shape)
         # Slots at the end that no position takes: an export with padded attention (export/exact_rows.py) writes a
         # copy into the slot after a call, so its last slot is kept for that copy and every position gets it.
         self.spare = spare
-        # Only written slots are ever read on a CPU (attention reads slots up to the highest position of the
-        # call, all written by then), so the buffers need not be zeroed there: untouched pages cost no memory
-        # until the sequence reaches them. On CUDA, and wherever the backend says so (`zeroed`: torch.compile'd
-        # modules), attention reads the whole cache (masked), so it starts at 0: masked garbage could be NaN,
-        # and 0 x NaN would leak through the masked softmax.
-        if zeroed is None:
-            zeroed = torch.device(device).type != "cpu"
+        # `zeroed`: the buffers start at 0, for a backend whose attention reads every slot, masked (the torch modules
+        # on CUDA and under torch.compile): masked garbage could be NaN, and 0 x NaN would leak through the masked
+        # softmax. Where only written slots are read (the ONNX graphs and the eager modules on a CPU slice the cache
+        # at the call's highest position), they need not be: untouched pages cost no memory until the sequence
+        # reaches them.
         new = torch.zeros if zeroed else torch.empty
         self.keys = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -251,22 +251,32 @@ class ParaDecodeModel:
         stream._tokens = self._run(request, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
         return stream
 
-    def warm_up(self, rows: int = 1) -> None:
-        """Decode a few tokens in every kind of call decoding makes (a prefill; one position; several, as exits
-        and lookup proposals do; with `rows` > 1 several requests in one call), then forget what that taught the
-        adaptive speculation and the shared lookup. With `torch_compile` the modules compile now rather than in
-        the first requests (`paradecode-serve --compile` does this before it listens); CUDA graphs are captured
-        per cache, so a batch of another cache still captures its own at its first steps."""
+    def warm_up(self, config: GenerationConfig | None = None, batch=None) -> None:
+        """Decode a few tokens in the kinds of call decoding makes (a prefill; one position; several, as exits
+        and lookup proposals do; with `batch`, a `runtime.batching.Batch` of this model's, several requests in one
+        call), with `config`'s settings (a server's: sampling, overlap, K) and with every token exiting. With
+        `torch_compile`, the modules compile now rather than in the first requests (`paradecode-serve --compile`
+        does this before it listens); shapes it did not meet still compile at their first use. What the warm-up
+        measures does not reach the adaptive speculation, and its outputs not the shared lookup."""
         from paradecode.runtime.batching import generate_batched  # it imports this module
 
-        prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3, 1, 2, 3, 1, 2)]  # repeated: lookup proposes
-        settings = dict(prompt_ids=prompt, max_new_tokens=8, ignore_eos=True)
-        self.generate(**settings, mode="ar")
-        self.generate(**settings, thresholds=0.0, overlap="batched", adaptive=False)  # every token exits
-        if rows > 1:
-            generate_batched(self, [self.request(**settings, mode="ar") for _ in range(rows)])
+        config = config or GenerationConfig()
+        length = max(1, min(8, self.cache.capacity // 2))
+        prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3) * 3][:length]  # repeated: lookup proposes
+        settings = dict(config=config, max_new_tokens=length, ignore_eos=True, lookup_shared=False)
+        saved = self.speculation, self._warned_full, self._warned_untrained
         self.speculation = Speculation(self.backend.spec.num_layers)
-        self.continuations.clear()
+        try:
+            self.generate(prompt_ids=prompt, **settings, mode="ar")
+            self.generate(prompt_ids=prompt, **settings)
+            self.generate(prompt_ids=prompt, **settings, thresholds=0.0)  # every token exits
+            if batch is not None:
+                requests = [
+                    self.request(prompt_ids=prompt[: max(1, length - i)], **settings) for i in range(batch.rows)
+                ]
+                generate_batched(self, requests, batch=batch)
+        finally:
+            self.speculation, self._warned_full, self._warned_untrained = saved
 
     def request(
         self,

@@ -189,10 +189,15 @@ class Speculation:
         return rates.exits.value * (saved - (1 - rates.accepted.value) * lost) - head_s
 
     def _depth_rate(self, depth: int) -> Rate:
+        """The rate of depth `depth`, made (with the ones before it) at its first verdict."""
         while len(self.lookup_depth) < depth:
-            # the first token of a proposal: as likely as not; a later one follows accepted ones, so more likely
-            self.lookup_depth.append(Rate(prior=0.5 if not self.lookup_depth else 0.7))
+            self.lookup_depth.append(Rate(prior=self._depth_prior(len(self.lookup_depth) + 1)))
         return self.lookup_depth[depth - 1]
+
+    @staticmethod
+    def _depth_prior(depth: int) -> float:
+        # the first token of a proposal: as likely as not; a later one follows accepted ones, so more likely
+        return 0.5 if depth == 1 else 0.7
 
     def lookup_length(self, count: int) -> int | None:
         """How many of `count` proposed tokens are expected to pay: the longest prefix whose last token, reached
@@ -205,7 +210,8 @@ class Speculation:
         extra = self.num_layers * t.merge() + t.final_merge()
         reached, paying = 1.0, 0
         for depth in range(1, count + 1):
-            reached *= self._depth_rate(depth).value
+            known = depth <= len(self.lookup_depth)
+            reached *= self.lookup_depth[depth - 1].value if known else self._depth_prior(depth)
             if reached * token <= extra:
                 break
             paying = depth
@@ -213,16 +219,16 @@ class Speculation:
 
     def lookup_tokens(self, count: int) -> int:
         """How many of `count` proposed tokens to propose: `lookup_length`, but every EXPLORE-th proposal that
-        would be cut is proposed whole, so the rates of the depths cut off can recover when the text changes."""
+        would be cut is proposed whole, so the rates of the depths cut off can recover when the text changes.
+        (Only cuts count towards that: short proposals in between, proposed whole anyway, do not delay it.)"""
         paying = self.lookup_length(count)
         if paying is None or paying >= count:
+            return count
+        cut = self._skipped.get("lookup", 0) + 1
+        if cut >= EXPLORE:
             self._skipped["lookup"] = 0
             return count
-        skipped = self._skipped.get("lookup", 0) + 1
-        if skipped >= EXPLORE:
-            self._skipped["lookup"] = 0
-            return count
-        self._skipped["lookup"] = skipped
+        self._skipped["lookup"] = cut
         return paying
 
     def try_exit(self, layer: int, head_is_final: bool = False) -> bool:

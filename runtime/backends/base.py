@@ -81,7 +81,6 @@ class SubgraphCall:
 
 class Backend(ABC):
     name = "base"
-    reads_whole_cache = False  # attention reads every cache slot (masked), not only written ones: caches start at 0
 
     def __init__(self, export: ExportFolder, device: str = "cpu"):
         self.export = export
@@ -92,6 +91,9 @@ class Backend(ABC):
         self.subgraphs = {sub.io.name: sub for sub in self.manifest.subgraphs}
         self.calls = {name: SubgraphCall.of(sub.io) for name, sub in self.subgraphs.items()}
         self._moves_feeds = self.device.type != "cpu"  # CPU feeds are used where they are
+        # Whether attention may read cache slots no position has written (masked): the caches then start at 0. Off a
+        # CPU, as the torch modules on CUDA do (a slice at the highest position would need a device-to-host copy).
+        self.reads_whole_cache = self.device.type != "cpu"
         self._exit_vocab: torch.Tensor | None = None
 
     @property
@@ -137,9 +139,7 @@ class Backend(ABC):
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
         spare = 1 if self.manifest.padded_attention else 0  # the copy's slot after the last position
-        # A backend whose attention reads every slot (masked) needs the buffers zeroed; otherwise the device decides.
-        zeroed = True if self.reads_whole_cache else None
-        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed)
+        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed=self.reads_whole_cache)
 
     def new_stream(self):
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""

@@ -14,31 +14,42 @@ overlap another lane's capture).
 
 With `torch_compile`, every subgraph module goes through torch.compile (Inductor fuses the many small
 kernels of a layer: norms, rotary, the mask, softmax, the cache write), and CUDA graphs, where on, capture
-the compiled call. A call's token and batch dimensions are marked dynamic, so each module compiles twice
-(one token, and any other count) rather than once per shape; the first calls of a new shape pay for the
-compilation (seconds per module on a GPU; Inductor's on-disk cache makes a second process cheaper).
-Compiled modules read the whole KV cache, masked, as CUDA does (a length read from the positions is a
-shape Inductor cannot plan for), so their caches start at 0.
+the compiled call. A call's token and batch dimensions are marked dynamic, so a module compiles a few times
+(one token and several; one row and several; inputs that are views at other offsets) rather than once per
+shape; the first call of each pays for the compilation (seconds per module on a GPU), which
+`ParaDecodeModel.warm_up` moves to load time for the calls it makes. Compiled modules read the whole KV
+cache, masked, as CUDA does (a length read from the positions is a shape Inductor cannot plan for), so their
+caches start at 0 (`reads_whole_cache`).
+
+Threads and compiled modules: lanes (and a server's replicas) call the same compiled code from several
+threads. Compilation itself is serialised by dynamo's own lock, and a CUDA graph's warm-up calls (where a
+shape compiles) run under the capture lock; PyTorch does not document torch.compile as thread-safe beyond
+that. What was checked: compiled decoding in every overlap, side lanes included, gives plain decoding's
+tokens (tests/runtime/test_torch_compile.py on a CPU; tests/runtime/test_gpu.py on an H100).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from paradecode.graphs.errors import ManifestError, UserInputError
+from paradecode.graphs.errors import ManifestError, ParadecodeError, UserInputError
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.quantized import dequantized
 from paradecode.graphs.tensors import LOGITS, subgraph_io
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.loader import ExportFolder
 
+logger = logging.getLogger(__name__)
 GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
-# torch.compile recompiles a module's code for each new set of guards (shapes, dispatch keys); past dynamo's
-# limit (8 by default, counted over every module of one class) it runs the code eagerly, silently. Token counts
-# and batch sizes are marked dynamic, so a handful suffice; this leaves room for them.
+# torch.compile recompiles a module's code for each new set of guards (shapes, strides, dispatch keys), counted over
+# every module of one class (30 layers share theirs); at dynamo's limit (8 by default) a module compiled with
+# fullgraph=True raises. Token counts and batch sizes are marked dynamic, so a few entries per class suffice (up to
+# 5 seen for the layers: one and several tokens, one and several rows, views at other offsets); the limit is raised
+# to this, process-wide (dynamo has no per-module limit), and reaching it is reported as a ParadecodeError.
 RECOMPILE_LIMIT = 64
 
 
@@ -48,8 +59,21 @@ def compiled(module: torch.nn.Module) -> Callable:
 
     config = torch._dynamo.config
     limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.7
-    setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
+    if getattr(config, limit) < RECOMPILE_LIMIT:
+        logger.info("torch_compile: dynamo's %s raised from %d to %d", limit, getattr(config, limit), RECOMPILE_LIMIT)
+        setattr(config, limit, RECOMPILE_LIMIT)
     return torch.compile(module, fullgraph=True)
+
+
+def check_compiler(device: torch.device) -> None:
+    """torch.compile on a CPU generates C++: refuse at load, not at the first call, where no compiler is found."""
+    import shutil
+
+    if device.type == "cpu" and not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        raise UserInputError(
+            "torch_compile on a CPU needs a C++ compiler (g++, c++ or clang++), and none is on the PATH: install one "
+            "(apt install g++), or load without torch_compile (--compile)."
+        )
 
 
 def mark_dynamic(streamed: tuple[torch.Tensor, ...], caches: Iterable[torch.Tensor]) -> None:
@@ -129,8 +153,9 @@ class TorchBackend(Backend):
             module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)
             self.modules[sub.io.name] = module.to(self.device)
         self.torch_compile = torch_compile
-        self.reads_whole_cache = torch_compile
+        self.reads_whole_cache = torch_compile or self.device.type != "cpu"  # compiled: graphs/ops.py, attention
         if torch_compile:
+            check_compiler(self.device)
             self.modules = {name: compiled(module) for name, module in self.modules.items()}
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         # (subgraph, batch, tokens, lane, the caches' addresses): a graph writes the very caches it was captured with
@@ -158,9 +183,17 @@ class TorchBackend(Backend):
         def run(*inputs):
             full = dict(zip(streamed, inputs))
             full.update(cached)
-            if self.torch_compile:
+            if not self.torch_compile:
+                out = module(*[full[n] for n in order])
+            else:
                 mark_dynamic(inputs, cached.values())
-            out = module(*[full[n] for n in order])
+                try:
+                    out = module(*[full[n] for n in order])
+                except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                    raise ParadecodeError(
+                        f"torch.compile reached its limit of {RECOMPILE_LIMIT} compilations of one module class at "
+                        f"{name} ({tuple(inputs[0].shape)}): load without torch_compile, or report the call."
+                    ) from err
             out = out if isinstance(out, tuple) else (out,)
             return tuple(t for n, t in zip(call.outputs, out) if n not in call.in_place)
 

@@ -125,7 +125,7 @@ class ReplicaPool:
             if config.torch_compile:  # compile before listening, not in the first requests
                 for i, model in enumerate(self.models):
                     logger.info("compiling replica %d/%d (torch.compile)", i + 1, config.replicas)
-                    model.warm_up(self.rows)
+                    model.warm_up(config.generation, self.batches[i] if self.batches else None)
         except BaseException:
             for model in self.models:
                 model.close()

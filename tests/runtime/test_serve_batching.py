@@ -239,11 +239,14 @@ def test_a_compiling_server_warms_every_replica_up_before_it_serves(served_expor
     from tests.serving import config_of
 
     warmed = []
-    monkeypatch.setattr(ParaDecodeModel, "warm_up", lambda model, rows=1: warmed.append((model, rows)))
-    pool = ReplicaPool(config_of(served_export, backend="torch", torch_compile=True, replicas=2, max_batch=4))
-    try:
-        assert [(model, rows) for model, rows in warmed] == [(model, 4) for model in pool.models]
-        assert all(model.backend.torch_compile for model in pool.models)
+    monkeypatch.setattr(
+        ParaDecodeModel, "warm_up", lambda model, config=None, batch=None: warmed.append((model, config, batch))
+    )
+    config = config_of(served_export, backend="torch", torch_compile=True, replicas=2, max_batch=4)
+    pool = ReplicaPool(config)
+    try:  # each replica, with the server's settings, in the batch it will decode
+        assert warmed == [(model, config.generation, batch) for model, batch in zip(pool.models, pool.batches)]
+        assert all(model.backend.torch_compile and batch.rows == 4 for model, batch in zip(pool.models, pool.batches))
     finally:
         pool.close()
     plain = ReplicaPool(config_of(served_export, backend="torch", replicas=1))

@@ -103,6 +103,20 @@ def test_lookup_proposes_as_many_tokens_as_pay():
     assert proposed.count(5) == 2 and proposed[EXPLORE - 1] == 5 and proposed.count(0) == 2 * EXPLORE - 2
 
 
+def test_short_proposals_between_cut_ones_do_not_delay_the_exploration():
+    speculation = Speculation(num_layers=12)
+    costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)
+    for _ in range(50):
+        for depth, accepted in ((1, True), (2, False)):
+            speculation.verified(LOOKUP, accepted, depth)
+    assert speculation.lookup_length(5) == 1
+    # proposals of 1 token (proposed whole: nothing to cut) come between the 5-token ones that are cut to 1
+    proposed = [speculation.lookup_tokens(count) for _ in range(2 * EXPLORE) for count in (1, 5, 1)]
+    long_ones = proposed[1::3]
+    assert long_ones.count(5) == 2 and long_ones[EXPLORE - 1] == 5 and long_ones.count(1) == 2 * EXPLORE - 2
+    assert proposed[0::3] == [1] * 2 * EXPLORE and proposed[2::3] == [1] * 2 * EXPLORE
+
+
 def test_a_depth_is_learned_only_from_the_tokens_judged_there():
     speculation = Speculation(num_layers=12)
     costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)
@@ -137,3 +151,40 @@ def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(s
     assert forced.stats.exits_skipped == 0 and forced.stats.rollbacks > 40, forced.stats
     assert adaptive.stats.exits_skipped > 40, adaptive.stats
     assert adaptive.stats.rollbacks < forced.stats.rollbacks / 2, (adaptive.stats, forced.stats)
+
+
+def test_the_decoder_reports_each_lookup_token_with_its_place_in_its_proposal(stories_export, monkeypatch):
+    """A proposal's d-th token is judged only after its (d-1)-th was accepted; discarded ones carry no place. An
+    oracle proposer (plain decoding's own continuation, its 4th token made wrong) makes every place judged."""
+    from paradecode.runtime.lookup import NgramIndex
+
+    verdicts = []
+    real = Speculation.verified
+
+    def record(self, source, accepted, depth=None):
+        verdicts.append((source, accepted, depth))
+        return real(self, source, accepted, depth)
+
+    with load(stories_export[0]) as model:
+        ar = model.generate(prompt_ids=[1], max_new_tokens=120, mode="ar", ignore_eos=True)
+        full = [1, *ar.token_ids]
+
+        def oracle(self, tokens, end, count):
+            proposal = list(full[end : end + count])
+            if len(proposal) >= 4:
+                proposal[3] = (proposal[3] + 1) % model.backend.spec.vocab_size
+            return proposal
+
+        monkeypatch.setattr(Speculation, "verified", record)
+        monkeypatch.setattr(NgramIndex, "propose", oracle)
+        ours = model.generate(prompt_ids=[1], max_new_tokens=120, lookup_tokens=5, adaptive=True, ignore_eos=True)
+    assert ours.token_ids == ar.token_ids
+    judged = [(accepted, depth) for source, accepted, depth in verdicts if source == LOOKUP and depth is not None]
+    assert {depth for _, depth in judged} == {1, 2, 3, 4}, judged  # the 5th follows a wrong 4th: never judged
+    assert all(accepted == (depth < 4) for accepted, depth in judged), judged
+    previous = None
+    for accepted, depth in judged:
+        assert depth == 1 or previous == (True, depth - 1), (previous, (accepted, depth))
+        previous = (accepted, depth)
+    discarded = [v for v in verdicts if v[0] == LOOKUP and v[2] is None]
+    assert discarded and not any(accepted for _, accepted, _ in discarded)

@@ -96,19 +96,40 @@ def test_compiled_attention_reads_no_memory_a_new_cache_held(monkeypatch, loaded
         assert not out.isnan().any(), f"compiled={backend.torch_compile}: NaN in the layer's output"
 
 
-def test_a_warmed_up_model_compiles_nothing_more_and_forgets_the_warm_up(exports):
-    from paradecode.runtime.batching import generate_batched
+def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(exports):
+    from paradecode.runtime.batching import Batch, generate_batched
 
     with load(exports["qwen3"][0], backend="torch", torch_compile=True) as model:
+        speculation = model.speculation
+        batch = Batch(model, 2)
         at_start = compile_count()
-        model.warm_up(rows=2)
+        model.warm_up(batch=batch)
         assert compile_count() > at_start  # qwen3's modules (q/k norms) are compiled by no earlier test
-        assert model.speculation.times.layer.value is None and len(model.continuations) == 0
+        assert model.speculation is speculation and speculation.times.layer.value is None  # it learned nothing
+        assert len(model.continuations) == 0
         before = compile_count()
         model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: exits, lookup
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
-        generate_batched(model, [model.request(prompt_ids=p, max_new_tokens=12) for p in ([5, 6], [7, 8, 9])])
+        requests = [model.request(prompt_ids=p, max_new_tokens=12, mode="ar") for p in ([5, 6], [7, 8, 9])]
+        generate_batched(model, requests, batch=batch)
         assert compile_count() == before
+
+
+def test_warm_up_fits_a_small_export(tmp_path, model_dirs):
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    out = tmp_path / "small"
+    export_model(ExportConfig(model=str(model_dirs["llama"]), output=out, max_seq_len=6))
+    with load(out, backend="torch", torch_compile=True) as model:
+        model.warm_up()  # prompt and new tokens sized to the 6 slots
+        assert not model._warned_full  # the warm-up's tokens leave the user's warning for the user
+
+
+def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_at_load(exports, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(UserInputError, match="needs a C\\+\\+ compiler"):
+        load(exports["llama"][0], backend="torch", torch_compile=True)
 
 
 def test_compile_needs_the_torch_backend(exports):
