@@ -76,6 +76,11 @@ def check_compiler(device: torch.device) -> None:
         )
 
 
+def plain(t: torch.Tensor) -> bool:
+    """A contiguous inference tensor that starts its storage: what a compiled module's inputs are made into."""
+    return t.is_inference() and t.is_contiguous() and t.storage_offset() == 0
+
+
 def mark_dynamic(streamed: tuple[torch.Tensor, ...], caches: Iterable[torch.Tensor]) -> None:
     """Mark the batch dimension of every input, and the token dimension of the streamed ones (hidden states, token
     ids, positions: [B, T, ...]), dynamic where it is above 1, so other counts reuse the compiled code."""
@@ -186,7 +191,10 @@ class TorchBackend(Backend):
             if not self.torch_compile:
                 out = module(*[full[n] for n in order])
             else:
-                mark_dynamic(inputs, cached.values())
+                # Views at other offsets or strides, and tensors made outside inference mode, are other guards to
+                # dynamo: one fresh contiguous inference tensor each (a few KB) keeps them to one compilation.
+                full.update((n, t if plain(t) else t.clone()) for n, t in zip(streamed, inputs))
+                mark_dynamic(tuple(full[n] for n in streamed), cached.values())
                 try:
                     out = module(*[full[n] for n in order])
                 except torch._dynamo.exc.FailOnRecompileLimitHit as err:

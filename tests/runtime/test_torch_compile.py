@@ -110,8 +110,13 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         before = compile_count()
         model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: exits, lookup
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
+        model.generate(prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True)
         requests = [model.request(prompt_ids=p, max_new_tokens=12, mode="ar") for p in ([5, 6], [7, 8, 9])]
         generate_batched(model, requests, batch=batch)
+        # ParaDecode in a batch, a request joining as another leaves: hidden states and positions are then views
+        # at other offsets (each a guard to dynamo, unless made plain)
+        prompts = ([5, 6], [7, 8, 9], [1, 2, 3, 4], [4], [5, 5, 5])
+        generate_batched(model, [model.request(prompt_ids=p, max_new_tokens=12, thresholds=0.0) for p in prompts], 4)
         assert compile_count() == before
 
 
