@@ -18,9 +18,8 @@
 #                (eager)'), side by side: ar and ParaDecode (batched, controlled acceptance) on the SmolLM2 and
 #                0.5B layer shapes (random weights, segments) against the bandwidth bound; then where a compiled
 #                token's time goes on the SmolLM2 shape (tools/where_time_goes.py --compile)
-# TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS);
-# STAGE_TIMEOUT (seconds) bounds each
-# command of a stage, so that a lease's time limit leaves the later stages their turn.
+# TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS).
+# STAGE_TIMEOUT (seconds) bounds each command of a stage, so that a lease's time limit leaves later stages their turn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z ${PYTHON:-} ]]; then
