@@ -52,7 +52,12 @@ def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str 
     cores = os.cpu_count() or 1
     model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile)
     if torch_compile:
-        return model, {"ar": model, "ar (eager)": load(export, backend=backend, device=device, lanes=1, verify=False)}
+        try:
+            eager = load(export, backend=backend, device=device, lanes=1, verify=False)
+        except BaseException:
+            model.close()
+            raise
+        return model, {"ar": model, "ar (eager)": eager}
     if backend != "onnxruntime":
         return model, {"ar": model}
     baselines = {"ar (default threads)": model}
