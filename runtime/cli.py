@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.arguments import positive_int, temperature
+from paradecode.graphs.arguments import positive_float, positive_int, temperature
 from paradecode.graphs.errors import UserInputError, run_command
 
 MAX_PROMPT_FILE_BYTES = 16 << 20  # a prompt or chat file; far more text than any export's context holds
@@ -85,9 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
         "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap), on or off",
     )
-    parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 3)")
+    parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 16)")
     parser.add_argument(
         "--lookup-min-ngram", type=positive_int, metavar="N", help="shortest suffix matched (default 2)"
+    )
+    parser.add_argument(
+        "--lookup-length-factor",
+        type=positive_float,
+        metavar="F",
+        help="propose at most F times as many tokens as the match is long (default 1; inf: no such limit)",
     )
     parser.add_argument(
         "--temperature", type=temperature, metavar="T", help="sample at this temperature, 0 to 2 (default 0: greedy)"
@@ -179,6 +185,7 @@ def config_of(args: argparse.Namespace):
         "lookup_tokens": args.lookup,
         "lookup_max_ngram": args.lookup_ngram,
         "lookup_min_ngram": args.lookup_min_ngram,
+        "lookup_length_factor": args.lookup_length_factor,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,

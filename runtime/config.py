@@ -74,13 +74,17 @@ class GenerationConfig:
     max_unverified: int = 5
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
-    # Prompt lookup (runtime/lookup.py): the most tokens proposed at once (0: off), and the longest and
-    # shortest suffix matched, longest first. 5 was the fastest of 0/3/5/8 with SmolLM2's trained heads on
-    # the tuning prompts (`heads`, 21 prompts, 7 categories: 1.10x / 1.33x / 1.43x / 1.44x of ar;
-    # tools/results/cpu-2core/lookup-tuning.md); 8 proposed no more, as at most max_unverified are pending.
+    # Prompt lookup (runtime/lookup.py): the most tokens proposed at once (0: off), the longest and shortest
+    # suffix matched, and a proposal's longest length as a multiple of its match's. 5 tokens was the fastest of
+    # 0/3/5/8 with SmolLM2's trained heads on the tuning prompts (`heads`, 21 prompts, 7 categories: 1.10x /
+    # 1.33x / 1.43x / 1.44x of ar; tools/results/cpu-2core/lookup-tuning.md); 8 proposed no more, as at most
+    # max_unverified are pending. Matches up to 16 long with proposals as long as the match (length factor 1)
+    # beat 3-grams proposed whole, replayed on SmolLM2's outputs for 105 tuning prompts at its exact int8
+    # export's call costs (tools/lookup_replay.py; tools/results/cpu-2core/lookup-replay-heads.json).
     lookup_tokens: int = 5
-    lookup_max_ngram: int = 3
+    lookup_max_ngram: int = 16
     lookup_min_ngram: int = 2
+    lookup_length_factor: float = 1.0
     # Lookup also proposes what earlier requests' outputs on this loaded model continued with (where the request's
     # own prompt and output have no match), and this request's output joins them (runtime/lookup.py,
     # SharedContinuations). Proposals are verified, so outputs do not change; only their speed can tell that
@@ -160,7 +164,10 @@ class GenerationConfig:
     def lookup_config(self) -> LookupConfig | None:
         """The prompt-lookup settings, None when lookup is off."""
         config = LookupConfig(
-            max_ngram=self.lookup_max_ngram, min_ngram=self.lookup_min_ngram, max_tokens=max(1, self.lookup_tokens)
+            max_ngram=self.lookup_max_ngram,
+            min_ngram=self.lookup_min_ngram,
+            max_tokens=max(1, self.lookup_tokens),
+            length_factor=self.lookup_length_factor,
         )
         return config if self.lookup_tokens else None
 

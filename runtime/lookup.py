@@ -1,38 +1,53 @@
-"""Prompt-lookup proposals: copy what followed an earlier occurrence of the newest tokens.
+"""Lookup proposals: copy what followed an earlier occurrence of the newest tokens.
 
-When the last n tokens occurred earlier in the prompt or the output, the tokens that followed that
+When the newest tokens occurred earlier in the prompt or the output, the tokens that followed that
 occurrence are a good guess of what comes next (code repeats names, summaries and answers quote their
-source). This is Hugging Face's `prompt_lookup_num_tokens` and vLLM's and TensorRT-LLM's n-gram
-drafting. In ParaDecode's terms a looked-up token is a proposal pending at depth 0: the scheduler
-computes it in the frontier's batched calls and the final layer verifies it like an early exit, so
-the output stays exactly that of plain decoding (DESIGN.md §3).
+source). This is Hugging Face's `prompt_lookup_num_tokens`, vLLM's and TensorRT-LLM's n-gram drafting and,
+with the longest match and its continuations counted, SuffixDecoding's per-request suffix tree. In
+ParaDecode's terms a looked-up token is a proposal pending at depth 0: the scheduler computes it in the
+frontier's batched calls and the final layer verifies it like an early exit, so the output stays exactly
+that of plain decoding (DESIGN.md §3).
 
-`NgramIndex` keeps, for each n-gram size, where the newest occurrence of every n-gram of the
-*verified* tokens ends, so a lookup costs a few dictionary reads, not a scan of the sequence.
+A proposer answers one question, `propose(tokens, end, count) -> list[int]`: up to `count` tokens to follow
+tokens[:end]. Its answer is a pure function of its inputs (and, for `SharedContinuations`, of what earlier
+requests produced); the index behind it only saves a scan. The scheduler asks its proposers in order (the
+request's own `SuffixIndex`, then a model's `SharedContinuations`) and takes the first non-empty answer.
 
-`SharedContinuations` is the other source, shared by a loaded model's requests: what followed each n-gram in
-earlier requests' outputs, counted (SuffixDecoding's global tree, in n-gram form). A request looks in its own
-prompt and output first, and there second.
+- `SuffixIndex`: the request's own prompt and verified output. The longest suffix of tokens[:end] that
+  occurred earlier (up to `max_ngram` tokens long), the continuation most of those occurrences agree on, and a
+  proposal no longer than `length_factor` times the match: a long match predicts further than a short one.
+- `SharedContinuations`: what followed each n-gram in earlier requests' outputs, counted (SuffixDecoding's
+  global tree, in n-gram form). Asked only where the request's own tokens have no match.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from paradecode.graphs.errors import UserInputError
 
 
+class Proposer(Protocol):
+    def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
+        """Up to `count` tokens to follow tokens[:end] (tokens past the verified ones may be unverified)."""
+        ...
+
+
 @dataclass(frozen=True)
 class LookupConfig:
-    """`ngram`: the longest and shortest suffix to match (longest first); `max_tokens`: the most tokens
-    proposed at once (the scheduler's limit on unverified tokens applies on top)."""
+    """`max_ngram` / `min_ngram`: the longest and shortest suffix matched; `max_tokens`: the most tokens proposed
+    at once (the scheduler's limit on unverified tokens applies on top); `length_factor`: a proposal is at most
+    this many times as long as its match (SuffixDecoding's `max_spec_factor`; inf: no such limit)."""
 
-    max_ngram: int = 3
+    max_ngram: int = 16
     min_ngram: int = 2
     max_tokens: int = 5
+    length_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "min_ngram", "max_tokens"):
@@ -42,43 +57,96 @@ class LookupConfig:
         if self.min_ngram > self.max_ngram:
             raise UserInputError(
                 f"lookup min_ngram ({self.min_ngram}) is above max_ngram ({self.max_ngram}): the suffix lengths "
-                "tried run from max_ngram down to min_ngram."
+                "matched run from min_ngram up to max_ngram."
+            )
+        factor = self.length_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or math.isnan(factor) or factor <= 0:
+            raise UserInputError(
+                f"lookup length_factor must be a positive number (a proposal's length over its match's; inf: no "
+                f"limit), got {factor!r}."
             )
 
 
-class NgramIndex:
-    """Where the newest occurrence of each n-gram of a growing token sequence ends.
+class SuffixIndex:
+    """Proposals from the longest earlier match of a request's newest tokens, in its prompt and verified output.
 
-    `extend(tokens, upto)` indexes tokens[:upto] (it must only ever grow: verified tokens never change);
-    `propose(tokens, end, count)` looks up the suffix of tokens[:end] (which may end in unverified tokens)
-    and returns up to `count` tokens that followed its newest earlier occurrence.
+    `extend(tokens, upto)` indexes tokens[:upto] (it must only ever grow: verified tokens never change).
+    `propose(tokens, end, count)` answers from tokens[:end] (which may end in unverified tokens):
+
+    1. the match: the earlier occurrences of the longest suffix of tokens[:end], from `min_ngram` up to
+       `max_ngram` tokens long (among the newest OCCURRENCES occurrences of its last `min_ngram` tokens);
+    2. the length: at most `count`, and at most `length_factor` times the match's length (at least 1);
+    3. the continuation, a token at a time: the token most of the remaining occurrences continue with (a tie
+       goes to the newest occurrence's), then only the occurrences that continued so; it ends where none of
+       them has a verified token left.
+
+    Worked example (min_ngram 2, max_ngram 16, length_factor 1.0), all 12 tokens verified:
+
+        tokens = [5, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]
+        suffix [6, 7]: occurs at 1-2 (then 9) and at 5-6 (then 8); [5, 6, 7] only at 0-2: the match is 3 long
+        propose(tokens, 12, 5) -> [9, 4, 6]     3 tokens (1.0 x the match), what followed [5, 6, 7]
+        propose(tokens, 12, 2) -> [9, 4]
+        tokens = [0, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]: both matches 2 long, so 2 tokens; 9 and 8 tie, the
+        newest occurrence's wins: propose(tokens, 12, 5) -> [8, 1]
+
+    The answer depends on tokens[:end], the number of verified tokens and the settings only.
     """
+
+    OCCURRENCES = 64  # newest occurrences of the last min_ngram tokens compared: bounds a proposal's cost
 
     def __init__(self, config: LookupConfig):
         self.config = config
-        self.sizes = range(config.max_ngram, config.min_ngram - 1, -1)
-        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}  # n-gram -> next index
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # min_ngram-gram -> indices of the tokens after it
         self.indexed = 0  # tokens[:indexed] are indexed
 
     def extend(self, tokens: Sequence[int], upto: int) -> None:
-        """Index every n-gram whose continuation starts at an index in (indexed, upto)."""
-        for start in range(max(self.indexed, 1), upto):  # an n-gram ending at start - 1, followed by tokens[start]
-            for n in self.sizes:
-                if start >= n:
-                    self.after[n][tuple(tokens[start - n : start])] = start
+        """Index every occurrence whose continuation starts at an index in (indexed, upto)."""
+        n = self.config.min_ngram
+        for start in range(max(self.indexed, n), upto):  # tokens[start - n : start], followed by tokens[start]
+            self.starts.setdefault(tuple(tokens[start - n : start]), []).append(start)
         self.indexed = max(self.indexed, upto)
 
     def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
-        """Up to `count` tokens that followed the newest earlier occurrence of the longest matching suffix."""
-        if count < 1:
+        """Up to `count` tokens that followed the longest earlier match of tokens[:end]'s suffix."""
+        config = self.config
+        longest, alive = self.match(tokens, end)
+        if count < 1 or not alive:
             return []
-        for n in self.sizes:
-            if end < n:
-                continue
-            start = self.after[n].get(tuple(tokens[end - n : end]))
-            if start is not None and start < end:
-                return list(tokens[start : min(start + count, self.indexed)])
-        return []
+        if math.isfinite(config.length_factor):
+            count = min(count, max(1, int(config.length_factor * longest)))
+        proposals: list[int] = []
+        for offset in range(count):
+            following = [(tokens[s + offset], s) for s in alive if s + offset < self.indexed]
+            if not following:
+                break
+            votes = Counter(token for token, _ in following)
+            most = max(votes.values())
+            token = max((s, t) for t, s in following if votes[t] == most)[1]  # a tie: the newest occurrence's
+            proposals.append(token)
+            alive = [s for t, s in following if t == token]
+        return proposals
+
+    def match(self, tokens: Sequence[int], end: int) -> tuple[int, list[int]]:
+        """The longest earlier match of tokens[:end]'s suffix: (its length, the indices of the tokens that
+        followed its occurrences, oldest first); (0, []) where the last min_ngram tokens never occurred before."""
+        n = self.config.min_ngram
+        if end < n:
+            return 0, []
+        starts = [s for s in self.starts.get(tuple(tokens[end - n : end]), ()) if s < end][-self.OCCURRENCES :]
+        if not starts:
+            return 0, []
+        matched = {s: self._match(tokens, s, end) for s in starts}
+        longest = max(matched.values())
+        return longest, [s for s in starts if matched[s] == longest]
+
+    def _match(self, tokens: Sequence[int], start: int, end: int) -> int:
+        """How many tokens before `start` equal those before `end` (min_ngram already do), up to max_ngram."""
+        length = self.config.min_ngram
+        while length < self.config.max_ngram and start - 1 - length >= 0:
+            if tokens[start - 1 - length] != tokens[end - 1 - length]:
+                break
+            length += 1
+        return length
 
 
 class SharedContinuations:
@@ -99,7 +167,9 @@ class SharedContinuations:
     AGREEMENT = 0.5
 
     def __init__(self, config: LookupConfig | None = None, max_contexts: int = 200_000):
-        self.config = config or LookupConfig()
+        # 3- and 2-grams by default: counting every size up to a request's longest match (16) would cost each
+        # output token 15 counts, in memory shared by every request
+        self.config = config or LookupConfig(max_ngram=3, min_ngram=2)
         self.sizes = range(self.config.max_ngram, self.config.min_ngram - 1, -1)
         self.max_contexts = max_contexts
         # n-gram -> {following token: count}, oldest n-gram first (an OrderedDict forgets its first in O(1))

@@ -53,7 +53,7 @@ import torch
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
-from paradecode.runtime.lookup import LookupConfig, NgramIndex, SharedContinuations
+from paradecode.runtime.lookup import LookupConfig, SharedContinuations, SuffixIndex
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import LOOKUP, Mismatch
@@ -128,7 +128,7 @@ class ParaDecoder:
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
         self.lookup_depth: dict[int, int] = {}  # position q -> tokens[q + 1]'s place in its lookup proposal (1..)
         self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
-        self.lookup = NgramIndex(lookup) if lookup is not None else None
+        self.lookup = SuffixIndex(lookup) if lookup is not None else None
         self.shared = shared if lookup is not None else None  # earlier requests' outputs, where the request has none
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.

@@ -114,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
         f"runs once per value (default {GenerationConfig.lookup_tokens}, the runtime's)",
     )
     parser.add_argument(
+        "--lookup-ngram",
+        default=str(GenerationConfig.lookup_max_ngram),
+        metavar="N1,N2",
+        help="longest suffixes lookup matches, to try (default "
+        f"{GenerationConfig.lookup_max_ngram}, the runtime's): each lookup setting runs once per value",
+    )
+    parser.add_argument(
+        "--lookup-length-factor",
+        default=f"{GenerationConfig.lookup_length_factor:g}",
+        metavar="F1,F2",
+        help="lookup's longest proposal as a multiple of its match, to try (inf: no such limit; default "
+        f"{GenerationConfig.lookup_length_factor:g}, the runtime's): each lookup setting runs once per value",
+    )
+    parser.add_argument(
         "--adaptive",
         type=choice_list(ADAPTIVE, "--adaptive"),
         default="auto",
@@ -160,6 +174,32 @@ def parse_lookups(text: str) -> list[int]:
     return values
 
 
+def lookup_variants(args) -> tuple[list[tuple[int, int, float]], bool]:
+    """The (lookup tokens, longest match, length factor) settings to run, and whether the match settings vary
+    (then they are named in the modes' names). They vary only where lookup is on."""
+    lookups = parse_lookups(args.lookup)
+    matches = parse_numbers(args.lookup_ngram, "--lookup-ngram", int)
+    factors = parse_numbers(args.lookup_length_factor, "--lookup-length-factor", float)
+    variants = [
+        (lookup, match, factor)
+        for lookup in lookups
+        for match, factor in (itertools.product(matches, factors) if lookup else [(matches[0], factors[0])])
+    ]
+    return variants, len(matches) > 1 or len(factors) > 1
+
+
+def parse_numbers(text: str, option: str, kind: type) -> list:
+    """Comma-separated positive numbers of `kind` (int or float; a float may be inf)."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        example = "3,16" if kind is int else "1,inf"
+        raise UserInputError(f"{option} {text!r}: expected comma-separated positive numbers such as {example}.")
+    return values
+
+
 def parse_thresholds(text: str) -> list[float | None]:
     from paradecode.runtime.config import check_threshold, parse_threshold
 
@@ -183,6 +223,7 @@ def run(args) -> str:
     if args.plot is not None:
         check_plotting()
     thresholds = parse_thresholds(args.thresholds)
+    lookup_variants(args)  # refused before anything loads
     peers = peer_settings(args)
     prompts = load_prompts(args.prompts) if args.prompts else None
     with (
@@ -308,13 +349,13 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     texts = [p.prompt for p in labelled]
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
-    lookups = parse_lookups(args.lookup)
+    variants, named_match = lookup_variants(args)
     # one seed for every run: draws are keyed by (seed, position, purpose), so the ar rows sample alike
     sampling = {"temperature": args.temperature, "seed": 0} if args.temperature else {}
     modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
     for overlap in args.overlaps:
         for threshold in thresholds:
-            for lookup, adaptive in itertools.product(lookups, args.adaptive):
+            for (lookup, match, factor), adaptive in itertools.product(variants, args.adaptive):
                 label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
                 settings = {
                     "mode": "paradecode",
@@ -322,10 +363,13 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                     "thresholds": threshold,
                     "max_unverified": args.max_unverified,
                     "lookup_tokens": lookup,
+                    "lookup_max_ngram": match,
+                    "lookup_length_factor": factor,
                     "adaptive": ADAPTIVE[adaptive],
                     **sampling,
                 }
                 name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
+                name += f" (match {match}, x{factor:g})" if lookup and named_match else ""
                 name += f" adaptive {adaptive}" if len(args.adaptive) > 1 or adaptive != "auto" else ""
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))

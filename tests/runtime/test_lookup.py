@@ -1,46 +1,123 @@
-"""Prompt-lookup proposals: the n-gram index on its own, and in the scheduler (parity with ar)."""
+"""Lookup proposals: the suffix index on its own (against a plain scan), and in the scheduler (parity with ar)."""
 
 from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
 
 import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig
-from paradecode.runtime.lookup import LookupConfig, NgramIndex, SharedContinuations
+from paradecode.runtime.lookup import LookupConfig, SharedContinuations, SuffixIndex
 from tests.parity import assert_same_tokens, export_scorer
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def index_of(tokens, **settings) -> NgramIndex:
-    index = NgramIndex(LookupConfig(**settings))
-    index.extend(tokens, len(tokens))
+def index_of(tokens, upto=None, **settings) -> SuffixIndex:
+    index = SuffixIndex(LookupConfig(**settings))
+    index.extend(tokens, len(tokens) if upto is None else upto)
     return index
 
 
-def test_the_newest_earlier_occurrence_of_the_longest_suffix_is_copied():
-    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    index = index_of(tokens, max_ngram=3, min_ngram=1, max_tokens=4)
-    # "2 3" occurred at 1-2 (then 9) and at 5-6 (then 7 8 5): the newest wins
-    assert index.propose(tokens, len(tokens), 4) == [7, 8, 5, 2]
-    assert index.propose(tokens, len(tokens), 2) == [7, 8]
-    # a longer match beats a newer shorter one: "1 2 3" -> what followed its newest occurrence
-    assert index.propose([*tokens, 1, 2, 3], len(tokens) + 3, 3) == [7, 8, 5]
+def scanned(tokens, verified, end, count, config: LookupConfig) -> list[int]:
+    """SuffixIndex.propose's answer written as a plain scan over tokens[:end] (its docstring's three steps)."""
+    lo, hi = config.min_ngram, config.max_ngram
+    occurrences = {}  # index after an earlier occurrence -> its match length
+    for s in range(lo, min(end, verified)):
+        length = 0
+        while length < hi and s - 1 - length >= 0 and tokens[s - 1 - length] == tokens[end - 1 - length]:
+            length += 1
+        if length >= lo:
+            occurrences[s] = length
+    # the index compares only the newest OCCURRENCES occurrences of the last min_ngram tokens
+    occurrences = dict(sorted(occurrences.items())[-SuffixIndex.OCCURRENCES :])
+    if count < 1 or not occurrences:
+        return []
+    longest = max(occurrences.values())
+    alive = [s for s, length in occurrences.items() if length == longest]
+    if math.isfinite(config.length_factor):
+        count = min(count, max(1, int(config.length_factor * longest)))
+    out = []
+    for offset in range(count):
+        following = [(tokens[s + offset], s) for s in alive if s + offset < verified]
+        if not following:
+            break
+        votes = Counter(t for t, _ in following)
+        best = max(votes.values())
+        token = max(s for t, s in following if votes[t] == best)
+        token = tokens[token + offset]
+        out.append(token)
+        alive = [s for t, s in following if t == token]
+    return out
+
+
+def test_the_docstrings_worked_example():
+    tokens = [5, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]
+    index = index_of(tokens)
+    assert index.match(tokens, 12) == (3, [3])
+    assert index.propose(tokens, 12, 5) == [9, 4, 6]  # as long as the match: 3 tokens
+    assert index.propose(tokens, 12, 2) == [9, 4]
+    tokens = [0, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]
+    assert index_of(tokens).propose(tokens, 12, 5) == [8, 1]  # two matches of 2, 9 and 8 tie: the newest
+
+
+def test_the_longest_match_wins_and_its_occurrences_vote():
+    # "1 2 3" occurred three times after other tokens than the suffix's 14: twice followed by 4 5, once (the
+    # newest) by 7; "2 3" alone also by 9
+    tokens = [10, 1, 2, 3, 4, 5, 11, 1, 2, 3, 4, 5, 12, 8, 2, 3, 9, 13, 1, 2, 3, 7, 14, 1, 2, 3]
+    index = index_of(tokens, length_factor=math.inf)
+    assert index.match(tokens, len(tokens)) == (3, [4, 10, 21])
+    assert index.propose(tokens, len(tokens), 2) == [4, 5]  # two of three agree on 4, both then on 5
+    # then 11 and 12 tie: the newest occurrence's, which goes on while it has verified tokens
+    assert index.propose(tokens, len(tokens), 8) == [4, 5, 12, 8, 2, 3, 9, 13]
+    assert index_of(tokens, length_factor=1.0).propose(tokens, len(tokens), 8) == [4, 5, 12]  # 3: the match's
 
 
 def test_no_match_no_proposal_and_proposals_stop_at_the_verified_tokens():
     tokens = [4, 5, 6, 4, 5]
-    index = NgramIndex(LookupConfig(max_ngram=2, min_ngram=2, max_tokens=5))
-    index.extend(tokens, 4)  # tokens[4] is not verified yet
+    index = index_of(tokens, upto=4, max_ngram=2, min_ngram=2, length_factor=math.inf)  # tokens[4] unverified
     assert index.propose(tokens, 5, 5) == [6, 4]  # "4 5" at 0-1, then 6 and 4 (verified); not 5 (unverified)
     assert index.propose([7, 8], 2, 5) == []
     assert index.propose(tokens, 5, 0) == []
+    assert index.propose([4], 1, 5) == []  # shorter than the shortest match
 
 
 def test_the_suffix_itself_is_not_its_own_earlier_occurrence():
     tokens = [1, 2, 3]
-    index = index_of(tokens, max_ngram=2, min_ngram=1)
-    assert index.propose(tokens, 3, 3) == []
+    assert index_of(tokens, max_ngram=2, min_ngram=1).propose(tokens, 3, 3) == []
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"min_ngram": 1, "max_ngram": 4, "length_factor": math.inf}, {"length_factor": 0.5}]
+)
+def test_the_index_answers_as_a_plain_scan_of_the_tokens(settings):
+    """The proposer is a pure function of tokens[:end], the verified count and its settings: the index, grown in
+    steps as decoding grows it, answers exactly what a scan of the tokens answers."""
+    config = LookupConfig(**settings)
+    rng = random.Random(0)
+    for trial in range(40):
+        vocab = rng.choice([2, 3, 5])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(5, 120))]
+        index = SuffixIndex(config)
+        verified = 0
+        while verified < len(tokens):
+            verified = min(len(tokens), verified + rng.randrange(1, 6))
+            index.extend(tokens, verified)
+            for end in {verified, min(len(tokens), verified + rng.randrange(0, 4))}:
+                count = rng.randrange(0, 7)
+                want = scanned(tokens, verified, end, count, config)
+                assert index.propose(tokens, end, count) == want, (trial, tokens, verified, end, count)
+
+
+def test_only_the_newest_occurrences_are_compared():
+    tokens = [1, 2, 3] * 100 + [9, 1, 2]  # "1 2" occurs 100 times before the suffix
+    index = index_of(tokens, max_ngram=2)
+    length, alive = index.match(tokens, len(tokens))
+    assert length == 2 and len(alive) == SuffixIndex.OCCURRENCES and alive[-1] == 299
 
 
 @pytest.mark.parametrize(
@@ -49,6 +126,11 @@ def test_the_suffix_itself_is_not_its_own_earlier_occurrence():
         ({"max_ngram": 0}, "max_ngram"),
         ({"min_ngram": 3, "max_ngram": 2}, "min_ngram"),
         ({"max_tokens": True}, "max_tokens"),
+        ({"length_factor": 0}, "length_factor"),
+        ({"length_factor": -1.0}, "length_factor"),
+        ({"length_factor": math.nan}, "length_factor"),
+        ({"length_factor": True}, "length_factor"),
+        ({"length_factor": "1"}, "length_factor"),
     ],
 )
 def test_bad_lookup_settings(settings, message):
@@ -60,7 +142,11 @@ def test_bad_generation_lookup_settings():
     with pytest.raises(UserInputError, match="lookup_tokens"):
         GenerationConfig(lookup_tokens=-1)
     with pytest.raises(UserInputError, match="min_ngram"):
-        GenerationConfig(lookup_tokens=3, lookup_min_ngram=4)
+        GenerationConfig(lookup_tokens=3, lookup_min_ngram=17)
+    with pytest.raises(UserInputError, match="length_factor"):
+        GenerationConfig(lookup_length_factor=0.0)
+    config = GenerationConfig(lookup_max_ngram=4, lookup_length_factor=math.inf).lookup_config()
+    assert (config.max_ngram, config.length_factor) == (4, math.inf)
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
@@ -134,3 +220,14 @@ def test_a_repeated_request_is_proposed_what_the_first_produced(stories_export):
         assert again.stats.lookup_accepted >= len(want) // 2  # most of the repeat was proposed and accepted
     with pytest.raises(UserInputError, match="lookup_shared"):
         GenerationConfig(lookup_shared="yes")
+
+
+def test_generate_cli_takes_the_lookup_match_settings(stories_export, capsys):
+    from paradecode.runtime import cli
+
+    argv = [str(stories_export[0]), "--prompt-ids", "1,2,3,1,2,3,1,2", "--max-new-tokens", "6", "--json"]
+    assert cli.main([*argv, "--lookup-ngram", "4", "--lookup-length-factor", "inf"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 6
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--lookup-length-factor", "0"])
+    assert "--lookup-length-factor" in capsys.readouterr().err

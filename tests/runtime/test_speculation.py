@@ -156,7 +156,7 @@ def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(s
 def test_the_decoder_reports_each_lookup_token_with_its_place_in_its_proposal(stories_export, monkeypatch):
     """A proposal's d-th token is judged only after its (d-1)-th was accepted; discarded ones carry no place. An
     oracle proposer (plain decoding's own continuation, its 4th token made wrong) makes every place judged."""
-    from paradecode.runtime.lookup import NgramIndex
+    from paradecode.runtime.lookup import SuffixIndex
 
     verdicts = []
     real = Speculation.verified
@@ -176,7 +176,7 @@ def test_the_decoder_reports_each_lookup_token_with_its_place_in_its_proposal(st
             return proposal
 
         monkeypatch.setattr(Speculation, "verified", record)
-        monkeypatch.setattr(NgramIndex, "propose", oracle)
+        monkeypatch.setattr(SuffixIndex, "propose", oracle)
         ours = model.generate(prompt_ids=[1], max_new_tokens=120, lookup_tokens=5, adaptive=True, ignore_eos=True)
     assert ours.token_ids == ar.token_ids
     judged = [(accepted, depth) for source, accepted, depth in verdicts if source == LOOKUP and depth is not None]

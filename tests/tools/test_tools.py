@@ -3,6 +3,7 @@
 import argparse
 import itertools
 import json
+import math
 import typing
 
 import pytest
@@ -594,3 +595,16 @@ def test_repeated_workload_reports_both_passes(stories_export, tmp_path, capsys)
             same = row["tokens"] == data["passes"]["1"]["ar"]["tokens"] > 0  # equal outputs: equal token counts
             assert row["same_as_ar"] == 2 and same and row["tokens_per_second"] > 0, (number, mode)
     assert data["passes"]["2"]["shared"]["accepted"] > 0  # the repeat was proposed what the first pass produced
+
+
+def test_bench_lookup_match_settings_multiply_only_where_lookup_is_on(tmp_path, capsys):
+    args = bench.build_parser().parse_args(
+        ["x", "--lookup", "0,5", "--lookup-ngram", "3,16", "--lookup-length-factor", "inf,1"]
+    )
+    variants, named = bench.lookup_variants(args)
+    assert named and variants == [(0, 3, math.inf), (5, 3, math.inf), (5, 3, 1.0), (5, 16, math.inf), (5, 16, 1.0)]
+    defaults = bench.build_parser().parse_args(["x"])
+    assert bench.lookup_variants(defaults) == ([(5, 16, 1.0)], False)  # the runtime's settings
+    for option, value in (("--lookup-ngram", "0"), ("--lookup-length-factor", "-1"), ("--lookup-ngram", "a")):
+        assert bench.main([str(tmp_path / "no-export"), option, value]) == 2  # refused before anything loads
+        assert option in capsys.readouterr().err
