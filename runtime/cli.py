@@ -28,7 +28,9 @@ def id_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS
+    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS, GenerationConfig
+
+    default = GenerationConfig()
 
     parser = argparse.ArgumentParser(
         prog="paradecode-generate",
@@ -76,24 +78,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup",
         type=int,
         metavar="N",
-        help="prompt lookup: propose up to N tokens that followed an earlier occurrence of the newest tokens "
-        "(verified like early exits; default 5; 0: off)",
+        help="prompt lookup: propose up to N tokens that followed the earlier occurrences of the newest tokens "
+        f"(verified like early exits; default {default.lookup_tokens}; 0: off)",
     )
     parser.add_argument(
         "--adaptive",
         choices=ADAPTIVE,
         help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
-        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap), on or off",
+        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap; sampling with "
+        "the export's thresholds calls no exit heads), on or off (the export's thresholds as they are)",
     )
-    parser.add_argument("--lookup-ngram", type=positive_int, metavar="N", help="longest suffix matched (default 16)")
     parser.add_argument(
-        "--lookup-min-ngram", type=positive_int, metavar="N", help="shortest suffix matched (default 2)"
+        "--lookup-ngram",
+        type=positive_int,
+        metavar="N",
+        help=f"longest suffix matched (default {default.lookup_max_ngram})",
+    )
+    parser.add_argument(
+        "--lookup-min-ngram",
+        type=positive_int,
+        metavar="N",
+        help=f"shortest suffix matched (default {default.lookup_min_ngram})",
     )
     parser.add_argument(
         "--lookup-length-factor",
         type=positive_float,
         metavar="F",
-        help="propose at most F times as many tokens as the match is long (default 1; inf: no such limit)",
+        help="propose at most F times as many tokens as the match is long "
+        f"(default {default.lookup_length_factor:g}; inf: no such limit)",
     )
     parser.add_argument(
         "--temperature", type=temperature, metavar="T", help="sample at this temperature, 0 to 2 (default 0: greedy)"

@@ -98,8 +98,13 @@ class GenerationConfig:
     seed: int | None = None
     # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
     # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
-    # on a CPU in the batched overlap (explicit thresholds are used as given; sampled runs keep their seed's
-    # sequence; on a GPU a call's host time is not its cost; its cost model is batched's); True / False: on / off.
+    # on a CPU in the batched overlap (explicit thresholds are used as given; on a GPU a call's host time is not
+    # its cost; its cost model is batched's). Sampled decoding cannot adapt to timings and keep its seed's
+    # sequence, so None decides for it once, by measurement: with the export's thresholds it calls no exit heads
+    # (lookup only). On SmolLM2's exact int8 export at T = 0.7, exits + lookup ran at 0.97x of ar sampling and
+    # lookup alone at 1.06x, no category below 1.01x (tools/results/cpu-2core/bench-smollm2-int8-exact-sampling-
+    # suffix-t0.7.md; an earlier run: 1.12x and 1.14x, one category 0.84x with exits). True / False: on / off
+    # (False: the export's thresholds as they are, sampling too).
     adaptive: bool | None = None
 
     def __post_init__(self) -> None:
@@ -125,7 +130,7 @@ class GenerationConfig:
             raise UserInputError(
                 f"lookup_tokens must be a non-negative integer (0 turns lookup off), got {self.lookup_tokens!r}."
             )
-        self.lookup_config()  # validates the n-gram sizes
+        self.lookup_config()  # validates the match lengths and the length factor
         self._check_sampling()
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop  # one string is one stop string
         if not isinstance(stop, Iterable) or not all(isinstance(s, str) for s in stop):
@@ -179,8 +184,11 @@ class GenerationConfig:
         return self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
 
     def resolve_thresholds(self, defaults: Mapping[int, float]) -> dict[int, float]:
-        """Thresholds per exit layer: the export's defaults, overridden by this config."""
+        """Thresholds per exit layer: the export's defaults, overridden by this config. Sampling with the export's
+        thresholds and `adaptive` None calls no exit heads (see `adaptive`)."""
         if self.thresholds is None:
+            if self.temperature != 0 and self.adaptive is None:
+                return dict.fromkeys(defaults, NEVER)
             return dict(defaults)
         if isinstance(self.thresholds, Mapping):
             unknown = sorted(set(self.thresholds) - set(defaults))

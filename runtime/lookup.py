@@ -22,6 +22,7 @@ request's own `SuffixIndex`, then a model's `SharedContinuations`) and takes the
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections import Counter, OrderedDict
@@ -89,10 +90,11 @@ class SuffixIndex:
         tokens = [0, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]: both matches 2 long, so 2 tokens; 9 and 8 tie, the
         newest occurrence's wins: propose(tokens, 12, 5) -> [8, 1]
 
-    The answer depends on tokens[:end], the number of verified tokens and the settings only.
+    The answer depends on tokens[:end], the indexed tokens and the settings only; the scheduler indexes every
+    verified token before it asks, so it is a function of tokens[:end], the verified count and the settings.
     """
 
-    OCCURRENCES = 64  # newest occurrences of the last min_ngram tokens compared: bounds a proposal's cost
+    OCCURRENCES = 64  # newest occurrences of the last min_ngram tokens compared: bounds a proposal's work
 
     def __init__(self, config: LookupConfig):
         self.config = config
@@ -108,23 +110,29 @@ class SuffixIndex:
 
     def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
         """Up to `count` tokens that followed the longest earlier match of tokens[:end]'s suffix."""
-        config = self.config
+        chain = self.branches(tokens, end, count, width=1)
+        return chain[0] if chain else []
+
+    def branches(self, tokens: Sequence[int], end: int, count: int, width: int) -> list[list[int]]:
+        """A tree of proposals, as its branches (root to leaf): step 3 with the `width` most agreed tokens at each
+        depth (ties to the newest occurrence's), each followed on with the occurrences that continued so. Width 1
+        is `propose`'s chain; wider trees are what verifying several candidates would take
+        (tools/lookup_replay.py replays them; the runtime verifies chains)."""
         longest, alive = self.match(tokens, end)
         if count < 1 or not alive:
             return []
-        if math.isfinite(config.length_factor):
-            count = min(count, max(1, int(config.length_factor * longest)))
-        proposals: list[int] = []
-        for offset in range(count):
-            following = [(tokens[s + offset], s) for s in alive if s + offset < self.indexed]
-            if not following:
-                break
+        count = min(count, max(1, int(min(self.config.length_factor * longest, count))))
+
+        def grow(prefix: list[int], occurrences: list[int]) -> list[list[int]]:
+            following = [(tokens[s + len(prefix)], s) for s in occurrences if s + len(prefix) < self.indexed]
+            if len(prefix) == count or not following:
+                return [prefix] if prefix else []
             votes = Counter(token for token, _ in following)
-            most = max(votes.values())
-            token = max((s, t) for t, s in following if votes[t] == most)[1]  # a tie: the newest occurrence's
-            proposals.append(token)
-            alive = [s for t, s in following if t == token]
-        return proposals
+            newest = dict(following)  # occurrences run oldest first: each token's last one is its newest
+            ranked = sorted(votes, key=lambda token: (votes[token], newest[token]), reverse=True)[:width]
+            return [b for t in ranked for b in grow([*prefix, t], [s for u, s in following if u == t])]
+
+        return grow([], alive)
 
     def match(self, tokens: Sequence[int], end: int) -> tuple[int, list[int]]:
         """The longest earlier match of tokens[:end]'s suffix: (its length, the indices of the tokens that
@@ -132,7 +140,9 @@ class SuffixIndex:
         n = self.config.min_ngram
         if end < n:
             return 0, []
-        starts = [s for s in self.starts.get(tuple(tokens[end - n : end]), ()) if s < end][-self.OCCURRENCES :]
+        starts = self.starts.get(tuple(tokens[end - n : end]), [])
+        before = bisect.bisect_left(starts, end)  # starts are ascending: the occurrences before `end`
+        starts = starts[max(0, before - self.OCCURRENCES) : before]
         if not starts:
             return 0, []
         matched = {s: self._match(tokens, s, end) for s in starts}
@@ -153,8 +163,9 @@ class SharedContinuations:
     """What followed each n-gram in the outputs of a loaded model's earlier requests, counted: proposals for a
     request from what other requests' outputs did (SuffixDecoding's global tree, in n-gram form).
 
-    `add(prompt, output)` counts, for every n-gram of the prompt's last tokens and the output (n in the lookup's
-    sizes), the token that followed it. `propose(tokens, end, count)` follows, from the longest suffix of
+    `add(prompt, output)` counts, for every n-gram of the prompt's last tokens and the output (n from its own
+    config's max_ngram down to min_ngram: 3 and 2 by default, whatever a request's own lookup matches), the token
+    that followed it. `propose(tokens, end, count)` follows, from the longest suffix of
     tokens[:end] seen before, the continuation earlier outputs took most often, one token at a time, and stops
     where they disagreed (the top token followed its n-gram in less than `AGREEMENT` of the cases) or nothing
     was seen: so a proposal is as long as earlier outputs support it. Proposals are only proposals: the final

@@ -9,7 +9,7 @@ later one waits (`streams`). The last group is the *frontier*: the newest token,
 Flow. After each exit layer the frontier's exit head may emit its newest token early (top-1
 probability >= the layer's threshold, fewer than K unverified tokens): the frontier becomes a
 pending group and the next token starts at once. With lookup on, a new frontier also takes the
-tokens that followed an earlier occurrence of its newest tokens (`runtime.lookup`) as proposals
+tokens that followed the earlier occurrences of its newest tokens (`runtime.lookup`) as proposals
 pending at depth 0: they go up the layers in the frontier's own batched calls and the final layer
 verifies them like early tokens. Pending groups are completed by side lanes right
 away (`streams`, `both`), or batched into the frontier's calls when it reaches their depth
@@ -53,7 +53,7 @@ import torch
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
-from paradecode.runtime.lookup import LookupConfig, SharedContinuations, SuffixIndex
+from paradecode.runtime.lookup import LookupConfig, Proposer, SharedContinuations, SuffixIndex
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import LOOKUP, Mismatch
@@ -129,7 +129,8 @@ class ParaDecoder:
         self.lookup_depth: dict[int, int] = {}  # position q -> tokens[q + 1]'s place in its lookup proposal (1..)
         self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
         self.lookup = SuffixIndex(lookup) if lookup is not None else None
-        self.shared = shared if lookup is not None else None  # earlier requests' outputs, where the request has none
+        # asked in order, the first non-empty answer taken: the request's own tokens, then earlier requests' outputs
+        self.proposers: list[Proposer] = [p for p in (self.lookup, shared) if p is not None and lookup is not None]
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.
         self.groups: list[Group] = []
@@ -236,9 +237,12 @@ class ParaDecoder:
             self.K - (len(self.tokens) - self.verified),
             self.last_position - position,
         )
-        proposals = self.lookup.propose(self.tokens, position + 1, room)
-        if not proposals and self.shared is not None and room > 0:
-            proposals = self.shared.propose(self.tokens, position + 1, room)
+        self.index_verified()  # a rollback proposes before verify_finished indexes what it verified
+        proposals = []
+        for proposer in self.proposers:
+            proposals = proposer.propose(self.tokens, position + 1, room)
+            if proposals:
+                break
         if proposals and self.speculation is not None:
             keep = self.speculation.lookup_tokens(len(proposals))
             if keep == 0:

@@ -185,6 +185,11 @@ def lookup_variants(args) -> tuple[list[tuple[int, int, float]], bool]:
         for lookup in lookups
         for match, factor in (itertools.product(matches, factors) if lookup else [(matches[0], factors[0])])
     ]
+    for lookup, match, factor in variants:  # the runtime's own checks (a match shorter than the shortest, say)
+        try:
+            GenerationConfig(lookup_tokens=lookup, lookup_max_ngram=match, lookup_length_factor=factor)
+        except UserInputError as err:
+            raise UserInputError(f"--lookup-ngram {match} / --lookup-length-factor {factor:g}: {err}") from None
     return variants, len(matches) > 1 or len(factors) > 1
 
 
@@ -195,8 +200,8 @@ def parse_numbers(text: str, option: str, kind: type) -> list:
     except ValueError:
         values = []
     if not values or any(not v > 0 for v in values):
-        example = "3,16" if kind is int else "1,inf"
-        raise UserInputError(f"{option} {text!r}: expected comma-separated positive numbers such as {example}.")
+        what = "positive integers such as 3,16" if kind is int else "positive numbers such as 1,inf"
+        raise UserInputError(f"{option} {text!r}: expected comma-separated {what}.")
     return values
 
 

@@ -17,7 +17,8 @@ branch the output follows.
     python -m paradecode.tools.lookup_replay out/smollm2-int8 --prompts heads --max-prompts 100 \\
         --outputs heads-outputs.jsonl --ngram 3,16 --length-factor inf,1 --width 1,2
 
-records plain decoding's outputs into `--outputs` (or reads them where the file exists), measures the
+records plain decoding's outputs into `--outputs` (or reads them where the file exists: it records which
+prompts it holds, and a file of other prompts is refused), measures the
 export's call costs (a layer graph at 1 and at K + 1 positions, the final head likewise), and prints one row
 per setting: the mean ratio over prompts, the median over categories, the lowest category, and tokens
 proposed and accepted.
@@ -29,10 +30,9 @@ import argparse
 import itertools
 import json
 import logging
-import math
 import statistics
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,31 +59,9 @@ class Replayed:
     accepted: int
 
 
-def candidate_tree(index, tokens: Sequence[int], end: int, count: int, width: int) -> list[list[int]]:
-    """The branches of a tree of proposals after tokens[:end]: from the longest match's occurrences, at each
-    depth the `width` most agreed continuations (ties to the newest), each followed on with the occurrences
-    that continued so. Width 1 is `SuffixIndex.propose`'s chain."""
-    longest, alive = index.match(tokens, end)
-    if count < 1 or not alive:
-        return []
-    factor = index.config.length_factor
-    if math.isfinite(factor):
-        count = min(count, max(1, int(factor * longest)))
-
-    def grow(prefix: list[int], occurrences: list[int]) -> list[list[int]]:
-        following = [(tokens[s + len(prefix)], s) for s in occurrences if s + len(prefix) < index.indexed]
-        if len(prefix) == count or not following:
-            return [prefix] if prefix else []
-        votes = Counter(t for t, _ in following)
-        newest = dict(following)  # occurrences are oldest first: the last one kept is the newest
-        ranked = sorted(votes, key=lambda t: (votes[t], newest[t]), reverse=True)[:width]
-        return [b for t in ranked for b in grow([*prefix, t], [s for u, s in following if u == t])]
-
-    return grow([], alive)
-
-
-def replay(prompt: list[int], output: list[int], config, width: int, costs: Costs) -> Replayed:
-    """Decode `output` again with lookup alone (see the module's docstring)."""
+def replay(prompt: list[int], output: list[int], config, width: int, costs: Costs, max_unverified: int = 5) -> Replayed:
+    """Decode `output` again with lookup alone (see the module's docstring); `max_unverified` is the scheduler's
+    K, which bounds a proposal as `max_tokens` does."""
     from paradecode.runtime.lookup import SuffixIndex
 
     tokens = [*prompt, *output]
@@ -91,9 +69,10 @@ def replay(prompt: list[int], output: list[int], config, width: int, costs: Cost
     end = len(prompt) + 1  # the prefill gave the first output token
     spent, proposed, accepted = costs.pass_s, 0, 0
     while end < len(tokens):
-        index.extend(tokens, end)
-        room = min(config.max_tokens, len(tokens) - end - 1)  # as the scheduler: no proposal past the last token
-        branches = candidate_tree(index, tokens, end, room, width)
+        index.extend(tokens, end)  # everything before `end` is verified, as the scheduler indexes it first
+        # as the scheduler's room: no more than max_tokens and K, none past the output's last token
+        room = min(config.max_tokens, max_unverified, len(tokens) - end - 1)
+        branches = index.branches(tokens, end, room, width)
         nodes = {tuple(b[:d]) for b in branches for d in range(1, len(b) + 1)}
         best = max((_followed(b, tokens, end) for b in branches), default=0)
         spent += costs.pass_s + len(nodes) * costs.position_s
@@ -147,15 +126,49 @@ def markdown(rows: list[dict], costs: Costs, prompts: int, new_tokens: int) -> s
     return "\n".join(lines)
 
 
+def selection_of(args) -> dict:
+    """Which prompts the outputs are for, as recorded with each: a file of other prompts is refused, not replayed."""
+    return {"prompts": str(args.prompts), "per_category": args.per_category, "max_prompts": args.max_prompts}
+
+
+def read_outputs(path: Path, selection: dict, max_new_tokens: int) -> list[dict]:
+    """Recorded outputs (the first `max_new_tokens` of each), checked: each line as this tool writes it, for the
+    prompts `selection` names."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserInputError(
+                f"{path}:{number} is not JSON ({err.msg}): delete the file to record it again."
+            ) from None
+        if not (isinstance(record, dict) and _token_ids(record.get("prompt")) and _token_ids(record.get("output"))):
+            raise UserInputError(
+                f"{path}:{number}: expected {{category, prompt, output, selection}} with token id lists, as this tool "
+                "writes them: delete the file to record it again."
+            )
+        if record.get("selection") != selection:
+            raise UserInputError(
+                f"{path} holds outputs for the prompts {record.get('selection')}, not {selection}: give the same "
+                "--prompts, --per-category and --max-prompts, or another --outputs file."
+            )
+        if record["output"]:
+            records.append({**record, "output": record["output"][:max_new_tokens]})
+    logger.info("read %d recorded outputs from %s", len(records), path)
+    return records
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def recorded_outputs(args) -> list[dict]:
     """Plain decoding's outputs for the prompts: read from `--outputs` where it exists, else decoded and saved."""
-    path = Path(args.outputs)
+    path, selection = Path(args.outputs), selection_of(args)
     if path.exists():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not all(isinstance(r, dict) and {"category", "prompt", "output"} <= r.keys() for r in records):
-            raise UserInputError(f"{path}: expected lines of {{category, prompt, output}} as this tool writes them.")
-        logger.info("read %d recorded outputs from %s", len(records), path)
-        return [{**r, "output": r["output"][: args.max_new_tokens]} for r in records]
+        return read_outputs(path, selection, args.max_new_tokens)
     from tqdm import tqdm
 
     from paradecode.runtime import load
@@ -173,9 +186,10 @@ def recorded_outputs(args) -> list[dict]:
             given = labelled.prompt
             ids = model.prompt_ids(messages=given) if isinstance(given, list) else model.prompt_ids(prompt=given)
             result = model.generate(prompt_ids=ids, mode="ar", max_new_tokens=args.max_new_tokens)
-            records.append({"category": labelled.category, "prompt": ids, "output": result.token_ids})
+            record = {"category": labelled.category, "prompt": ids, "output": result.token_ids}
+            records.append({**record, "selection": selection})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return records
+    return [r for r in records if r["output"]]
 
 
 def measured_costs(export: str, positions: int) -> Costs:
@@ -191,13 +205,38 @@ def measured_costs(export: str, positions: int) -> Costs:
     return Costs(one, (more - one) / (positions - 1))
 
 
+def share(text: str) -> float:
+    """A share of a pass, 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1 (a share of a pass), got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1 (a share of a pass), got {value:g}")
+    return value
+
+
+def numbers(option: str, kind: type):
+    """An argparse type for comma-separated positive numbers of `kind` (bench's parse_numbers)."""
+    from paradecode.tools.bench import parse_numbers
+
+    def parse(text: str) -> list:
+        try:
+            return parse_numbers(text, option, kind)
+        except UserInputError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
+PROG = "python -m paradecode.tools.lookup_replay"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.graphs.arguments import positive_int
     from paradecode.runtime.config import GenerationConfig
-    from paradecode.tools.bench import parse_numbers
 
-    prog, about = "python -m paradecode.tools.lookup_replay", __doc__.split("\n\n")[0]
-    parser = argparse.ArgumentParser(prog=prog, description=about)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("export", help="an export folder (its outputs are recorded and its calls timed)")
     parser.add_argument(
         "--outputs",
@@ -209,15 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-prompts", type=positive_int, default=100, metavar="N", help="at most N (default 100)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N")
     parser.add_argument("--tokens", type=positive_int, default=GenerationConfig.lookup_tokens, metavar="N")
-    parser.add_argument("--ngram", type=lambda t: parse_numbers(t, "--ngram", int), default=[16], metavar="N1,N2")
+    parser.add_argument("--ngram", type=numbers("--ngram", int), default=[16], metavar="N1,N2")
     parser.add_argument("--min-ngram", type=positive_int, default=GenerationConfig.lookup_min_ngram, metavar="N")
-    parser.add_argument(
-        "--length-factor", type=lambda t: parse_numbers(t, "--length-factor", float), default=[1.0], metavar="F1,F2"
-    )
-    parser.add_argument("--width", type=lambda t: parse_numbers(t, "--width", int), default=[1], metavar="W1,W2")
+    parser.add_argument("--length-factor", type=numbers("--length-factor", float), default=[1.0], metavar="F1,F2")
+    parser.add_argument("--width", type=numbers("--width", int), default=[1], metavar="W1,W2")
+    parser.add_argument("--max-unverified", type=positive_int, default=GenerationConfig.max_unverified, metavar="K")
     parser.add_argument(
         "--position-share",
-        type=float,
+        type=share,
         metavar="S",
         help="replay as if a proposed position cost S x a pass instead of what it measures here (a what-if for "
         "another device: on a GPU a decoding step's extra positions are nearly free)",
@@ -230,7 +268,7 @@ def run(args) -> str:
     from paradecode.runtime.lookup import LookupConfig
 
     settings = [
-        (LookupConfig(max_ngram=n, min_ngram=min(args.min_ngram, n), max_tokens=args.tokens, length_factor=f), w)
+        (LookupConfig(max_ngram=n, min_ngram=args.min_ngram, max_tokens=args.tokens, length_factor=f), w)
         for n, f, w in itertools.product(args.ngram, args.length_factor, args.width)
     ]
     records = recorded_outputs(args)
@@ -238,14 +276,15 @@ def run(args) -> str:
         raise UserInputError(f"{args.outputs} holds no outputs: delete it to record them again.")
     costs = measured_costs(args.export, args.tokens + 1)
     if args.position_share is not None:
-        if not 0 <= args.position_share <= 1:
-            raise UserInputError(f"--position-share must be within 0..1 (of a pass), got {args.position_share:g}.")
         costs = Costs(costs.pass_s, args.position_share * costs.pass_s)
     rows = []
     for config, width in settings:
         name = f"match {config.min_ngram}-{config.max_ngram}, x{config.length_factor:g}, {args.tokens} tokens"
         name += f", tree width {width}" if width > 1 else ""
-        replayed = [(r["category"], replay(r["prompt"], r["output"], config, width, costs)) for r in records]
+        replayed = [
+            (r["category"], replay(r["prompt"], r["output"], config, width, costs, args.max_unverified))
+            for r in records
+        ]
         rows.append(summary(name, replayed))
     if args.json:
         Path(args.json).write_text(json.dumps({"costs_s": asdict(costs), "rows": rows}, indent=1))
@@ -255,7 +294,7 @@ def run(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    code, table = run_command("paradecode-lookup-replay", lambda: run(args), "interrupted")
+    code, table = run_command(PROG, lambda: run(args), "interrupted")
     if code == 0:
         print(table)
     return code

@@ -46,9 +46,11 @@ PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 # onnxruntime-genai's n-gram speculation (`GeneratorParams.set_speculative_options`, onnxruntime-genai
 # >= 0.18, docs/SpeculativeDecoding.md): the last ngram_size - 1 tokens are looked up in the sequence so far
-# and up to max_draft_tokens of the continuation are verified in one multi-token call. Set to ParaDecode's
-# own prompt-lookup defaults (a 2-token suffix, 5 tokens proposed), so the two lookups propose alike and
-# the engines differ; K fixed (the library's default, min_adaptive_k 0), no chained lookup.
+# and up to max_draft_tokens of the continuation are verified in one multi-token call. Set like ParaDecode's
+# prompt-lookup defaults where the two compare (its shortest match, 2 tokens; 5 tokens proposed); ParaDecode
+# also matches longer suffixes, takes the continuation their occurrences agree on and proposes no more than
+# the match is long (runtime/lookup.py), which this library does not. K fixed (the library's default,
+# min_adaptive_k 0), no chained lookup.
 NGRAM_OPTIONS: dict[str, Any] = {
     "ngram_size": GenerationConfig.lookup_min_ngram + 1,
     "max_draft_tokens": GenerationConfig.lookup_tokens,

@@ -43,15 +43,15 @@ def scanned(tokens, verified, end, count, config: LookupConfig) -> list[int]:
         count = min(count, max(1, int(config.length_factor * longest)))
     out = []
     for offset in range(count):
-        following = [(tokens[s + offset], s) for s in alive if s + offset < verified]
-        if not following:
+        continuing = [s for s in alive if s + offset < verified]
+        if not continuing:
             break
-        votes = Counter(t for t, _ in following)
-        best = max(votes.values())
-        token = max(s for t, s in following if votes[t] == best)
-        token = tokens[token + offset]
+        votes = Counter(tokens[s + offset] for s in continuing)
+        # the newest occurrence among those whose token has the most votes gives the token
+        newest_first = sorted(continuing, reverse=True)
+        token = next(tokens[s + offset] for s in newest_first if votes[tokens[s + offset]] == max(votes.values()))
         out.append(token)
-        alive = [s for t, s in following if t == token]
+        alive = [s for s in continuing if tokens[s + offset] == token]
     return out
 
 
@@ -99,9 +99,11 @@ def test_the_index_answers_as_a_plain_scan_of_the_tokens(settings):
     steps as decoding grows it, answers exactly what a scan of the tokens answers."""
     config = LookupConfig(**settings)
     rng = random.Random(0)
-    for trial in range(40):
+    for trial in range(46):
         vocab = rng.choice([2, 3, 5])
-        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(5, 120))]
+        # the last few: long enough that a 2-gram occurs more than OCCURRENCES times
+        length = rng.randrange(5, 120) if trial < 40 else rng.randrange(300, 420)
+        tokens = [rng.randrange(vocab if trial < 40 else 2) for _ in range(length)]
         index = SuffixIndex(config)
         verified = 0
         while verified < len(tokens):
@@ -111,6 +113,12 @@ def test_the_index_answers_as_a_plain_scan_of_the_tokens(settings):
                 count = rng.randrange(0, 7)
                 want = scanned(tokens, verified, end, count, config)
                 assert index.propose(tokens, end, count) == want, (trial, tokens, verified, end, count)
+
+
+def test_a_huge_length_factor_is_no_limit_not_an_overflow():
+    tokens = [1, 2, 3, 4, 1, 2]
+    for factor in (1e308, math.inf):
+        assert index_of(tokens, length_factor=factor).propose(tokens, 6, 4) == [3, 4, 1, 2]
 
 
 def test_only_the_newest_occurrences_are_compared():
@@ -147,6 +155,16 @@ def test_bad_generation_lookup_settings():
         GenerationConfig(lookup_length_factor=0.0)
     config = GenerationConfig(lookup_max_ngram=4, lookup_length_factor=math.inf).lookup_config()
     assert (config.max_ngram, config.length_factor) == (4, math.inf)
+
+
+def test_sampling_calls_no_exit_heads_unless_asked():
+    """adaptive None decides for sampled decoding once, by measurement: the export's thresholds are not used."""
+    export = {8: 0.9, 23: 0.8}
+    never = {8: math.inf, 23: math.inf}
+    assert GenerationConfig(temperature=0.7).resolve_thresholds(export) == never
+    assert GenerationConfig(temperature=0.7, adaptive=False).resolve_thresholds(export) == export
+    assert GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export) == {8: 0.5, 23: 0.5}
+    assert GenerationConfig().resolve_thresholds(export) == export  # greedy: adaptive speculation decides
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
@@ -231,3 +249,31 @@ def test_generate_cli_takes_the_lookup_match_settings(stories_export, capsys):
     with pytest.raises(SystemExit):
         cli.main([*argv, "--lookup-length-factor", "0"])
     assert "--lookup-length-factor" in capsys.readouterr().err
+
+
+def test_every_proposal_sees_every_verified_token(stories_export, monkeypatch):
+    """The index is grown to the verified tokens before each proposal, a rollback's first one included (the
+    proposal after a rejected token used to miss the tokens verified with it)."""
+    from paradecode.runtime import load
+    from paradecode.runtime.scheduler import ParaDecoder
+
+    asked, verified = [], []
+    propose, decoder_propose = SuffixIndex.propose, ParaDecoder.propose
+
+    def record(self, tokens, end, count):  # the index's extent when it answers, and the decoder's verified tokens
+        asked.append((self.indexed, verified[-1]))
+        return propose(self, tokens, end, count)
+
+    def note(self, position):
+        verified.append(self.verified)
+        return decoder_propose(self, position)
+
+    monkeypatch.setattr(SuffixIndex, "propose", record)
+    monkeypatch.setattr(ParaDecoder, "propose", note)
+    with load(stories_export[0]) as model:
+        prompt = [1, *[(7 * i) % 50 + 2 for i in range(12)] * 3]
+        ar = model.generate(prompt_ids=prompt, max_new_tokens=60, mode="ar", ignore_eos=True)
+        ours = model.generate(prompt_ids=prompt, max_new_tokens=60, thresholds=0.0, lookup_tokens=4, ignore_eos=True)
+    assert ours.token_ids == ar.token_ids
+    assert ours.stats.rollbacks > 0 and asked
+    assert all(indexed == known for indexed, known in asked), [a for a in asked if a[0] != a[1]][:5]

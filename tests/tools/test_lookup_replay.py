@@ -11,12 +11,12 @@ import pytest
 
 from paradecode.runtime.lookup import LookupConfig, SuffixIndex
 from paradecode.tools import lookup_replay
-from paradecode.tools.lookup_replay import Costs, candidate_tree, replay
+from paradecode.tools.lookup_replay import Costs, replay
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_tree_of_width_one_is_the_proposers_chain():
+def test_a_tree_holds_the_proposers_chain_and_its_other_branches():
     rng = random.Random(1)
     for config in (LookupConfig(), LookupConfig(min_ngram=1, length_factor=math.inf)):
         for _ in range(30):
@@ -24,7 +24,10 @@ def test_a_tree_of_width_one_is_the_proposers_chain():
             index = SuffixIndex(config)
             index.extend(tokens, len(tokens))
             chain = index.propose(tokens, len(tokens), 5)
-            assert candidate_tree(index, tokens, len(tokens), 5, 1) == ([chain] if chain else [])
+            tree = index.branches(tokens, len(tokens), 5, 3)
+            assert index.branches(tokens, len(tokens), 5, 1) == ([chain] if chain else [])
+            assert (tree[0] if tree else []) == chain  # the most agreed branch first
+            assert len({tuple(b) for b in tree}) == len(tree) and all(len(b) <= 5 for b in tree)
 
 
 def test_replay_counts_what_the_output_accepts_and_what_the_steps_cost():
@@ -35,6 +38,8 @@ def test_replay_counts_what_the_output_accepts_and_what_the_steps_cost():
     whole = replay(prompt, output, LookupConfig(length_factor=math.inf), 1, costs)
     assert (whole.proposed, whole.accepted) == (4, 4)
     assert whole.ratio == pytest.approx(6 / (2 + 0.4))  # the prefill, then one step of 4 proposed positions
+    bounded = replay(prompt, output, LookupConfig(length_factor=math.inf), 1, costs, max_unverified=2)
+    assert (bounded.proposed, bounded.accepted) == (3, 3)  # K = 2: 8 9, then the one token left to propose: 6
     capped = replay(prompt, output, LookupConfig(length_factor=1.0), 1, costs)  # at most 3 (the match) at once
     assert (capped.proposed, capped.accepted) == (3, 3)
     assert capped.ratio == pytest.approx(6 / (3 + 0.3))  # then one more step for the last token
@@ -47,8 +52,8 @@ def test_a_tree_accepts_the_branch_the_output_follows_and_pays_for_every_node():
     tokens = [*prompt, *output]
     index = SuffixIndex(LookupConfig(max_tokens=2, length_factor=math.inf))
     index.extend(tokens, 15)
-    assert candidate_tree(index, tokens, 15, 2, 1) == [[3, 9]]
-    assert candidate_tree(index, tokens, 15, 2, 2) == [[3, 9], [4, 9]]
+    assert index.branches(tokens, 15, 2, 1) == [[3, 9]]
+    assert index.branches(tokens, 15, 2, 2) == [[3, 9], [4, 9]]
     costs = Costs(pass_s=1.0, position_s=0.1)
     chain = replay(prompt, output, index.config, 1, costs)  # 3 9 (wrong), then after 4: 9 (right)
     tree = replay(prompt, output, index.config, 2, costs)  # 3 9 and 4 9 (4 nodes): 4 9 right, the output's end
@@ -79,16 +84,24 @@ def test_the_command_records_then_replays(stories_export, tmp_path, capsys):
     assert lookup_replay.main([*args, "--max-new-tokens", "8", "--position-share", "0"]) == 0
     assert "plus 0.00 ms per proposed position" in capsys.readouterr().out
     assert outputs.read_text().count("\n") == 3
+    # outputs recorded for other prompts are refused, not replayed under the wrong name
+    assert lookup_replay.main([*args, "--per-category", "1"]) == 2
+    assert "give the same --prompts" in capsys.readouterr().err
 
 
 def test_the_command_refuses_bad_input(stories_export, tmp_path, capsys):
     outputs = tmp_path / "outputs.jsonl"
-    outputs.write_text('{"prompt": [1]}\n')
     args = [str(stories_export[0]), "--outputs", str(outputs)]
-    assert lookup_replay.main(args) == 2
-    assert "category, prompt, output" in capsys.readouterr().err
-    outputs.write_text('{"category": null, "prompt": [1], "output": [2, 3]}\n')
-    assert lookup_replay.main([*args, "--position-share", "2"]) == 2
-    assert "--position-share" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        lookup_replay.main([*args, "--ngram", "0"])
+    selection = {"prompts": "heads", "per_category": None, "max_prompts": 100}
+    for line in ('{"prompt": [1]}', '{"category": null, "prompt": [1], "output": ["a"]}', "not json"):
+        outputs.write_text(line + "\n")
+        assert lookup_replay.main(args) == 2
+        assert "delete the file to record it again" in capsys.readouterr().err
+    record = {"category": None, "prompt": [1], "output": [2, 3], "selection": selection}
+    outputs.write_text(json.dumps(record) + "\n")
+    assert lookup_replay.main([*args, "--ngram", "1"]) == 2  # below --min-ngram (2): refused, not lowered
+    assert "min_ngram" in capsys.readouterr().err
+    for option, value in (("--position-share", "2"), ("--ngram", "0"), ("--width", "a")):
+        with pytest.raises(SystemExit):
+            lookup_replay.main([*args, option, value])
+        assert option in capsys.readouterr().err
