@@ -114,25 +114,34 @@ class SuffixIndex:
         return chain[0] if chain else []
 
     def branches(self, tokens: Sequence[int], end: int, count: int, width: int) -> list[list[int]]:
-        """A tree of proposals, as its branches (root to leaf): step 3 with the `width` most agreed tokens at each
-        depth (ties to the newest occurrence's), each followed on with the occurrences that continued so. Width 1
-        is `propose`'s chain; wider trees are what verifying several candidates would take
-        (tools/lookup_replay.py replays them; the runtime verifies chains)."""
+        """A tree of proposals, as its branches (root to leaf), most agreed first: step 3 with the `width` most
+        agreed tokens at each depth (ties to the newest occurrence's), each followed on with the occurrences that
+        continued so. Width 1 is `propose`'s chain; wider trees are what verifying several candidates would take
+        (tools/lookup_replay.py replays them; the runtime verifies chains).
+
+            tokens = [9, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]   "9 1 2" then 3 twice, then 4 once
+            branches(tokens, 15, 2, 1) -> [[3, 9]]
+            branches(tokens, 15, 2, 2) -> [[3, 9], [4, 9]]
+        """
         longest, alive = self.match(tokens, end)
         if count < 1 or not alive:
             return []
         count = min(count, max(1, int(min(self.config.length_factor * longest, count))))
-
-        def grow(prefix: list[int], occurrences: list[int]) -> list[list[int]]:
+        found: list[list[int]] = []
+        stack = [([], alive)]  # (a branch's tokens so far, the occurrences that continued so), depth first
+        while stack:
+            prefix, occurrences = stack.pop()
             following = [(tokens[s + len(prefix)], s) for s in occurrences if s + len(prefix) < self.indexed]
             if len(prefix) == count or not following:
-                return [prefix] if prefix else []
+                if prefix:
+                    found.append(prefix)
+                continue
             votes = Counter(token for token, _ in following)
             newest = dict(following)  # occurrences run oldest first: each token's last one is its newest
             ranked = sorted(votes, key=lambda token: (votes[token], newest[token]), reverse=True)[:width]
-            return [b for t in ranked for b in grow([*prefix, t], [s for u, s in following if u == t])]
-
-        return grow([], alive)
+            for token in reversed(ranked):  # the most agreed is taken next
+                stack.append(([*prefix, token], [s for t, s in following if t == token]))
+        return found
 
     def match(self, tokens: Sequence[int], end: int) -> tuple[int, list[int]]:
         """The longest earlier match of tokens[:end]'s suffix: (its length, the indices of the tokens that

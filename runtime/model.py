@@ -303,7 +303,10 @@ class ParaDecodeModel:
                 f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
                 "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
             )
-        thresholds = config.resolve_thresholds(self.manifest.thresholds) if config.mode == "paradecode" else {}
+        thresholds = {}
+        if config.mode == "paradecode":
+            device, overlap = self.backend.device.type, self.overlap_of(config)
+            thresholds = config.resolve_thresholds(self.manifest.thresholds, device, overlap)
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
         return Request(ids, config, thresholds)

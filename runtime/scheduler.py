@@ -26,7 +26,8 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
   rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
 - Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
-  `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`) and the lock and conditions.
+  `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
+  and conditions (a model's `SharedContinuations`, one of the proposers, locks itself).
 - Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `lookup_depth`,
   `proposals`, `lookup`, `draws`, `waited`, `speculation`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
@@ -130,7 +131,7 @@ class ParaDecoder:
         self.proposals: dict[int, Proposal] = {}  # sampling: position q -> the q tokens[q + 1] was drawn from
         self.lookup = SuffixIndex(lookup) if lookup is not None else None
         # asked in order, the first non-empty answer taken: the request's own tokens, then earlier requests' outputs
-        self.proposers: list[Proposer] = [p for p in (self.lookup, shared) if p is not None and lookup is not None]
+        self.proposers: list[Proposer] = [p for p in (self.lookup, shared) if p is not None] if self.lookup else []
         self.waited = 0.0  # seconds lane 0 has waited without progress
         # Guarded by `lock`.
         self.groups: list[Group] = []

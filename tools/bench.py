@@ -186,6 +186,8 @@ def lookup_variants(args) -> tuple[list[tuple[int, int, float]], bool]:
         for match, factor in (itertools.product(matches, factors) if lookup else [(matches[0], factors[0])])
     ]
     for lookup, match, factor in variants:  # the runtime's own checks (a match shorter than the shortest, say)
+        if not lookup:
+            continue  # lookup off: its match settings are not used
         try:
             GenerationConfig(lookup_tokens=lookup, lookup_max_ngram=match, lookup_length_factor=factor)
         except UserInputError as err:
@@ -376,6 +378,9 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                 name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
                 name += f" (match {match}, x{factor:g})" if lookup and named_match else ""
                 name += f" adaptive {adaptive}" if len(args.adaptive) > 1 or adaptive != "auto" else ""
+                config = GenerationConfig(**{k: v for k, v in settings.items() if k != "mode"})
+                if config.sampling_skips_exits(main_model.backend.device.type, main_model.overlap_of(config)):
+                    name += " (sampling: no exit heads)"  # what `default` with adaptive auto means when sampling
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:

@@ -59,7 +59,7 @@ class Replayed:
     accepted: int
 
 
-def replay(prompt: list[int], output: list[int], config, width: int, costs: Costs, max_unverified: int = 5) -> Replayed:
+def replay(prompt: list[int], output: list[int], config, width: int, costs: Costs, *, max_unverified: int) -> Replayed:
     """Decode `output` again with lookup alone (see the module's docstring); `max_unverified` is the scheduler's
     K, which bounds a proposal as `max_tokens` does."""
     from paradecode.runtime.lookup import SuffixIndex
@@ -93,7 +93,7 @@ def summary(name: str, replayed: list[tuple[str, Replayed]]) -> dict:
     by_category = defaultdict(list)
     for category, r in replayed:
         by_category[category].append(r.ratio)
-    means = {c: statistics.fmean(v) for c, v in sorted(by_category.items())}
+    means = {c: statistics.fmean(v) for c, v in sorted(by_category.items(), key=lambda item: str(item[0]))}
     return {
         "setting": name,
         "mean": statistics.fmean(r.ratio for _, r in replayed),
@@ -131,6 +131,16 @@ def selection_of(args) -> dict:
     return {"prompts": str(args.prompts), "per_category": args.per_category, "max_prompts": args.max_prompts}
 
 
+def recorded_length(path: Path, record: dict, max_new_tokens: int) -> None:
+    """Refuse outputs recorded shorter than asked for (they would be replayed short without a word)."""
+    recorded = record.get("max_new_tokens")
+    if not isinstance(recorded, int) or recorded < max_new_tokens:
+        raise UserInputError(
+            f"{path} holds outputs of up to {recorded} new tokens, fewer than --max-new-tokens {max_new_tokens}: ask "
+            "for at most that many, or record them again into another --outputs file."
+        )
+
+
 def read_outputs(path: Path, selection: dict, max_new_tokens: int) -> list[dict]:
     """Recorded outputs (the first `max_new_tokens` of each), checked: each line as this tool writes it, for the
     prompts `selection` names."""
@@ -144,11 +154,14 @@ def read_outputs(path: Path, selection: dict, max_new_tokens: int) -> list[dict]
             raise UserInputError(
                 f"{path}:{number} is not JSON ({err.msg}): delete the file to record it again."
             ) from None
-        if not (isinstance(record, dict) and _token_ids(record.get("prompt")) and _token_ids(record.get("output"))):
+        category = record.get("category") if isinstance(record, dict) else None
+        fields_ok = isinstance(record, dict) and _token_ids(record.get("prompt")) and _token_ids(record.get("output"))
+        if not fields_ok or not (category is None or isinstance(category, str)):
             raise UserInputError(
                 f"{path}:{number}: expected {{category, prompt, output, selection}} with token id lists, as this tool "
                 "writes them: delete the file to record it again."
             )
+        recorded_length(path, record, max_new_tokens)
         if record.get("selection") != selection:
             raise UserInputError(
                 f"{path} holds outputs for the prompts {record.get('selection')}, not {selection}: give the same "
@@ -187,7 +200,7 @@ def recorded_outputs(args) -> list[dict]:
             ids = model.prompt_ids(messages=given) if isinstance(given, list) else model.prompt_ids(prompt=given)
             result = model.generate(prompt_ids=ids, mode="ar", max_new_tokens=args.max_new_tokens)
             record = {"category": labelled.category, "prompt": ids, "output": result.token_ids}
-            records.append({**record, "selection": selection})
+            records.append({**record, "selection": selection, "max_new_tokens": args.max_new_tokens})
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return [r for r in records if r["output"]]
 
@@ -282,7 +295,7 @@ def run(args) -> str:
         name = f"match {config.min_ngram}-{config.max_ngram}, x{config.length_factor:g}, {args.tokens} tokens"
         name += f", tree width {width}" if width > 1 else ""
         replayed = [
-            (r["category"], replay(r["prompt"], r["output"], config, width, costs, args.max_unverified))
+            (r["category"], replay(r["prompt"], r["output"], config, width, costs, max_unverified=args.max_unverified))
             for r in records
         ]
         rows.append(summary(name, replayed))

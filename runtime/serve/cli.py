@@ -36,7 +36,7 @@ def default(config_class, name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS, GenerationConfig
     from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
     serve_default = lambda name: default(ServeConfig, name)
@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"default {default(GenerationConfig, 'max_unverified')}",
     )
     decoding.add_argument(
+        "--adaptive",
+        choices=ADAPTIVE,
+        help="exit heads and lookup only while measured costs and acceptance say they pay (runtime/speculation.py): "
+        "auto (default: greedy requests with the export's thresholds on a CPU in the batched overlap adapt; sampled "
+        "ones call no exit heads there), on or off (the export's thresholds as they are)",
+    )
+    decoding.add_argument(
         "--shared-lookup",
         action="store_true",
         help="lookup also proposes what earlier requests' outputs continued with (outputs never change; only their "
@@ -168,7 +175,7 @@ def given(**fields) -> dict:
 
 def configs_of(args: argparse.Namespace):
     """(ServeConfig, RayConfig or None) from the flags; every default is the configs' own."""
-    from paradecode.runtime.config import GenerationConfig, parse_threshold
+    from paradecode.runtime.config import ADAPTIVE, GenerationConfig, parse_threshold
     from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
     generation = GenerationConfig(
@@ -178,6 +185,7 @@ def configs_of(args: argparse.Namespace):
             thresholds=parse_threshold(args.threshold) if args.threshold is not None else None,
             max_unverified=args.max_unverified,
             lookup_shared=True if args.shared_lookup else None,
+            adaptive=ADAPTIVE[args.adaptive] if args.adaptive is not None else None,
         )
     )
     config = ServeConfig(

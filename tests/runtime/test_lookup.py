@@ -119,6 +119,8 @@ def test_a_huge_length_factor_is_no_limit_not_an_overflow():
     tokens = [1, 2, 3, 4, 1, 2]
     for factor in (1e308, math.inf):
         assert index_of(tokens, length_factor=factor).propose(tokens, 6, 4) == [3, 4, 1, 2]
+    tokens = list(range(1500)) * 2  # a proposal far longer than any default: no recursion limit in the way
+    assert index_of(tokens, upto=1510, length_factor=math.inf).propose(tokens, 1510, 1200) == tokens[10:1210]
 
 
 def test_only_the_newest_occurrences_are_compared():
@@ -155,16 +157,6 @@ def test_bad_generation_lookup_settings():
         GenerationConfig(lookup_length_factor=0.0)
     config = GenerationConfig(lookup_max_ngram=4, lookup_length_factor=math.inf).lookup_config()
     assert (config.max_ngram, config.length_factor) == (4, math.inf)
-
-
-def test_sampling_calls_no_exit_heads_unless_asked():
-    """adaptive None decides for sampled decoding once, by measurement: the export's thresholds are not used."""
-    export = {8: 0.9, 23: 0.8}
-    never = {8: math.inf, 23: math.inf}
-    assert GenerationConfig(temperature=0.7).resolve_thresholds(export) == never
-    assert GenerationConfig(temperature=0.7, adaptive=False).resolve_thresholds(export) == export
-    assert GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export) == {8: 0.5, 23: 0.5}
-    assert GenerationConfig().resolve_thresholds(export) == export  # greedy: adaptive speculation decides
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])

@@ -211,6 +211,10 @@ def test_serve_flags_set_batching_and_shared_lookup(served_export):
     assert config.generation.lookup_shared is True
     default, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export)]))
     assert default.max_batch is None and default.generation.lookup_shared is False
+    assert default.generation.adaptive is None
+    for flag, adaptive in (("auto", None), ("on", True), ("off", False)):
+        config, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export), "--adaptive", flag]))
+        assert config.generation.adaptive is adaptive
 
 
 def test_a_batch_that_cannot_be_made_stops_the_start(served_export, monkeypatch):

@@ -1,6 +1,8 @@
 """Adaptive speculation (runtime/speculation.py): costs learned from the decoder's own calls, the decisions the
 cost model gives, exploration, when it is on, and that it never changes the output."""
 
+import math
+
 import pytest
 
 from paradecode.graphs.errors import UserInputError
@@ -136,6 +138,23 @@ def test_when_adaptive_speculation_is_on():
     assert not GenerationConfig(adaptive=False).adapts("cpu")
     with pytest.raises(UserInputError, match="adaptive must be True, False or None"):
         GenerationConfig(adaptive="yes")
+
+
+def test_sampling_calls_no_exit_heads_where_it_was_measured_not_to_pay():
+    """adaptive None decides for sampled decoding once, by measurement (a CPU, the batched overlap): no exit heads
+    with the export's thresholds. Elsewhere, or asked otherwise, the thresholds are the export's or the given."""
+    export, never = {8: 0.9, 23: 0.8}, {8: math.inf, 23: math.inf}
+    sampled = GenerationConfig(temperature=0.7)
+    assert sampled.resolve_thresholds(export, "cpu", "batched") == never
+    assert sampled.resolve_thresholds(export, "cuda", "batched") == export  # not measured on a GPU
+    assert sampled.resolve_thresholds(export, "cpu", "streams") == export
+    for asked in ({"adaptive": False}, {"adaptive": True}):
+        assert GenerationConfig(temperature=0.7, **asked).resolve_thresholds(export, "cpu", "batched") == export
+    assert GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export, "cpu", "batched") == {
+        8: 0.5,
+        23: 0.5,
+    }
+    assert GenerationConfig().resolve_thresholds(export, "cpu", "batched") == export  # greedy: adaptive decides
 
 
 def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(stories_export):

@@ -35,12 +35,14 @@ def test_replay_counts_what_the_output_accepts_and_what_the_steps_cost():
     # the 4 tokens the output has left (the scheduler proposes none past the last needed position)
     prompt, output = [5, 6, 7, 8, 9, 5, 6], [7, 8, 9, 5, 6, 7]
     costs = Costs(pass_s=1.0, position_s=0.1)
-    whole = replay(prompt, output, LookupConfig(length_factor=math.inf), 1, costs)
+    whole = replay(prompt, output, LookupConfig(length_factor=math.inf), 1, costs, max_unverified=5)
     assert (whole.proposed, whole.accepted) == (4, 4)
     assert whole.ratio == pytest.approx(6 / (2 + 0.4))  # the prefill, then one step of 4 proposed positions
     bounded = replay(prompt, output, LookupConfig(length_factor=math.inf), 1, costs, max_unverified=2)
     assert (bounded.proposed, bounded.accepted) == (3, 3)  # K = 2: 8 9, then the one token left to propose: 6
-    capped = replay(prompt, output, LookupConfig(length_factor=1.0), 1, costs)  # at most 3 (the match) at once
+    capped = replay(
+        prompt, output, LookupConfig(length_factor=1.0), 1, costs, max_unverified=5
+    )  # at most 3 (the match) at once
     assert (capped.proposed, capped.accepted) == (3, 3)
     assert capped.ratio == pytest.approx(6 / (3 + 0.3))  # then one more step for the last token
 
@@ -55,8 +57,10 @@ def test_a_tree_accepts_the_branch_the_output_follows_and_pays_for_every_node():
     assert index.branches(tokens, 15, 2, 1) == [[3, 9]]
     assert index.branches(tokens, 15, 2, 2) == [[3, 9], [4, 9]]
     costs = Costs(pass_s=1.0, position_s=0.1)
-    chain = replay(prompt, output, index.config, 1, costs)  # 3 9 (wrong), then after 4: 9 (right)
-    tree = replay(prompt, output, index.config, 2, costs)  # 3 9 and 4 9 (4 nodes): 4 9 right, the output's end
+    chain = replay(prompt, output, index.config, 1, costs, max_unverified=5)  # 3 9 (wrong), then after 4: 9 (right)
+    tree = replay(
+        prompt, output, index.config, 2, costs, max_unverified=5
+    )  # 3 9 and 4 9 (4 nodes): 4 9 right, the output's end
     assert (chain.proposed, chain.accepted) == (3, 1) and chain.ratio == pytest.approx(4 / (3 + 0.3))
     assert (tree.proposed, tree.accepted) == (4, 2) and tree.ratio == pytest.approx(4 / (2 + 0.4))
 
@@ -84,7 +88,9 @@ def test_the_command_records_then_replays(stories_export, tmp_path, capsys):
     assert lookup_replay.main([*args, "--max-new-tokens", "8", "--position-share", "0"]) == 0
     assert "plus 0.00 ms per proposed position" in capsys.readouterr().out
     assert outputs.read_text().count("\n") == 3
-    # outputs recorded for other prompts are refused, not replayed under the wrong name
+    # outputs recorded shorter than asked for, or for other prompts, are refused, not replayed short or misnamed
+    assert lookup_replay.main([*args[:-2], "--max-new-tokens", "30"]) == 2
+    assert "fewer than --max-new-tokens 30" in capsys.readouterr().err
     assert lookup_replay.main([*args, "--per-category", "1"]) == 2
     assert "give the same --prompts" in capsys.readouterr().err
 
@@ -93,11 +99,16 @@ def test_the_command_refuses_bad_input(stories_export, tmp_path, capsys):
     outputs = tmp_path / "outputs.jsonl"
     args = [str(stories_export[0]), "--outputs", str(outputs)]
     selection = {"prompts": "heads", "per_category": None, "max_prompts": 100}
-    for line in ('{"prompt": [1]}', '{"category": null, "prompt": [1], "output": ["a"]}', "not json"):
+    bad = (
+        '{"prompt": [1]}',
+        '{"category": null, "prompt": [1], "output": ["a"]}',
+        '{"category": [1], "prompt": [1], "output": [2]}',
+    )
+    for line in (*bad, "not json"):
         outputs.write_text(line + "\n")
         assert lookup_replay.main(args) == 2
         assert "delete the file to record it again" in capsys.readouterr().err
-    record = {"category": None, "prompt": [1], "output": [2, 3], "selection": selection}
+    record = {"category": None, "prompt": [1], "output": [2, 3], "selection": selection, "max_new_tokens": 128}
     outputs.write_text(json.dumps(record) + "\n")
     assert lookup_replay.main([*args, "--ngram", "1"]) == 2  # below --min-ngram (2): refused, not lowered
     assert "min_ngram" in capsys.readouterr().err
