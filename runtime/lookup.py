@@ -1,4 +1,4 @@
-"""Lookup proposals: copy what followed an earlier occurrence of the newest tokens.
+"""Lookup proposals: copy what followed the earlier occurrences of the newest tokens.
 
 When the newest tokens occurred earlier in the prompt or the output, the tokens that followed that
 occurrence are a good guess of what comes next (code repeats names, summaries and answers quote their
