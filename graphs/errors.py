@@ -11,6 +11,7 @@ exits with the shell's convention, 128 + the signal number: 130 for SIGINT, 143 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -133,6 +134,18 @@ def exception_chain(err: BaseException) -> Iterator[BaseException]:
         pending += [link.__context__, link.__cause__]
 
 
+REDELIVERY_S = 0.05  # how soon a signal that arrived during an import is sent again
+
+
+def importing(frame) -> bool:
+    """Whether `frame` runs inside an import (some caller on its stack is the import machinery)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 _received: list[int] = []  # the signals received inside the innermost `interrupts_raised` block
 
 
@@ -153,6 +166,8 @@ def interrupts_raised() -> Iterator[list[int]]:
     Yields the list of signal numbers received, in order. Handlers can only be set in the main
     thread; elsewhere, and for a signal the process was told to ignore (a shell's background job
     ignores SIGINT), the current handling is left alone. The previous handlers come back afterwards.
+    A signal that arrives while a module is being imported is raised once the import is over (see
+    `handler`); one still pending when the block ends goes to the handler that comes back.
     """
     global _received
     received: list[int] = []
@@ -161,6 +176,14 @@ def interrupts_raised() -> Iterator[list[int]]:
         return
 
     def handler(signum, frame):
+        if importing(frame):
+            # An import's Python code may be running under a native extension's C++ frames (torch calls back
+            # into Python while it loads): an exception raised there cannot cross them and aborts the process
+            # (pybind11's "terminate called"). So the signal is delivered again once the import is over.
+            redeliver = threading.Timer(REDELIVERY_S, os.kill, (os.getpid(), signum))
+            redeliver.daemon = True
+            redeliver.start()
+            return
         received.append(signum)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 

@@ -159,6 +159,34 @@ def test_run_command_off_the_main_thread(capsys):
 
 
 @pytest.mark.timeout(30)
+def test_an_interrupt_during_an_import_is_raised_after_it(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while torch loads aborted the process: torch runs its Python code under C++ frames while it is
+    imported, and a KeyboardInterrupt raised there cannot cross them (CI: "terminate called after throwing an
+    instance of 'pybind11::error_already_set'", exit -6). The handler waits for the import to end."""
+    (tmp_path / "slow_to_load.py").write_text(
+        "import signal, time\n"
+        "signal.raise_signal(signal.SIGINT)\n"
+        "time.sleep(0.3)  # the import goes on: the interrupt waits for it\n"
+        "LOADED = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_to_load", raising=False)
+    steps = []
+
+    def work():
+        import slow_to_load
+
+        steps.append(slow_to_load.LOADED)
+        time.sleep(5)  # the interrupt, sent again once the import is over, lands here
+        steps.append("not interrupted")
+
+    started = time.monotonic()
+    assert run_command("prog", work) == (130, None)
+    assert steps == [True] and time.monotonic() - started < 3
+    assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+@pytest.mark.timeout(30)
 def test_run_command_never_swallows_an_unexpected_error():
     with pytest.raises(RuntimeError, match="a bug"):
         run_command("prog", raise_(RuntimeError("a bug")))
