@@ -18,6 +18,10 @@
 #                (eager)'), side by side: ar and ParaDecode (batched, controlled acceptance) on the SmolLM2 and
 #                0.5B layer shapes (random weights, segments) against the bandwidth bound; then where a compiled
 #                token's time goes on the SmolLM2 shape (tools/where_time_goes.py --compile)
+#   method       the method's own speed on a fast engine: SmolLM2-135M-Instruct's real weights (the GGUF at
+#                $PARADECODE_SMOLLM2) with the shipped exit heads, the torch backend compiled (--compile; COMPILE=
+#                leaves it eager), on the eval prompts: ar against ParaDecode with its defaults (heads and
+#                lookup), heads alone and lookup alone (`batched`)
 # TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS).
 # STAGE_TIMEOUT (seconds) bounds each command of a stage, so that a lease's time limit leaves later stages their turn.
 set -euo pipefail
@@ -99,6 +103,15 @@ stage_compile() {
   run $py -m paradecode.tools.where_time_goes "$out" --device "$device" --compile
 }
 
+stage_method() {
+  [[ -d $work/smollm2-heads ]] || run $py -m paradecode.export.cli "$smollm2" -o "$work/smollm2-heads" --heads tools/models/smollm2/heads.safetensors \
+      --max-seq-len 1024 --force -q
+  run $py -m paradecode.tools.bench "$work/smollm2-heads" --backend torch --device "$device" ${COMPILE---compile} \
+      --prompts eval --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-2}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
+      --thresholds default,never --overlaps batched --lookup 0,5 --no-hf \
+      --json "$out/bench-smollm2-method.json" --plot "$out/bench-smollm2-method.png"
+}
+
 stage_profile() {
   [[ -d $work/demo-float32 ]] || run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-float32" \
       --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
@@ -114,7 +127,7 @@ stage_profile() {
 }
 
 for stage in "${stages[@]}"; do
-  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile)" >&2; exit 2; }
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile method)" >&2; exit 2; }
   echo "== $stage on $gpu, results in $out"
   "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done
