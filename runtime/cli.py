@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap",
         choices=OVERLAPS,
         help="how pending layers are completed: on another lane at once (streams), batched with later "
-        "tokens (batched), or both; auto (default): batched on a CPU, both on CUDA",
+        "tokens (batched), or both; auto (default): batched (the fastest measured on a CPU and on CUDA)",
     )
     parser.add_argument(
         "--threshold",
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--adaptive",
         choices=ADAPTIVE,
         help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
-        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap; sampling with "
-        "the export's thresholds calls no exit heads), on or off (the export's thresholds as they are)",
+        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap; there sampling, "
+        "and on CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on or off "
+        "(the export's thresholds as they are)",
     )
     parser.add_argument(
         "--lookup-ngram",

@@ -99,13 +99,13 @@ class GenerationConfig:
     # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
     # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
     # on a CPU in the batched overlap (explicit thresholds are used as given; on a GPU a call's host time is not
-    # its cost; its cost model is batched's). Sampled decoding cannot adapt to timings and keep its seed's
-    # sequence, so there None decides once, by measurement: with the export's thresholds on a CPU in the batched
-    # overlap it calls no exit heads (lookup only; elsewhere, unmeasured, the export's thresholds). On SmolLM2's
-    # exact int8 export at T = 0.7, exits + lookup ran at 0.97x of ar sampling and lookup alone at 1.06x, no
-    # category below 1.01x (tools/results/cpu-2core/bench-smollm2-int8-exact-sampling-suffix-t0.7.md; an
-    # earlier run: 1.12x and 1.14x, one category 0.84x with exits). True / False: on / off (False: the export's
-    # thresholds as they are, sampling too).
+    # its cost; its cost model is batched's). Elsewhere None decides once, by measurement (`skips_exits`): with
+    # the export's thresholds in the batched overlap, no exit heads (lookup only) on a GPU and when sampling on a
+    # CPU. On an H100 (SmolLM2's real weights and shipped heads, the torch backend compiled) exits + lookup ran at
+    # 0.87x of ar and lookup alone at 1.03x, exits lost in every category, eager too
+    # (tools/results/NVIDIA-H100-80GB-HBM3/); sampling on a CPU (SmolLM2's exact int8 export, T = 0.7): exits +
+    # lookup 0.97x of ar sampling, lookup alone 1.06x (tools/results/cpu-2core/, bench-smollm2-int8-exact-
+    # sampling-suffix-t0.7.md). True / False: on / off (False: the export's thresholds as they are).
     adaptive: bool | None = None
 
     def __post_init__(self) -> None:
@@ -184,22 +184,19 @@ class GenerationConfig:
             return self.adaptive
         return self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
 
-    def sampling_skips_exits(self, device: str, overlap: str = "batched") -> bool:
-        """Whether `adaptive` None decides, for sampled decoding, to call no exit heads: with the export's thresholds,
-        where greedy decoding would adapt (a CPU, the batched overlap), the only place it was measured."""
-        return (
-            self.adaptive is None
-            and self.thresholds is None
-            and self.temperature != 0
-            and device == "cpu"
-            and overlap == "batched"
-        )
+    def skips_exits(self, device: str, overlap: str = "batched") -> bool:
+        """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's
+        thresholds in the batched overlap: on a GPU, and when sampling on a CPU, where they were measured not to
+        pay (see `adaptive`). `overlap` is the resolved one."""
+        if self.adaptive is not None or self.thresholds is not None or overlap != "batched":
+            return False
+        return device == "cuda" or self.temperature != 0
 
     def resolve_thresholds(self, defaults: Mapping[int, float], device: str, overlap: str) -> dict[int, float]:
-        """Thresholds per exit layer: the export's defaults, overridden by this config; none when sampling skips
-        exits on this device and resolved overlap (`sampling_skips_exits`)."""
+        """Thresholds per exit layer: the export's defaults, overridden by this config; none where the defaults
+        skip exits on this device and resolved overlap (`skips_exits`)."""
         if self.thresholds is None:
-            if self.sampling_skips_exits(device, overlap):
+            if self.skips_exits(device, overlap):
                 return dict.fromkeys(defaults, NEVER)
             return dict(defaults)
         if isinstance(self.thresholds, Mapping):

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 # (tools/results/cpu-2core/bench-demo.md). CUDA: both, not settled by the one GPU run so far
 # (tools/results/NVIDIA-H100-80GB-HBM3/: batched followed its bound in the 0.5B characterisation while streams
 # and both did not, but both was ahead on SmolLM2 in a single noisy run; decoding there is host-bound).
-AUTO_OVERLAP = {"cpu": "batched", "cuda": "both"}
+AUTO_OVERLAP = {"cpu": "batched", "cuda": "batched"}  # the fastest measured on each (README, *Decode*)
 
 
 @dataclass(frozen=True)

@@ -379,8 +379,8 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                 name += f" (match {match}, x{factor:g})" if lookup and named_match else ""
                 name += f" adaptive {adaptive}" if len(args.adaptive) > 1 or adaptive != "auto" else ""
                 config = GenerationConfig(**{k: v for k, v in settings.items() if k != "mode"})
-                if config.sampling_skips_exits(main_model.backend.device.type, main_model.overlap_of(config)):
-                    name += " (sampling: no exit heads)"  # what `default` with adaptive auto means when sampling
+                if config.skips_exits(main_model.backend.device.type, main_model.overlap_of(config)):
+                    name += " (no exit heads)"  # what `default` with adaptive auto means there
                 modes.append(bm.stream_mode(name, main_model, settings, ignore_eos=ignore))
     hf_path = None if args.no_hf else (args.hf or local_source(manifest))
     if hf_path is not None:

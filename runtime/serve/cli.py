@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ADAPTIVE,
         help="exit heads and lookup only while measured costs and acceptance say they pay (runtime/speculation.py): "
         "auto (default: greedy requests with the export's thresholds on a CPU in the batched overlap adapt; sampled "
-        "ones call no exit heads there), on or off (the export's thresholds as they are)",
+        "ones call no exit heads there, nor does any request on CUDA), on or off (the export's thresholds as they are)",
     )
     decoding.add_argument(
         "--shared-lookup",

@@ -140,21 +140,27 @@ def test_when_adaptive_speculation_is_on():
         GenerationConfig(adaptive="yes")
 
 
-def test_sampling_calls_no_exit_heads_where_it_was_measured_not_to_pay():
-    """adaptive None decides for sampled decoding once, by measurement (a CPU, the batched overlap): no exit heads
-    with the export's thresholds. Elsewhere, or asked otherwise, the thresholds are the export's or the given."""
+def test_the_defaults_call_no_exit_heads_where_they_were_measured_not_to_pay():
+    """adaptive None decides once, by measurement, where it does not adapt: with the export's thresholds in the
+    batched overlap, no exit heads on a GPU (greedy or sampled) and when sampling on a CPU. Elsewhere, or asked
+    otherwise, the thresholds are the export's or the given."""
     export, never = {8: 0.9, 23: 0.8}, {8: math.inf, 23: math.inf}
-    sampled = GenerationConfig(temperature=0.7)
+    sampled, greedy = GenerationConfig(temperature=0.7), GenerationConfig()
     assert sampled.resolve_thresholds(export, "cpu", "batched") == never
-    assert sampled.resolve_thresholds(export, "cuda", "batched") == export  # not measured on a GPU
-    assert sampled.resolve_thresholds(export, "cpu", "streams") == export
+    assert sampled.resolve_thresholds(export, "cuda", "batched") == never
+    assert greedy.resolve_thresholds(export, "cuda", "batched") == never
+    assert greedy.resolve_thresholds(export, "cpu", "batched") == export  # greedy on a CPU: adaptive decides
+    for overlap in ("streams", "both"):  # not measured there
+        assert sampled.resolve_thresholds(export, "cpu", overlap) == export
+        assert greedy.resolve_thresholds(export, "cuda", overlap) == export
     for asked in ({"adaptive": False}, {"adaptive": True}):
-        assert GenerationConfig(temperature=0.7, **asked).resolve_thresholds(export, "cpu", "batched") == export
-    assert GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export, "cpu", "batched") == {
-        8: 0.5,
-        23: 0.5,
-    }
-    assert GenerationConfig().resolve_thresholds(export, "cpu", "batched") == export  # greedy: adaptive decides
+        for device in ("cpu", "cuda"):
+            config = GenerationConfig(temperature=0.7, **asked)
+            assert config.resolve_thresholds(export, device, "batched") == export
+            assert GenerationConfig(**asked).resolve_thresholds(export, "cuda", "batched") == export
+    for device in ("cpu", "cuda"):
+        given = GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export, device, "batched")
+        assert given == {8: 0.5, 23: 0.5}
 
 
 def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(stories_export):
