@@ -27,7 +27,8 @@ So speculation yields to load: with others to decode, a batched call's spare row
 machine (its cost grows far less than its rows), and ParaDecode's extra positions would take rows' place.
 
 A joining request is prefilled alone in its row (batch 1, its whole prompt at once) before the next step. Each
-sequence's output stops by the same rules as a request decoded alone (`Completion`); greedy outputs equal the
+sequence's output stops by the same rules as a request decoded alone (its `Stops`, decided by the batch for its
+rows and by its ParaDecoder while alone, and its `Completion`'s stop strings); greedy outputs equal the
 request decoded alone up to near ties of the final head's logits (a batched call's products may round otherwise
 than a batch-1 call's: the same contract as ParaDecode's, DESIGN.md §3).
 
@@ -46,7 +47,7 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.tensors import HIDDEN, INPUT_IDS, POSITIONS
-from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
+from paradecode.runtime.completion import Completion, Stops
 from paradecode.runtime.decoding import MAIN, DecodeContext, choose, prefill
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
@@ -85,11 +86,12 @@ class Sequence:
     cancelled: Callable[[], bool] = lambda: False
     with_text: bool = True
     completion: Completion = field(init=False)
+    stops: Stops = field(init=False)
     stats: GenerationStats = field(init=False)
     sampling: object = field(init=False)
     draws: Draws | None = field(init=False)
     position: int = 0  # the newest token's position: every position before it is in the row's cache
-    decoder: Iterator[tuple[int, float]] | None = None  # its ParaDecoder while it decodes alone
+    decoder: Iterator[tuple[int, float, str | None]] | None = None  # its ParaDecoder while it decodes alone
     started: float = 0.0
 
     @property
@@ -139,7 +141,7 @@ class Batch:
             self.model.files.check()  # before the prefill reads the weights (runtime/watched.py)
             self._start(sequence)
             self.sequences.append(sequence)
-            ctx = self._alone_context(row, sequence)
+            ctx = self._alone_context(row)
             token, margin = prefill(ctx, request.ids, sequence.sampling, sequence.draws)
         except Exception as err:  # this request fails alone
             if sequence in self.sequences:
@@ -149,7 +151,7 @@ class Batch:
         self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill wrote the prompt's slots
         sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
         sequence.position = len(request.ids)
-        self._deliver(sequence, token, margin)
+        self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
 
     def _start(self, sequence: Sequence) -> None:
         """A joining sequence's own state: its draws, statistics and output so far."""
@@ -163,9 +165,8 @@ class Batch:
             prompt_tokens=len(request.ids),
             seed=None if sequence.sampling is None else sequence.sampling.seed,
         )
-        sequence.completion = Completion(
-            request.ids, config, model.tokenizer, model.eos_of(config), self.cache.capacity, sequence.with_text
-        )
+        sequence.completion = Completion(request.ids, config, model.tokenizer, sequence.with_text)
+        sequence.stops = model.stops_of(request, self.cache.capacity)
         sequence.started = time.perf_counter()
 
     def step(self, waiting: bool = False) -> None:
@@ -198,35 +199,27 @@ class Batch:
     def _step_alone(self, sequence: Sequence) -> None:
         if sequence.decoder is None:
             completion = sequence.completion
-            done = len(completion.tokens)
-            ctx = self._alone_context(0, sequence)
+            ctx = self._alone_context(0)
             history = sequence.request.ids + completion.tokens[:-1]
-            max_new = sequence.request.config.max_new_tokens - done + 1
             overlap = self.model.overlap_of(sequence.request.config)
-            decoder = self.model.paradecoder(
-                ctx, history, sequence.request, overlap, sequence.sampling, max_new_tokens=max_new
-            )
+            decoder = self.model.paradecoder(ctx, history, sequence.request, overlap, sequence.sampling, sequence.stats)
             sequence.decoder = decoder.run(resume=completion.tokens[-1])
         self.steps[ALONE] += 1
         try:
-            token, margin = next(sequence.decoder)
-        except StopIteration:  # the decoder ends where the cache does (Completion stops it first)
-            self._leave(sequence, MAX_SEQ_LEN)
-            return
+            token, margin, stop = next(sequence.decoder)  # it stops where the sequence's `stops` say (same positions)
         except Exception as err:
             self._hand_over(sequence)
             self.sequences.remove(sequence)
             self._fail(sequence, err)
             return
         sequence.position += 1
-        self._deliver(sequence, token, margin)
+        self._deliver(sequence, token, margin, stop)
 
     def _step_together(self) -> None:
         n = self.size
         ctx = self._together.get(n)
         if ctx is None:
-            stats = GenerationStats(mode="ar")  # the batch's calls; each sequence counts its own tokens
-            ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline, stats)
+            ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline)
         sequences = list(self.sequences)
         span = max(s.position for s in sequences) + 1
         for row, sequence in enumerate(sequences):
@@ -254,8 +247,8 @@ class Batch:
         ]
         for sequence in sequences:  # every row's cache now holds its position: all move on before any leaves
             sequence.position += 1
-        for sequence, (token, margin) in zip(sequences, picks):
-            self._deliver(sequence, token, margin)
+        for sequence, (token, margin) in zip(sequences, picks):  # the batch decodes these rows: it decides their stops
+            self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
 
     def _row_alone(self, row: int, sequence: Sequence, sampled: bool) -> tuple:
         """`sequence`'s newest token through every layer in calls of its row alone: for an export whose several-row
@@ -263,10 +256,7 @@ class Batch:
         decoded alone; such a batch shares the machine between requests but not the weights' reads."""
         ctx = self._row_contexts.get(row)
         if ctx is None:
-            stats = GenerationStats(mode="ar")  # the batch's calls; each sequence counts its own tokens
-            ctx = self._row_contexts[row] = DecodeContext(
-                self.backend, self.cache.rows(row, row + 1), self.timeline, stats
-            )
+            ctx = self._row_contexts[row] = DecodeContext(self.backend, self.cache.rows(row, row + 1), self.timeline)
         position = sequence.position
         hidden = ctx.layers(
             MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [sequence.completion.tokens[-1]], position), position
@@ -274,15 +264,14 @@ class Batch:
         return ctx.head(MAIN, "final", hidden, position, logits=sampled), 0
 
     # --- a sequence's life ----------------------------------------------------------------------
-    def _alone_context(self, row: int, sequence: Sequence) -> DecodeContext:
+    def _alone_context(self, row: int) -> DecodeContext:
         cache = self.cache.rows(row, row + 1)
         cache.reset()
-        return DecodeContext(
-            self.backend, cache, self.timeline, sequence.stats, observe=self.model.speculation.times.observe
-        )
+        return DecodeContext(self.backend, cache, self.timeline, observe=self.model.speculation.times.observe)
 
-    def _deliver(self, sequence: Sequence, token: int, margin: float) -> None:
-        piece, stop = sequence.completion.push(token, margin)
+    def _deliver(self, sequence: Sequence, token: int, margin: float, stop: str | None) -> None:
+        """Hand `sequence` its next verified token and the decoder's stop decision after it."""
+        piece, stop = sequence.completion.push(token, margin, stop)
         sequence.sink(StreamedToken(token, piece))
         if stop:
             self._leave(sequence, stop)

@@ -1,7 +1,8 @@
 """What every decoder shares: the subgraph calls, the prefill, and plain greedy decoding (`ar`).
 
-A decoder is a generator of verified tokens `(token, margin)`: the caller applies stop conditions
-(max tokens, EOS, stop strings) and closes the generator when done, which stops the decoder.
+A decoder is a generator of verified tokens `(token, margin, stop)`: it takes the request's `Stops` (an EOS
+token, `max_new_tokens`, the cache's end), decides after each token and ends after the one whose `stop` is
+not None. Its caller applies what only text shows (stop strings) and closes the generator to stop it sooner.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from paradecode.graphs.tensors import (
     of_layer,
 )
 from paradecode.runtime.backends.base import Backend
+from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.sampling import SAMPLE, Draws, SamplingParams, distribution
-from paradecode.runtime.stats import GenerationStats
 
 MAIN = "main"
 HEAD_OUTPUTS = (TOKEN, PROB, MARGIN)
@@ -67,7 +68,6 @@ class DecodeContext:
     backend: Backend
     cache: KVCache
     timeline: Timeline
-    stats: GenerationStats
     annotate: Callable[[str], AbstractContextManager] | None = None  # NVTX ranges while profiling
     # observe(subgraph, positions, seconds) after each call of lane 0: adaptive speculation's cost estimates
     observe: Callable[[str, int, float], None] | None = None
@@ -189,18 +189,18 @@ def prefill(
 
 
 def decode_ar(
-    ctx: DecodeContext, prompt: list[int], sampling: SamplingParams | None = None
-) -> Iterator[tuple[int, float]]:
+    ctx: DecodeContext, prompt: list[int], stops: Stops, sampling: SamplingParams | None = None
+) -> Iterator[tuple[int, float, str | None]]:
     """Plain decoding over the same subgraphs, one token through every layer, then the next: greedy, or with
-    `sampling` each token drawn from the final layer's distribution."""
+    `sampling` each token drawn from the final layer's distribution; until `stops` says so."""
     draws = Draws(sampling.seed) if sampling is not None else None
     token, margin = prefill(ctx, prompt, sampling, draws)
-    yield token, margin
-    position = len(prompt)
-    while position < ctx.cache.capacity:
+    position = len(prompt)  # the token's
+    while (stop := stops.after(token, position)) is None:
+        yield token, margin, None
         hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [token], position), position)
         ctx.cache.lengths = [position + 1] * ctx.num_layers
         out = ctx.head(MAIN, "final", hidden, position, logits=sampling is not None)
         token, margin = choose(out, 0, position, sampling, draws), out.margin[0]
         position += 1
-        yield token, margin
+    yield token, margin, stop

@@ -36,7 +36,7 @@ from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInpu
 from paradecode.graphs.manifest import TOKENIZER_DIR
 from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
-from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
+from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
 from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
@@ -318,23 +318,24 @@ class ParaDecodeModel:
         request: Request,
         overlap: str,
         sampling,
+        stats: GenerationStats,
         *,
-        max_new_tokens: int | None = None,
         exit_policy=None,
     ) -> ParaDecoder:
         """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when a batch hands a
-        request back to ParaDecode) over `ctx`, with this model's lanes and speculation estimates."""
+        request back to ParaDecode) over `ctx`, with this model's lanes and speculation estimates, counting into
+        `stats`."""
         config = request.config
         adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
         return ParaDecoder(
             ctx,
             ids,
-            config.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            self.stops_of(request, ctx.cache.capacity),
+            stats,
             thresholds=request.thresholds,
             max_unverified=config.max_unverified,
             overlap=overlap,
             side_lanes=self.side_lanes,
-            eos_token_ids=self.eos_of(config),
             exit_policy=exit_policy,
             lookup=config.lookup_config(),
             shared=self.continuations if config.lookup_shared else None,
@@ -351,6 +352,11 @@ class ParaDecodeModel:
     def eos_of(self, config: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a request's output (none when it ignores end-of-sequence tokens)."""
         return () if config.ignore_eos else tuple(self.export.eos_token_ids)
+
+    def stops_of(self, request: Request, capacity: int) -> Stops:
+        """Where decoding `request` stops by itself, in a KV cache of `capacity` positions."""
+        config = request.config
+        return Stops(len(request.ids), config.max_new_tokens, frozenset(self.eos_of(config)), capacity)
 
     def overlap_of(self, config: GenerationConfig) -> str:
         """The request's overlap with `auto` resolved for this model's device."""
@@ -474,20 +480,19 @@ class ParaDecodeModel:
             seed=None if sampling is None else sampling.seed,
         )
         self.cache.reset()
-        ctx = DecodeContext(self.backend, self.cache, timeline, stats, annotate, observe=self.speculation.times.observe)
+        ctx = DecodeContext(self.backend, self.cache, timeline, annotate, observe=self.speculation.times.observe)
         if config.mode == "ar":
-            decoder = decode_ar(ctx, ids, sampling)
+            decoder = decode_ar(ctx, ids, self.stops_of(request, self.cache.capacity), sampling)
         else:
-            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, exit_policy=exit_policy).run()
-        eos = self.eos_of(config)
-        completion = Completion(ids, config, self.tokenizer, eos, self.cache.capacity, with_text)
+            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, stats, exit_policy=exit_policy).run()
+        completion = Completion(ids, config, self.tokenizer, with_text)
         tokens, margins = completion.tokens, completion.margins
         started = time.perf_counter()
         try:
-            for token, margin in decoder:
+            for token, margin, stop in decoder:  # the decoder ends after the token it stops at
                 if not tokens:
                     stats.prefill_seconds = time.perf_counter() - started
-                piece, stop = completion.push(token, margin)
+                piece, stop = completion.push(token, margin, stop)
                 yield StreamedToken(token, piece)
                 if stop == MAX_SEQ_LEN:
                     self._warn_full(len(tokens))
@@ -495,9 +500,6 @@ class ParaDecodeModel:
                 if stats.stop_reason:
                     break
                 self.files.check()  # before the next token reads the weights again
-            else:
-                stats.stop_reason = MAX_SEQ_LEN  # the decoder ends where the cache does
-                self._warn_full(len(tokens))
         except GeneratorExit:
             stats.stop_reason = stats.stop_reason or ("closed" if self._closed else "cancelled")
             raise

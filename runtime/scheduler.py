@@ -25,11 +25,11 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
 - Lane 0 is the calling thread. It runs `run()`, makes every decision (exits, verification,
   rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
-- Set in `__init__` and read-only after: the settings (`ctx`, `L`, `thresholds`, `exit_head`, `fused`, `K`,
-  `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
+- Set in `__init__` and read-only after: the settings (`ctx`, `stops`, `L`, `thresholds`, `exit_head`, `fused`,
+  `K`, `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
   and conditions (a model's `SharedContinuations`, one of the proposers, locks itself).
-- Owned by lane 0 (only lane 0 reads or writes them): `tokens`, `verified`, `source_of`, `lookup_depth`,
-  `proposals`, `lookup`, `draws`, `waited`, `speculation`.
+- Owned by lane 0 (only lane 0 reads or writes them): `stats` (the request's counters), `tokens`, `verified`,
+  `source_of`, `lookup_depth`, `proposals`, `lookup`, `draws`, `waited`, `speculation`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
   `epoch`, `in_flight`, `stopping`, `error`, every field of a `Group` in `groups`, and the KV
   cache's lengths (`cache.written`, `cache.rollback`).
@@ -52,12 +52,13 @@ from dataclasses import dataclass
 import torch
 
 from paradecode.graphs.errors import SchedulerStallError
+from paradecode.runtime.completion import Stops
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
 from paradecode.runtime.lookup import LookupConfig, Proposer, SharedContinuations, SuffixIndex
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.speculation import Speculation
-from paradecode.runtime.stats import LOOKUP, Mismatch
+from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +81,13 @@ class ParaDecoder:
         self,
         ctx: DecodeContext,
         prompt: list[int],
-        max_new_tokens: int,
+        stops: Stops,
+        stats: GenerationStats,
         *,
         thresholds: dict[int, float],
         max_unverified: int,
         overlap: str,
         side_lanes: list[Lane],
-        eos_token_ids: tuple[int, ...] = (),
         exit_policy=None,
         lookup: LookupConfig | None = None,
         shared: SharedContinuations | None = None,
@@ -95,6 +96,7 @@ class ParaDecoder:
     ):
         # Settings: read-only after __init__.
         self.ctx = ctx
+        self.stops = stops
         self.prompt = list(prompt)
         self.L = ctx.num_layers
         self.thresholds = {e: g for e, g in thresholds.items() if g <= 1.0}  # "never" layers are not even run
@@ -110,13 +112,13 @@ class ParaDecoder:
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
-        self.eos = set(eos_token_ids)
+        self.eos = stops.eos
         # For measurements only (tools/characterise.py): `exit_policy(position, layer, head_output)` returns
         # the early token, or None for no exit, in place of the threshold test. The head still runs.
         self.exit_policy = exit_policy
         # Adaptive speculation (runtime/speculation.py): exit heads and lookup only while they pay; None: always.
         self.speculation = speculation
-        self.last_position = min(len(prompt) + max_new_tokens - 2, ctx.cache.capacity - 1)
+        self.last_position = stops.last_position - 1  # the last position whose output is needed
         self.sync = ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
         # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
         # signalled when pending groups exist, so idle side lanes cost nothing when nothing exits.
@@ -124,6 +126,7 @@ class ParaDecoder:
         self.cond = threading.Condition(self.lock)
         self.work = threading.Condition(self.lock)
         # Owned by lane 0.
+        self.stats = stats  # the request's: this decoder counts its exits, proposals and rollbacks there
         self.tokens = list(prompt)
         self.verified = len(prompt)  # tokens[:verified] are verified
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
@@ -142,10 +145,11 @@ class ParaDecoder:
         self.error: BaseException | None = None  # a side lane's error, raised by lane 0
 
     # --- the generator lane 0 runs ------------------------------------------------------------
-    def run(self, resume: int | None = None) -> Iterator[tuple[int, float]]:
-        """The verified tokens after the prompt, the first from its prefill. `resume`: the prompt is already in
-        the cache at every layer (a batch hands a request back to ParaDecode) and `resume` is the token after it,
-        verified and already returned: decoding goes on from there, yielding only the tokens after it."""
+    def run(self, resume: int | None = None) -> Iterator[tuple[int, float, str | None]]:
+        """The verified tokens after the prompt, the first from its prefill, each with the stop decision after it
+        (`Stops`): it ends after the one that stops. `resume`: the prompt is already in the cache at every layer (a
+        batch hands a request back to ParaDecode) and `resume` is the token after it, verified and already
+        returned: decoding goes on from there, yielding only the tokens after it."""
         n = len(self.prompt)
         if resume is None:
             token, margin = prefill(self.ctx, self.prompt, self.sampling, self.draws)
@@ -157,18 +161,30 @@ class ParaDecoder:
         self.verified = n + 1
         if self.lookup is not None:
             self.lookup.extend(self.tokens, self.verified)
+        position = n  # the newest verified token's
         if resume is None:
-            yield token, margin
+            stop = self.stops.after(token, position)
+            yield token, margin, stop
+            if stop is not None:
+                return
         with self.lock:
             self.start_frontier(n, token)
         workers: list[Future] = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]
         failed = False
         try:
             while True:
-                yield from self.verify_finished()
+                for token, margin in self.verify_finished():
+                    position += 1
+                    stop = self.stops.after(token, position)
+                    yield token, margin, stop
+                    if stop is not None:
+                        return  # nothing after it was started (`start_frontier`, `propose`)
                 with self.lock:
-                    if self.frontier is None and not self.groups:
-                        return  # every position whose output is needed has been verified
+                    if self.frontier is None and not self.groups:  # the last token stops before this
+                        raise SchedulerStallError(
+                            f"the ParaDecode scheduler ran out of work at position {position} without a stop "
+                            "decision. This is a bug: please report it with the settings used."
+                        )
                 self.main_step()
         except BaseException:  # closing early (GeneratorExit) included: the stop below must not mask it
             failed = True
@@ -224,7 +240,7 @@ class ParaDecoder:
         for depth, q in enumerate(range(position, position + len(proposals)), start=1):
             self.source_of[q] = LOOKUP
             self.lookup_depth[q] = depth
-        self.ctx.stats.lookup_proposed += len(proposals)
+        self.stats.lookup_proposed += len(proposals)
         self.frontier = Group(position, position + 1 + len(proposals), -1)
         self.groups.append(self.frontier)
 
@@ -247,7 +263,7 @@ class ParaDecoder:
         if proposals and self.speculation is not None:
             keep = self.speculation.lookup_tokens(len(proposals))
             if keep == 0:
-                self.ctx.stats.lookups_skipped += 1
+                self.stats.lookups_skipped += 1
             proposals = proposals[:keep]
         for i, token in enumerate(proposals):
             if token in self.eos:
@@ -337,7 +353,7 @@ class ParaDecoder:
         """Whether calling exit layer `layer`'s head is expected to pay (always, without adaptive speculation)."""
         if self.speculation is None or self.speculation.try_exit(layer, self.exit_head[layer] == "final"):
             return True
-        self.ctx.stats.exits_skipped += 1
+        self.stats.exits_skipped += 1
         return False
 
     def may_exit(self, end: int) -> bool:
@@ -368,7 +384,7 @@ class ParaDecoder:
             token = self.draw_proposal(group.end - 1, layer, out)
         if self.speculation is not None:
             self.speculation.head_called(layer, exited=True)
-        stats = self.ctx.stats
+        stats = self.stats
         self.tokens.append(token)
         self.source_of[group.end - 1] = layer
         stats.exits_per_layer[layer] = stats.exits_per_layer.get(layer, 0) + 1
@@ -430,7 +446,7 @@ class ParaDecoder:
     def verify_finished(self) -> list[tuple[int, float]]:
         """Verify, in position order, every group that has its final head; roll back on a mismatch."""
         verified: list[tuple[int, float]] = []
-        stats = self.ctx.stats
+        stats = self.stats
         with self.lock:
             while self.groups and self.groups[0].final is not None:
                 group = self.groups.pop(0)
@@ -488,7 +504,7 @@ class ParaDecoder:
 
     def rollback(self, position: int, token: int) -> None:
         """tokens[position + 1] was wrong: discard every later position's work, continue from `token` (lock held)."""
-        self.ctx.stats.rollbacks += 1
+        self.stats.rollbacks += 1
         self.epoch += 1
         self.groups, self.frontier = [], None
         while self.in_flight:  # their writes must land before new ones to the same slots

@@ -21,7 +21,6 @@ from paradecode.runtime import load
 from paradecode.runtime.batching import generate_batched
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.lanes import Timeline
-from paradecode.runtime.stats import GenerationStats
 from tests.tiny_models import TINY_CONFIGS
 
 ort = pytest.importorskip("onnxruntime")
@@ -175,7 +174,7 @@ PROMPT = [5, 17, 42, 9, 3, 61, 8]
 @pytest.mark.slow
 def test_int8_layers_give_a_position_the_same_bits_at_any_token_count(int8_models):
     for family, model in int8_models.items():
-        ctx = DecodeContext(model.backend, model.backend.allocate_cache(1), Timeline(), GenerationStats("ar"))
+        ctx = DecodeContext(model.backend, model.backend.allocate_cache(1), Timeline())
         layers = ctx.num_layers
         hidden = ctx.embed(MAIN, PROMPT, 0)
         together = ctx.layers(MAIN, 1, layers, hidden, 0).clone()

@@ -1,0 +1,88 @@
+"""One decoding contract: plain decoding and ParaDecode each take a request's `Stops` (an end-of-sequence token,
+`max_new_tokens`, the KV cache's end), decide after every verified token and end there by themselves; the model
+adds only what text shows (stop strings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from paradecode.runtime import load
+from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
+from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.decoding import DecodeContext, decode_ar
+from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.stats import GenerationStats
+
+
+def test_stops_by_position():
+    stops = Stops(prompt_tokens=4, max_new_tokens=3, eos=frozenset({2}), capacity=10)
+    assert [stops.after(7, p) for p in (4, 5, 6)] == [None, None, MAX_NEW_TOKENS]  # the 3rd new token is at 6
+    assert stops.after(2, 4) == EOS and stops.after(2, 6) == EOS  # an EOS outranks the budget
+    assert stops.last_position == 6
+    full = Stops(prompt_tokens=4, max_new_tokens=100, eos=frozenset(), capacity=10)
+    assert full.after(7, 9) is None and full.after(7, 10) == MAX_SEQ_LEN  # slot 9 is the cache's last
+    assert full.last_position == 10
+
+
+def test_a_stop_string_outranks_only_a_full_cache():
+    class Letters:  # one character per token
+        def decode(self, ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    config = GenerationConfig(stop=["bc"])
+    for decoder_stop, want in ((None, STOP_STRING), (MAX_SEQ_LEN, STOP_STRING), (EOS, EOS), (MAX_NEW_TOKENS, None)):
+        completion = Completion([0], config, Letters(), with_text=True)
+        assert completion.push(1, 0.0, None) == ("b", None)
+        piece, stop = completion.push(2, 0.0, decoder_stop)
+        assert piece == "c" and stop == (want or decoder_stop), decoder_stop
+
+
+@pytest.mark.parametrize("mode", ["ar", "paradecode"])
+@pytest.mark.parametrize(
+    ("max_new_tokens", "capacity_left", "reason"),
+    [(7, None, MAX_NEW_TOKENS), (1, None, MAX_NEW_TOKENS), (400, 5, MAX_SEQ_LEN)],
+)
+def test_each_decoder_ends_by_itself_where_its_stops_say(stories_export, mode, max_new_tokens, capacity_left, reason):
+    """Consumed to its end, with nobody closing it, each decoder yields exactly the tokens up to its stop, says why
+    after the last one, and nothing after: what `generate` returns, stop reason included."""
+    with load(stories_export[0]) as model:
+        capacity = model.cache.capacity
+        prompt = list(range(3, 3 + (capacity - capacity_left if capacity_left else 5)))
+        settings = dict(max_new_tokens=max_new_tokens, ignore_eos=True, thresholds=0.0, overlap="batched")
+        want = model.generate(prompt_ids=prompt, mode=mode, **settings)
+        request = model.request(prompt_ids=prompt, mode=mode, **settings)
+        model.cache.reset()
+        ctx = DecodeContext(model.backend, model.cache, Timeline())
+        stats = GenerationStats(mode)
+        if mode == "ar":
+            decoder = decode_ar(ctx, prompt, model.stops_of(request, capacity))
+        else:
+            decoder = model.paradecoder(ctx, prompt, request, "batched", None, stats).run()
+        yielded = list(decoder)  # to its end: nobody closes it
+    assert [t for t, _, _ in yielded] == want.token_ids
+    assert [s for _, _, s in yielded] == [None] * (len(yielded) - 1) + [reason]
+    assert want.stats.stop_reason == reason
+    if mode == "paradecode":  # it counts into the stats it is given, as generate's
+        assert stats.exits_per_layer == want.stats.exits_per_layer and stats.rollbacks == want.stats.rollbacks
+        assert bool(stats.exits_per_layer) == (max_new_tokens > 1)
+
+
+@pytest.mark.parametrize("mode", ["ar", "paradecode"])
+def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, monkeypatch):
+    with load(stories_export[0]) as model:
+        free = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, ignore_eos=True, thresholds=0.0)
+        eos = free.token_ids[9]  # made the end-of-sequence token: decoding stops at its first occurrence
+        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
+        request = model.request(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
+        stopped = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
+        model.cache.reset()
+        ctx = DecodeContext(model.backend, model.cache, Timeline())
+        if mode == "ar":
+            decoder = decode_ar(ctx, [1], model.stops_of(request, model.cache.capacity))
+        else:
+            decoder = model.paradecoder(ctx, [1], request, "batched", None, GenerationStats(mode)).run()
+        yielded = list(decoder)
+    first = free.token_ids.index(eos)
+    assert [t for t, _, _ in yielded] == free.token_ids[: first + 1] == stopped.token_ids
+    assert yielded[-1][2] == EOS and all(s is None for _, _, s in yielded[:-1])
+    assert stopped.stats.stop_reason == EOS
