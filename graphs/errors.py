@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -87,21 +88,30 @@ def run_command(prog: str, work: Callable[[], object], interrupted: str = "inter
     Returns (exit code, what `work` returned or None). Every command-line tool goes through here,
     so they all report a user's mistake the same way: "PROG: error: MESSAGE" and exit code 2.
     An interrupt (see `interrupt_signal`) prints "PROG: INTERRUPTED" and returns 128 + the signal
-    number, whatever exception it surfaced as.
+    number, whatever exception it surfaced as, and also where `work` returned all the same (a library caught
+    the interrupt, or the signal was deferred past the work's last import: `interrupts_raised`).
     """
     with interrupts_raised() as received:
         try:
-            return 0, work()
+            result = work()
         except BaseException as err:
             signum = interrupt_signal(err, received)
             if signum is not None:
-                note = "" if signum == signal.SIGINT else f" (received {signal.Signals(signum).name})"
-                print(f"{prog}: {interrupted}{note}", file=sys.stderr)
-                return 128 + signum, None
+                return _interrupted(prog, interrupted, signum), None
             if isinstance(err, ParadecodeError):
                 print(f"{prog}: error: {err}", file=sys.stderr)
                 return err.exit_code, None
             raise
+    if received:  # a signal deferred past the work's end (it arrived during the work's last import)
+        return _interrupted(prog, interrupted, received[0]), None
+    return 0, result
+
+
+def _interrupted(prog: str, interrupted: str, signum: int) -> int:
+    """Say that the command was interrupted; its exit code."""
+    note = "" if signum == signal.SIGINT else f" (received {signal.Signals(signum).name})"
+    print(f"{prog}: {interrupted}{note}", file=sys.stderr)
+    return 128 + signum
 
 
 def interrupt_signal(err: BaseException, received: list[int]) -> int | None:
@@ -134,10 +144,10 @@ def exception_chain(err: BaseException) -> Iterator[BaseException]:
         pending += [link.__context__, link.__cause__]
 
 
-REDELIVERY_S = 0.05  # how soon a signal that arrived during an import is sent again
+POLL_S = 0.02  # how often a deferred signal's watcher looks whether the import is over
 
 
-def importing(frame) -> bool:
+def importing(frame: FrameType | None) -> bool:
     """Whether `frame` runs inside an import (some caller on its stack is the import machinery)."""
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
@@ -166,24 +176,45 @@ def interrupts_raised() -> Iterator[list[int]]:
     Yields the list of signal numbers received, in order. Handlers can only be set in the main
     thread; elsewhere, and for a signal the process was told to ignore (a shell's background job
     ignores SIGINT), the current handling is left alone. The previous handlers come back afterwards.
-    A signal that arrives while a module is being imported is raised once the import is over (see
-    `handler`); one still pending when the block ends goes to the handler that comes back.
+
+    A signal that arrives while the main thread imports a module is deferred until the import is over: an
+    import's Python code may run under a native extension's C++ frames (torch calls back into Python while it
+    loads), and an exception raised there cannot cross them: the process aborts (pybind11's "terminate
+    called"). A second signal during the same import is raised at once (a second Ctrl-C means now). One still
+    deferred when the block ends is recorded in the list (`run_command` then reports the interrupt). Python code
+    that native code calls back after an import (a compiler's callbacks) is not covered.
+
+    Threading: a deferred signal has one watcher thread, which looks at the main thread's stack every POLL_S
+    and sends the signal again, once, when no import is on it; the handler itself runs in the main thread.
     """
     global _received
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
+    main = threading.main_thread().ident
+    deferred: list[int] = []  # the signal waiting for an import to end (at most one)
+    sent_again = threading.Event()  # the watcher sent it: the handler defers it again if an import began since
+    over = threading.Event()  # the block has ended: a watcher stops
+
+    def watch(signum: int) -> None:
+        while not over.wait(POLL_S) and deferred:  # raised meanwhile by a second signal: nothing to send
+            if not importing(sys._current_frames().get(main)):
+                sent_again.set()
+                os.kill(os.getpid(), signum)
+                return
 
     def handler(signum, frame):
-        if importing(frame):
-            # An import's Python code may be running under a native extension's C++ frames (torch calls back
-            # into Python while it loads): an exception raised there cannot cross them and aborts the process
-            # (pybind11's "terminate called"). So the signal is delivered again once the import is over.
-            redeliver = threading.Timer(REDELIVERY_S, os.kill, (os.getpid(), signum))
-            redeliver.daemon = True
-            redeliver.start()
+        resent = sent_again.is_set()
+        sent_again.clear()
+        if resent and not deferred:  # a watcher's late send: a second signal raised the deferred one already
             return
+        if importing(frame) and (resent or not deferred):  # a first signal, or sent again into a new import
+            if not deferred:
+                deferred.append(signum)
+            threading.Thread(target=watch, args=(deferred[0],), name="deferred-interrupt", daemon=True).start()
+            return
+        deferred.clear()
         received.append(signum)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
@@ -195,6 +226,8 @@ def interrupts_raised() -> Iterator[list[int]]:
     try:
         yield received
     finally:
+        over.set()
+        received.extend(deferred)  # arrived during the block's last import: still an interrupt
         _received = outer
         for s, old in previous.items():
             if old is not signal.SIG_IGN:

@@ -202,11 +202,13 @@ class Batch:
             ctx = self._alone_context(0)
             history = sequence.request.ids + completion.tokens[:-1]
             overlap = self.model.overlap_of(sequence.request.config)
-            decoder = self.model.paradecoder(ctx, history, sequence.request, overlap, sequence.sampling, sequence.stats)
+            decoder = self.model.paradecoder(
+                ctx, history, sequence.request, overlap, sequence.sampling, stops=sequence.stops, stats=sequence.stats
+            )
             sequence.decoder = decoder.run(resume=completion.tokens[-1])
         self.steps[ALONE] += 1
         try:
-            token, margin, stop = next(sequence.decoder)  # it stops where the sequence's `stops` say (same positions)
+            token, margin, stop = next(sequence.decoder)  # by the sequence's `stops`, as the batched steps
         except Exception as err:
             self._hand_over(sequence)
             self.sequences.remove(sequence)

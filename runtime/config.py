@@ -184,10 +184,10 @@ class GenerationConfig:
             return self.adaptive
         return self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
 
-    def skips_exits(self, device: str, overlap: str = "batched") -> bool:
+    def skips_exits(self, device: str, overlap: str) -> bool:
         """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's
         thresholds in the batched overlap: on a GPU, and when sampling on a CPU, where they were measured not to
-        pay (see `adaptive`). `overlap` is the resolved one."""
+        pay (see `adaptive`; on a GPU measured with the torch backend). `overlap` is the resolved one."""
         if self.adaptive is not None or self.thresholds is not None or overlap != "batched":
             return False
         return device == "cuda" or self.temperature != 0

@@ -68,9 +68,9 @@ class DecodeContext:
     backend: Backend
     cache: KVCache
     timeline: Timeline
-    annotate: Callable[[str], AbstractContextManager] | None = None  # NVTX ranges while profiling
+    annotate: Callable[[str], AbstractContextManager] | None = field(default=None, kw_only=True)  # NVTX ranges
     # observe(subgraph, positions, seconds) after each call of lane 0: adaptive speculation's cost estimates
-    observe: Callable[[str, int, float], None] | None = None
+    observe: Callable[[str, int, float], None] | None = field(default=None, kw_only=True)
     positions: torch.Tensor = field(init=False)  # [1, capacity]: every call's positions are a slice of it
 
     def __post_init__(self) -> None:

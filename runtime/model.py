@@ -51,10 +51,11 @@ from paradecode.runtime.watched import WatchedFiles
 logger = logging.getLogger(__name__)
 
 # Which overlap `auto` means per device. CPU: batched was fastest in `paradecode-bench` on the demo model
-# (tools/results/cpu-2core/bench-demo.md). CUDA: both, not settled by the one GPU run so far
-# (tools/results/NVIDIA-H100-80GB-HBM3/: batched followed its bound in the 0.5B characterisation while streams
-# and both did not, but both was ahead on SmolLM2 in a single noisy run; decoding there is host-bound).
-AUTO_OVERLAP = {"cpu": "batched", "cuda": "batched"}  # the fastest measured on each (README, *Decode*)
+# (tools/results/cpu-2core/bench-demo.md). CUDA: batched too: the controlled characterisations (an H100's and an
+# H200's, tools/results/) found it ahead of streams and both at every acceptance; the one uncontrolled SmolLM2
+# bench (H100, 2026-11-23, repeat 1, no trained heads) had both and streams ahead, unexplained; SmolLM2's real
+# weights with its heads were measured in batched only (2026-11-26), where the defaults now run lookup alone.
+AUTO_OVERLAP = {"cpu": "batched", "cuda": "batched"}
 
 
 @dataclass(frozen=True)
@@ -318,19 +319,20 @@ class ParaDecodeModel:
         request: Request,
         overlap: str,
         sampling,
-        stats: GenerationStats,
         *,
+        stops: Stops,
+        stats: GenerationStats,
         exit_policy=None,
     ) -> ParaDecoder:
         """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when a batch hands a
-        request back to ParaDecode) over `ctx`, with this model's lanes and speculation estimates, counting into
-        `stats`."""
+        request back to ParaDecode) over `ctx` until `stops` (the request's), with this model's lanes and
+        speculation estimates, counting into `stats`."""
         config = request.config
         adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
         return ParaDecoder(
             ctx,
             ids,
-            self.stops_of(request, ctx.cache.capacity),
+            stops,
             stats,
             thresholds=request.thresholds,
             max_unverified=config.max_unverified,
@@ -480,11 +482,14 @@ class ParaDecodeModel:
             seed=None if sampling is None else sampling.seed,
         )
         self.cache.reset()
-        ctx = DecodeContext(self.backend, self.cache, timeline, annotate, observe=self.speculation.times.observe)
+        observe = self.speculation.times.observe
+        ctx = DecodeContext(self.backend, self.cache, timeline, annotate=annotate, observe=observe)
+        stops = self.stops_of(request, self.cache.capacity)
         if config.mode == "ar":
-            decoder = decode_ar(ctx, ids, self.stops_of(request, self.cache.capacity), sampling)
+            decoder = decode_ar(ctx, ids, stops, sampling)
         else:
-            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, stats, exit_policy=exit_policy).run()
+            settings = dict(stops=stops, stats=stats, exit_policy=exit_policy)
+            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, **settings).run()
         completion = Completion(ids, config, self.tokenizer, with_text)
         tokens, margins = completion.tokens, completion.margins
         started = time.perf_counter()

@@ -26,7 +26,7 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
   rollback) and is the only lane that computes the frontier. Side lanes (worker threads, one per
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
 - Set in `__init__` and read-only after: the settings (`ctx`, `stops`, `L`, `thresholds`, `exit_head`, `fused`,
-  `K`, `merge`, `side_lanes`, `eos`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
+  `K`, `merge`, `side_lanes`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
   and conditions (a model's `SharedContinuations`, one of the proposers, locks itself).
 - Owned by lane 0 (only lane 0 reads or writes them): `stats` (the request's counters), `tokens`, `verified`,
   `source_of`, `lookup_depth`, `proposals`, `lookup`, `draws`, `waited`, `speculation`.
@@ -112,7 +112,6 @@ class ParaDecoder:
         self.K = max_unverified
         self.merge = overlap in ("batched", "both")
         self.side_lanes = side_lanes if overlap in ("streams", "both") else []
-        self.eos = stops.eos
         # For measurements only (tools/characterise.py): `exit_policy(position, layer, head_output)` returns
         # the early token, or None for no exit, in place of the threshold test. The head still runs.
         self.exit_policy = exit_policy
@@ -178,7 +177,7 @@ class ParaDecoder:
                     stop = self.stops.after(token, position)
                     yield token, margin, stop
                     if stop is not None:
-                        return  # nothing after it was started (`start_frontier`, `propose`)
+                        return  # nothing after it was started (`start_frontier`, `propose`, `verify_finished`)
                 with self.lock:
                     if self.frontier is None and not self.groups:  # the last token stops before this
                         raise SchedulerStallError(
@@ -233,7 +232,7 @@ class ParaDecoder:
     def start_frontier(self, position: int, token: int) -> None:
         """Start a new frontier at `position` (tokens[position] is `token`) unless no more output is needed or
         it follows an EOS; with lookup, the tokens it proposes join the frontier. Lock held."""
-        if position > self.last_position or token in self.eos:
+        if position > self.last_position or token in self.stops.eos:
             return
         proposals = self.propose(position)
         self.tokens.extend(proposals)
@@ -266,7 +265,7 @@ class ParaDecoder:
                 self.stats.lookups_skipped += 1
             proposals = proposals[:keep]
         for i, token in enumerate(proposals):
-            if token in self.eos:
+            if token in self.stops.eos:
                 return proposals[: i + 1]
         return proposals
 
@@ -474,6 +473,10 @@ class ParaDecoder:
                         verified.append((token, margin))
                         self.index_verified()
                         return verified
+                    if self.tokens[position] in self.stops.eos:  # a proposal ended with the EOS just verified
+                        if group is self.frontier:
+                            self.frontier = None
+                        break
                     token = choose(group.final, i, position, self.sampling, self.draws)
                     self.tokens.append(token)  # the newest position: its final output is the next token
                     self.verified = position + 2

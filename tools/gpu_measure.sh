@@ -20,8 +20,9 @@
 #                token's time goes on the SmolLM2 shape (tools/where_time_goes.py --compile)
 #   method       the method's own speed on a fast engine: SmolLM2-135M-Instruct's real weights (the GGUF at
 #                $PARADECODE_SMOLLM2) with the shipped exit heads, the torch backend compiled (--compile; COMPILE=
-#                leaves it eager), on the eval prompts: ar against ParaDecode with its defaults (heads and
-#                lookup), heads alone and lookup alone (`batched`)
+#                leaves it eager), on the eval prompts: ar against ParaDecode with the export's thresholds
+#                (--adaptive off: on CUDA the defaults call no exit heads) and lookup, heads alone, lookup alone
+#                (`batched`)
 # TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS).
 # STAGE_TIMEOUT (seconds) bounds each command of a stage, so that a lease's time limit leaves later stages their turn.
 set -euo pipefail
@@ -108,7 +109,7 @@ stage_method() {
       --max-seq-len 1024 --force -q
   run $py -m paradecode.tools.bench "$work/smollm2-heads" --backend torch --device "$device" ${COMPILE---compile} \
       --prompts eval --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-2}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
-      --thresholds default,never --overlaps batched --lookup 0,5 --no-hf \
+      --thresholds default,never --adaptive off --overlaps batched --lookup 0,5 --no-hf \
       --json "$out/bench-smollm2-method.json" --plot "$out/bench-smollm2-method.png"
 }
 

@@ -163,14 +163,15 @@ def test_an_interrupt_during_an_import_is_raised_after_it(tmp_path, monkeypatch,
     """Ctrl-C while torch loads aborted the process: torch runs its Python code under C++ frames while it is
     imported, and a KeyboardInterrupt raised there cannot cross them (CI: "terminate called after throwing an
     instance of 'pybind11::error_already_set'", exit -6). The handler waits for the import to end."""
-    (tmp_path / "slow_to_load.py").write_text(
+    slow_module(
+        tmp_path,
+        monkeypatch,
+        "slow_to_load",
         "import signal, time\n"
         "signal.raise_signal(signal.SIGINT)\n"
         "time.sleep(0.3)  # the import goes on: the interrupt waits for it\n"
-        "LOADED = True\n"
+        "LOADED = True\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "slow_to_load", raising=False)
     steps = []
 
     def work():
@@ -183,6 +184,85 @@ def test_an_interrupt_during_an_import_is_raised_after_it(tmp_path, monkeypatch,
     started = time.monotonic()
     assert run_command("prog", work) == (130, None)
     assert steps == [True] and time.monotonic() - started < 3
+    assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+def slow_module(tmp_path, monkeypatch, name: str, body: str) -> None:
+    """A module `name` whose import runs `body` (in the test's own process)."""
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.fixture
+def stray_sigint():
+    """A SIGINT that reaches the handler run_command restores (it would stop pytest): recorded, to assert none."""
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    yield seen
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(30)
+def test_a_second_interrupt_during_an_import_is_raised_at_once_and_cleanup_runs(
+    tmp_path, monkeypatch, capsys, stray_sigint
+):
+    """A second Ctrl-C means now: it is raised in the import, and nothing is sent again into the cleanup."""
+    slow_module(
+        tmp_path,
+        monkeypatch,
+        "twice",
+        "import signal\nsignal.raise_signal(signal.SIGINT)\nsignal.raise_signal(signal.SIGINT)\nLOADED = True\n",
+    )
+    steps = []
+
+    def work():
+        try:
+            import twice  # noqa: F401
+        finally:
+            steps.append("cleanup started")
+            time.sleep(0.3)  # a signal sent again by a watcher would land here
+            steps.append("cleanup done")
+
+    assert run_command("prog", work) == (130, None)
+    time.sleep(0.2)
+    assert steps == ["cleanup started", "cleanup done"] and stray_sigint == []
+    assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+@pytest.mark.timeout(30)
+def test_an_import_that_never_ends_still_stops_at_a_second_signal(tmp_path, monkeypatch, capsys):
+    slow_module(tmp_path, monkeypatch, "endless", "import time\nwhile True:\n    time.sleep(0.01)\n")
+    for delay in (0.1, 0.4):  # SIGTERM twice, as a supervisor might
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    def work():
+        import endless  # noqa: F401
+
+    started = time.monotonic()
+    assert run_command("prog", work) == (143, None)
+    assert time.monotonic() - started < 5
+    assert capsys.readouterr().err == "prog: interrupted (received SIGTERM)\n"
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_deferred_past_the_works_end_is_reported_and_not_sent_later(
+    tmp_path, monkeypatch, capsys, stray_sigint
+):
+    """The work's last import takes the Ctrl-C, and the work returns before it is sent again: the command was
+    interrupted all the same (no exit code 0), and no signal arrives after run_command has returned."""
+    slow_module(tmp_path, monkeypatch, "last_import", "import signal\nsignal.raise_signal(signal.SIGINT)\n")
+
+    def work():
+        import last_import  # noqa: F401
+
+        return "published"
+
+    code, result = run_command("prog", work)
+    time.sleep(0.2)
+    assert (code, result) == (130, None) and stray_sigint == []
     assert capsys.readouterr().err == "prog: interrupted\n"
 
 

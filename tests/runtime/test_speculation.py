@@ -154,10 +154,10 @@ def test_the_defaults_call_no_exit_heads_where_they_were_measured_not_to_pay():
         assert sampled.resolve_thresholds(export, "cpu", overlap) == export
         assert greedy.resolve_thresholds(export, "cuda", overlap) == export
     for asked in ({"adaptive": False}, {"adaptive": True}):
+        assert GenerationConfig(**asked).resolve_thresholds(export, "cuda", "batched") == export
         for device in ("cpu", "cuda"):
             config = GenerationConfig(temperature=0.7, **asked)
             assert config.resolve_thresholds(export, device, "batched") == export
-            assert GenerationConfig(**asked).resolve_thresholds(export, "cuda", "batched") == export
     for device in ("cpu", "cuda"):
         given = GenerationConfig(temperature=0.7, thresholds=0.5).resolve_thresholds(export, device, "batched")
         assert given == {8: 0.5, 23: 0.5}

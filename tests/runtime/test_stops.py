@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime import load
 from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
-from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.config import NEVER, GenerationConfig
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.scheduler import ParaDecoder
 from paradecode.runtime.stats import GenerationStats
 
 
@@ -57,9 +59,11 @@ def test_each_decoder_ends_by_itself_where_its_stops_say(stories_export, mode, m
         if mode == "ar":
             decoder = decode_ar(ctx, prompt, model.stops_of(request, capacity))
         else:
-            decoder = model.paradecoder(ctx, prompt, request, "batched", None, stats).run()
+            stops = model.stops_of(request, capacity)
+            decoder = model.paradecoder(ctx, prompt, request, "batched", None, stops=stops, stats=stats).run()
         yielded = list(decoder)  # to its end: nobody closes it
     assert [t for t, _, _ in yielded] == want.token_ids
+    assert len(yielded) == (max_new_tokens if reason == MAX_NEW_TOKENS else capacity - len(prompt) + 1)
     assert [s for _, _, s in yielded] == [None] * (len(yielded) - 1) + [reason]
     assert want.stats.stop_reason == reason
     if mode == "paradecode":  # it counts into the stats it is given, as generate's
@@ -80,9 +84,55 @@ def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, mo
         if mode == "ar":
             decoder = decode_ar(ctx, [1], model.stops_of(request, model.cache.capacity))
         else:
-            decoder = model.paradecoder(ctx, [1], request, "batched", None, GenerationStats(mode)).run()
+            stops, stats = model.stops_of(request, model.cache.capacity), GenerationStats(mode)
+            decoder = model.paradecoder(ctx, [1], request, "batched", None, stops=stops, stats=stats).run()
         yielded = list(decoder)
     first = free.token_ids.index(eos)
     assert [t for t, _, _ in yielded] == free.token_ids[: first + 1] == stopped.token_ids
     assert yielded[-1][2] == EOS and all(s is None for _, _, s in yielded[:-1])
     assert stopped.stats.stop_reason == EOS
+
+
+def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, monkeypatch):
+    """Lookup proposes the right continuation up to and including the EOS; once the final layer accepts it,
+    ParaDecode starts nothing after it (before, it proposed again past the end and counted those tokens)."""
+    with load(stories_export[0]) as model:
+        prompt = [1, 5, 9, 13]
+        free = model.generate(prompt_ids=prompt, max_new_tokens=20, mode="ar", ignore_eos=True).token_ids
+        k = next(i for i in range(3, 20) if free[i] not in free[:i])  # its first occurrence
+        eos, starts, asked = free[k], [], []
+        propose, start_frontier = ParaDecoder.propose, ParaDecoder.start_frontier
+
+        def proposing_the_rest(self, position):
+            asked.append(position)
+            propose(self, position)
+            return list(free[1 : k + 1]) if position == len(prompt) else []
+
+        def recording(self, position, token):
+            starts.append(position)
+            return start_frontier(self, position, token)
+
+        monkeypatch.setattr(ParaDecoder, "propose", proposing_the_rest)
+        monkeypatch.setattr(ParaDecoder, "start_frontier", recording)
+        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
+        result = model.generate(
+            prompt_ids=prompt, max_new_tokens=20, thresholds=NEVER, lookup_tokens=8, max_unverified=8
+        )
+    assert result.token_ids == free[: k + 1] and result.stats.stop_reason == EOS
+    assert result.stats.lookup_proposed == k and result.stats.lookup_accepted == k
+    assert starts == [len(prompt)] and asked == [len(prompt)]
+
+
+def test_paradecode_ending_without_a_stop_decision_is_a_bug_it_reports(stories_export):
+    class NeverSays(Stops):  # a budget of 5 tokens that never says it is spent
+        def after(self, token, position):
+            return None
+
+    with load(stories_export[0]) as model:
+        request = model.request(prompt_ids=[1, 2], max_new_tokens=5, ignore_eos=True, thresholds=0.0)
+        model.cache.reset()
+        ctx = DecodeContext(model.backend, model.cache, Timeline())
+        stops = NeverSays(2, 5, frozenset(), model.cache.capacity)
+        decoder = model.paradecoder(ctx, [1, 2], request, "batched", None, stops=stops, stats=GenerationStats("x"))
+        with pytest.raises(SchedulerStallError, match="without a stop decision"):
+            list(decoder.run())
