@@ -149,6 +149,7 @@ class ParaDecodeModel:
         self._active: GenerationStream | None = None
         self._warned_full = False
         self._warned_untrained = False
+        self._warned_idle = False
 
     @property
     def manifest(self):
@@ -265,7 +266,7 @@ class ParaDecodeModel:
         length = max(1, min(8, self.cache.capacity // 2))
         prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3) * 3][:length]  # repeated: lookup proposes
         settings = dict(config=config, max_new_tokens=length, ignore_eos=True, lookup_shared=False)
-        saved = self.speculation, self._warned_full, self._warned_untrained
+        saved = self.speculation, self._warned_full, self._warned_untrained, self._warned_idle
         self.speculation = Speculation(self.backend.spec.num_layers)
         try:
             self.generate(prompt_ids=prompt, **settings, mode="ar")
@@ -277,7 +278,7 @@ class ParaDecodeModel:
                 ]
                 generate_batched(self, requests, batch=batch)
         finally:
-            self.speculation, self._warned_full, self._warned_untrained = saved
+            self.speculation, self._warned_full, self._warned_untrained, self._warned_idle = saved
 
     def request(
         self,
@@ -308,6 +309,8 @@ class ParaDecodeModel:
         if config.mode == "paradecode":
             device, overlap = self.backend.device.type, self.overlap_of(config)
             thresholds = config.resolve_thresholds(self.manifest.thresholds, device, overlap)
+            if config.skips_exits(device, overlap) and not config.lookup_tokens:
+                self._warn_idle(device)
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
             self._warn_untrained()
         return Request(ids, config, thresholds)
@@ -374,6 +377,17 @@ class ParaDecodeModel:
                 "with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass "
                 "thresholds to exit with the model's own head anyway.",
                 self.export.path,
+            )
+
+    def _warn_idle(self, device: str) -> None:
+        if not self._warned_idle:  # once per model
+            self._warned_idle = True
+            logger.warning(
+                "ParaDecode here has nothing to speculate: with the export's thresholds it calls no exit heads %s "
+                "(measured not to pay: `GenerationConfig.skips_exits`), and lookup is off. Decode with mode 'ar' "
+                "(it is faster), turn lookup on, or pass thresholds or adaptive=False (--adaptive off) to use the "
+                "exit heads anyway.",
+                "on CUDA" if device == "cuda" else "when sampling on a CPU",
             )
 
     def _warn_full(self, new_tokens: int) -> None:

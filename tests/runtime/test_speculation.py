@@ -163,6 +163,19 @@ def test_the_defaults_call_no_exit_heads_where_they_were_measured_not_to_pay():
         assert given == {8: 0.5, 23: 0.5}
 
 
+def test_paradecode_with_nothing_to_speculate_says_so_once(stories_export, caplog):
+    """Sampling on a CPU with the defaults calls no exit heads; with lookup off too, ParaDecode is ar made slower."""
+    with load(stories_export[0]) as model, caplog.at_level("WARNING", logger="paradecode.runtime.model"):
+        model.request(prompt_ids=[1], temperature=0.7, lookup_tokens=5, overlap="batched")
+        model.request(prompt_ids=[1], temperature=0.7, lookup_tokens=0, overlap="streams")  # not measured there
+        model.request(prompt_ids=[1], temperature=0.7, lookup_tokens=0, thresholds=0.5, overlap="batched")
+        assert not [r for r in caplog.records if "nothing to speculate" in r.message]
+        for _ in range(2):
+            model.request(prompt_ids=[1], temperature=0.7, lookup_tokens=0, overlap="batched")
+    warnings = [r.message for r in caplog.records if "nothing to speculate" in r.message]
+    assert len(warnings) == 1 and "when sampling on a CPU" in warnings[0] and "mode 'ar'" in warnings[0]
+
+
 def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(stories_export):
     """stories260K without trained heads: at threshold 0 every token exits and nearly every exit is rolled back.
     Adaptive speculation must notice and pass most exits up, with the same tokens as plain decoding."""
