@@ -111,6 +111,45 @@ def test_a_request_hands_paradecode_over_and_takes_it_back(loaded):
     assert a.end.stats.rollbacks > 0
 
 
+@pytest.mark.parametrize("end", ["eos", "max_seq_len"])
+def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, monkeypatch, end):
+    """The resumed decoder decides the stop by the request's own `Stops` (positions counted from its prompt): an
+    EOS it meets after the hand-back, or the cache's end, exactly where the request alone stops."""
+    model = loaded["qwen2", "onnxruntime"]
+    capacity, vocab = model.cache.capacity, model.manifest.spec.vocab_size
+    other = requests_of(model, mode="paradecode", thresholds=0.0)[3]  # 14 new tokens
+    if end == "max_seq_len":  # room for 31 tokens: 6 alone, 14 together, the rest alone again
+        first = model.request(prompt_ids=[i % vocab for i in range(capacity - 30)], max_new_tokens=200, ignore_eos=True)
+        first = model.request(prompt_ids=first.ids, config=first.config, mode="paradecode", thresholds=0.0)
+    else:
+        # the first request whose output (40 tokens) meets a token for the first time after the hand-back
+        settings = dict(max_new_tokens=40, ignore_eos=True, mode="paradecode", thresholds=0.0)
+        requests = [model.request(prompt_ids=ids, **settings) for ids in prompts_of(vocab)]
+        late = [
+            (request, tokens, next(i for i in range(22, len(tokens)) if tokens[i] not in tokens[:i]))
+            for request, tokens in zip(requests, alone(model, requests))
+            if any(tokens[i] not in tokens[:i] for i in range(22, len(tokens)))
+        ]
+        assert late, "no output meets a new token late: pick other prompts"
+        free, tokens, k = late[0]
+        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (tokens[k],))
+        first = model.request(prompt_ids=free.ids, config=free.config, ignore_eos=False)
+    want = model.generate(prompt_ids=first.ids, config=first.config)
+    assert want.stats.stop_reason == end
+    batch, a, b = Batch(model, 2), Collect(), Collect()
+    batch.join(Sequence(first, a))
+    for _ in range(5):
+        batch.step()
+    batch.join(Sequence(other, b))
+    while batch.size == 2:
+        batch.step()
+    assert a.end is None  # it goes on alone: ParaDecode takes it back
+    while batch.size:
+        batch.step()
+    assert batch.steps[ALONE] > 5 and len(a.tokens) > 20
+    assert a.tokens == want.token_ids == a.end.token_ids and a.end.stats.stop_reason == end
+
+
 def test_a_waiting_request_keeps_a_lone_one_from_speculating(loaded):
     model = loaded["llama", "onnxruntime"]
     request = requests_of(model, mode="paradecode", thresholds=0.0)[0]
