@@ -102,7 +102,7 @@ class GenerationConfig:
     # its cost; its cost model is batched's). Elsewhere None decides once, by measurement (`skips_exits`): with
     # the export's thresholds in the batched overlap, no exit heads (lookup only) on a GPU and when sampling on a
     # CPU. On an H100 (SmolLM2's real weights and shipped heads, the torch backend compiled) exits + lookup ran at
-    # 0.87x of ar and lookup alone at 1.03x, exits lost in every category, eager too
+    # 0.87x of ar and lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
     # (tools/results/NVIDIA-H100-80GB-HBM3/); sampling on a CPU (SmolLM2's exact int8 export, T = 0.7): exits +
     # lookup 0.97x of ar sampling, lookup alone 1.06x (tools/results/cpu-2core/, bench-smollm2-int8-exact-
     # sampling-suffix-t0.7.md). True / False: on / off (False: the export's thresholds as they are).
