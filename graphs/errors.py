@@ -180,12 +180,14 @@ def interrupts_raised() -> Iterator[list[int]]:
     A signal that arrives while the main thread imports a module is deferred until the import is over: an
     import's Python code may run under a native extension's C++ frames (torch calls back into Python while it
     loads), and an exception raised there cannot cross them: the process aborts (pybind11's "terminate
-    called"). A second signal during the same import is raised at once (a second Ctrl-C means now). One still
-    deferred when the block ends is recorded in the list (`run_command` then reports the interrupt). Python code
-    that native code calls back after an import (a compiler's callbacks) is not covered.
+    called"). A deferred signal is in the list at once (`raise_if_interrupted` and `run_command` see it). A second
+    signal during the same import is raised at once (a second Ctrl-C means now). One still deferred when the
+    block ends is not sent again: `run_command` reports it. Python code that native code calls back after an
+    import (a compiler's callbacks) is not covered.
 
     Threading: a deferred signal has one watcher thread, which looks at the main thread's stack every POLL_S
-    and sends the signal again, once, when no import is on it; the handler itself runs in the main thread.
+    and sends the signal again, once, when no import is on it; `lock` orders that send and the block's end (no
+    signal is sent after it). The handler itself runs in the main thread.
     """
     global _received
     received: list[int] = []
@@ -193,29 +195,38 @@ def interrupts_raised() -> Iterator[list[int]]:
         yield received
         return
     main = threading.main_thread().ident
-    deferred: list[int] = []  # the signal waiting for an import to end (at most one)
+    deferred: list[int] = []  # the signal waiting for an import to end (at most one; recorded in `received`)
     sent_again = threading.Event()  # the watcher sent it: the handler defers it again if an import began since
-    over = threading.Event()  # the block has ended: a watcher stops
+    over = threading.Event()  # the block is ending: a watcher stops, a late signal is only recorded
+    lock = threading.Lock()  # a watcher's send and the block's end: one, then the other
 
     def watch(signum: int) -> None:
-        while not over.wait(POLL_S) and deferred:  # raised meanwhile by a second signal: nothing to send
-            if not importing(sys._current_frames().get(main)):
-                sent_again.set()
-                os.kill(os.getpid(), signum)
-                return
+        while not over.wait(POLL_S):
+            with lock:
+                if over.is_set() or not deferred:  # the block ended, or a second signal raised it already
+                    return
+                if not importing(sys._current_frames().get(main)):
+                    sent_again.set()
+                    os.kill(os.getpid(), signum)
+                    return
 
     def handler(signum, frame):
         resent = sent_again.is_set()
         sent_again.clear()
-        if resent and not deferred:  # a watcher's late send: a second signal raised the deferred one already
+        if resent and (over.is_set() or not deferred):  # a watcher's late send: raised or recorded already
+            return
+        if over.is_set():  # arrived as the block ends: recorded, for the caller to report
+            received.append(signum)
             return
         if importing(frame) and (resent or not deferred):  # a first signal, or sent again into a new import
             if not deferred:
                 deferred.append(signum)
+                received.append(signum)  # seen at once by raise_if_interrupted and interrupt_signal
             threading.Thread(target=watch, args=(deferred[0],), name="deferred-interrupt", daemon=True).start()
             return
+        if not resent:  # a new signal (a second one during an import included); a deferred one is recorded
+            received.append(signum)
         deferred.clear()
-        received.append(signum)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     previous = {s: signal.getsignal(s) for s in INTERRUPT_SIGNALS}
@@ -226,8 +237,9 @@ def interrupts_raised() -> Iterator[list[int]]:
     try:
         yield received
     finally:
-        over.set()
-        received.extend(deferred)  # arrived during the block's last import: still an interrupt
+        with lock:
+            over.set()
+            deferred.clear()  # recorded in `received` when it arrived
         _received = outer
         for s, old in previous.items():
             if old is not signal.SIG_IGN:

@@ -268,6 +268,7 @@ class ParaDecodeModel:
         settings = dict(config=config, max_new_tokens=length, ignore_eos=True, lookup_shared=False)
         saved = self.speculation, self._warned_full, self._warned_untrained, self._warned_idle
         self.speculation = Speculation(self.backend.spec.num_layers)
+        self._warned_full = self._warned_untrained = self._warned_idle = True  # said by requests, not the warm-up
         try:
             self.generate(prompt_ids=prompt, **settings, mode="ar")
             self.generate(prompt_ids=prompt, **settings)

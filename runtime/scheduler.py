@@ -357,8 +357,13 @@ class ParaDecoder:
 
     def may_exit(self, end: int) -> bool:
         """Whether the frontier's newest token (at end - 1) may be emitted early now: fewer than K tokens are
-        unverified, and a successor is needed (past the last needed position the group must finish anyway)."""
-        return end <= self.last_position and len(self.tokens) - self.verified < self.K
+        unverified, and a successor is needed (past the last needed position, or after a proposed EOS, the group
+        must finish anyway)."""
+        return (
+            end <= self.last_position
+            and len(self.tokens) - self.verified < self.K
+            and self.tokens[end - 1] not in self.stops.eos
+        )
 
     def try_exit(self, group: Group, layer: int, out: HeadOutput | None = None) -> None:
         """After an exit layer: emit the frontier's newest token early if its exit head is confident enough.

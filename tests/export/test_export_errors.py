@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from paradecode.export import cli
+from paradecode.graphs import errors
 from paradecode.graphs.errors import MissingDependencyError, Terminated, UserInputError, run_command
 
 SMALL_EXPORT = ["--max-seq-len", "16", "--exit-layers", "1", "-q"]
@@ -264,6 +265,48 @@ def test_an_interrupt_deferred_past_the_works_end_is_reported_and_not_sent_later
     time.sleep(0.2)
     assert (code, result) == (130, None) and stray_sigint == []
     assert capsys.readouterr().err == "prog: interrupted\n"
+
+
+@pytest.mark.timeout(60)
+def test_no_deferred_signal_is_sent_after_the_block_has_ended(tmp_path, monkeypatch, capsys, stray_sigint):
+    """The watcher wakes (POLL_S) and waits for the GIL while the work runs Python: a work that ends in that
+    window must not get the signal sent after run_command restored the handlers (it was, every time)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # the watcher waits this long for the GIL while the work spins
+    try:
+        for trial in range(5):
+            slow_module(tmp_path, monkeypatch, f"spun{trial}", "import signal\nsignal.raise_signal(signal.SIGINT)\n")
+
+            def work(name=f"spun{trial}"):
+                __import__(name)
+                end = time.perf_counter() + errors.POLL_S * 1.5  # past the watcher's first look
+                while time.perf_counter() < end:
+                    pass
+
+            assert run_command("prog", work)[0] == 130
+            time.sleep(0.1)
+    finally:
+        sys.setswitchinterval(interval)
+    assert stray_sigint == []
+    assert capsys.readouterr().err == "prog: interrupted\n" * 5
+
+
+@pytest.mark.timeout(30)
+def test_a_deferred_interrupt_is_seen_at_once_by_a_point_of_no_return(tmp_path, monkeypatch, capsys, stray_sigint):
+    """An export checks raise_if_interrupted() before publishing: a Ctrl-C an import took a moment before must
+    stop it there, not after the folder is published."""
+    slow_module(tmp_path, monkeypatch, "just_before", "import signal\nsignal.raise_signal(signal.SIGINT)\n")
+    published = []
+
+    def work():
+        import just_before  # noqa: F401
+
+        errors.raise_if_interrupted()
+        published.append(True)
+
+    assert run_command("prog", work) == (130, None) and published == []
+    time.sleep(0.1)
+    assert stray_sigint == [] and capsys.readouterr().err == "prog: interrupted\n"
 
 
 @pytest.mark.timeout(30)

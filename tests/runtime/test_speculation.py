@@ -176,6 +176,16 @@ def test_paradecode_with_nothing_to_speculate_says_so_once(stories_export, caplo
     assert len(warnings) == 1 and "when sampling on a CPU" in warnings[0] and "mode 'ar'" in warnings[0]
 
 
+def test_a_warm_up_says_nothing_a_request_will_say(stories_export, caplog):
+    config = GenerationConfig(temperature=0.7, lookup_tokens=0, overlap="batched")
+    with load(stories_export[0]) as model, caplog.at_level("WARNING", logger="paradecode.runtime.model"):
+        model.warm_up(config)
+        assert not [r for r in caplog.records if "nothing to speculate" in r.message]
+        model.generate(prompt_ids=[1], config=config, max_new_tokens=4)
+        model.generate(prompt_ids=[1], config=config, max_new_tokens=4)
+    assert len([r for r in caplog.records if "nothing to speculate" in r.message]) == 1
+
+
 def test_adaptive_speculation_stops_exits_that_do_not_pay_and_keeps_the_output(stories_export):
     """stories260K without trained heads: at threshold 0 every token exits and nearly every exit is rolled back.
     Adaptive speculation must notice and pass most exits up, with the same tokens as plain decoding."""

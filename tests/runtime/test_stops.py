@@ -93,9 +93,11 @@ def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, mo
     assert stopped.stats.stop_reason == EOS
 
 
-def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, monkeypatch):
-    """Lookup proposes the right continuation up to and including the EOS; once the final layer accepts it,
-    ParaDecode starts nothing after it (before, it proposed again past the end and counted those tokens)."""
+@pytest.mark.parametrize("thresholds", [NEVER, 0.0], ids=["lookup alone", "every token may exit"])
+def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, monkeypatch, thresholds):
+    """Lookup proposes the right continuation up to and including the EOS; ParaDecode starts nothing after it:
+    no exit from the proposed EOS, no proposal past it once the final layer accepts it (before, it proposed again
+    past the end and counted those tokens, and with exits on it guessed and rolled back past it)."""
     with load(stories_export[0]) as model:
         prompt = [1, 5, 9, 13]
         free = model.generate(prompt_ids=prompt, max_new_tokens=20, mode="ar", ignore_eos=True).token_ids
@@ -116,11 +118,12 @@ def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, mo
         monkeypatch.setattr(ParaDecoder, "start_frontier", recording)
         monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
         result = model.generate(
-            prompt_ids=prompt, max_new_tokens=20, thresholds=NEVER, lookup_tokens=8, max_unverified=8
+            prompt_ids=prompt, max_new_tokens=20, thresholds=thresholds, lookup_tokens=8, max_unverified=8
         )
     assert result.token_ids == free[: k + 1] and result.stats.stop_reason == EOS
     assert result.stats.lookup_proposed == k and result.stats.lookup_accepted == k
     assert starts == [len(prompt)] and asked == [len(prompt)]
+    assert result.stats.exits_per_layer == {} and result.stats.rollbacks == 0
 
 
 def test_paradecode_ending_without_a_stop_decision_is_a_bug_it_reports(stories_export):
