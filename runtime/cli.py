@@ -28,7 +28,7 @@ def id_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.config import ADAPTIVE, ADAPTIVE_HELP, MODES, OVERLAPS, GenerationConfig
 
     default = GenerationConfig()
 
@@ -84,10 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--adaptive",
         choices=ADAPTIVE,
-        help="call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto "
-        "(default: for greedy decoding with the export's thresholds on a CPU in the batched overlap; there sampling, "
-        "and on CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on or off "
-        "(the export's thresholds as they are)",
+        help=ADAPTIVE_HELP,
     )
     parser.add_argument(
         "--lookup-ngram",

@@ -15,6 +15,12 @@ from paradecode.runtime.sampling import SamplingParams
 MODES = ("ar", "paradecode")
 OVERLAPS = ("auto", "streams", "batched", "both")
 ADAPTIVE = {"auto": None, "on": True, "off": False}  # `adaptive` by the name the command-line tools take
+ADAPTIVE_HELP = (  # the command-line tools' --adaptive (GenerationConfig.adaptive says why)
+    "call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto (default: "
+    "greedy decoding with the export's thresholds on a CPU in the batched overlap adapts; there sampling, and on "
+    "CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on, or off (the "
+    "export's thresholds as they are)"
+)
 
 
 def parse_threshold(text: str) -> float:

@@ -36,7 +36,7 @@ def default(config_class, name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import ADAPTIVE, MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.config import ADAPTIVE, ADAPTIVE_HELP, MODES, OVERLAPS, GenerationConfig
     from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
     serve_default = lambda name: default(ServeConfig, name)
@@ -133,9 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument(
         "--adaptive",
         choices=ADAPTIVE,
-        help="exit heads and lookup only while measured costs and acceptance say they pay (runtime/speculation.py): "
-        "auto (default: greedy requests with the export's thresholds on a CPU in the batched overlap adapt; sampled "
-        "ones call no exit heads there, nor does any request on CUDA), on or off (the export's thresholds as they are)",
+        help=ADAPTIVE_HELP,
     )
     decoding.add_argument(
         "--shared-lookup",
