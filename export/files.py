@@ -25,7 +25,7 @@ OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports an OS error
 
 
-def check_writable(output: Path) -> None:
+def check_folder_writable(output: Path) -> None:
     """Refuse early when `output` cannot be created: probe its nearest existing ancestor with a file.
 
     The ancestor is where `staged_folder` creates the first missing folder (or the staged folder).
@@ -45,6 +45,27 @@ def check_writable(output: Path) -> None:
             f"cannot create the output folder {output}: {parent} is not writable ({err.strerror}). "
             f"Choose another -o path, or make {parent} writable."
         ) from err
+
+
+def check_file_writable(path: Path, option: str) -> None:
+    """Refuse at once an output path that the end of a long run could not write: a folder, a path under a file, a
+    folder that cannot be made or written in. Probes by creating and removing a temporary file: leaves nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserInputError(f"{option} {path} is a folder; give a file name, e.g. {path / 'out'}.")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:  # the folder write_atomically would make
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserInputError(f"{option} {path}: {folder} is not a folder, so nothing can be written under it.")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as err:
+        raise UserInputError(
+            f"{option} {path} cannot be written: {folder} refuses new files ({err.strerror}). Choose another path "
+            "before the run, so that its results are not lost at the end."
+        ) from None
 
 
 @contextmanager

@@ -21,14 +21,14 @@ from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
 from paradecode.export.files import (
-    check_writable,
+    check_folder_writable,
     export_bytes,
     file_hashes,
     package_version,
     save_weights,
     staged_folder,
 )
-from paradecode.export.heads import check_heads, load_heads
+from paradecode.export.heads.file import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
 from paradecode.export.quantize import head_quantized, quantized_weights
 from paradecode.export.segments import segment_from_layers
@@ -194,7 +194,7 @@ def check_output(config: ExportConfig) -> None:
         raise UserInputError(
             f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
         )
-    check_writable(output)
+    check_folder_writable(output)
 
 
 def check_output_is_not_source(output: Path, source: ModelSource) -> None:

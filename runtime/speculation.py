@@ -13,13 +13,13 @@ while its expected gain is negative:
 - **Acceptance** (`Rate`): per exit layer, the share of head calls whose token exits and the share of exits
   the final layer accepts; for lookup, the share of proposed tokens accepted. Decayed averages too, so they
   follow the text being written.
-- **The decision**, in seconds per opportunity, the batched form of the cost model of `tools/cost_model.py`
+- **The decision**, in seconds per opportunity, the batched form of the cost model of `export/heads/cost_model.py`
   (one lane: an accepted early token's upper layers share the successor's calls):
 
       exit at layer e:  P(exit) * (saved_e - P(reject) * lost) - head_e  > 0
           saved_e = (L - e) * (layer - merge) + (final - final_merge)   what an accepted exit saves
           lost    = L * layer + final       what a rejection adds: its discarded successor's work
-      (a rejected exit still costs what an accepted one does, plus `lost`: tools/cost_model.py's per_token)
+      (a rejected exit still costs what an accepted one does, plus `lost`: export/heads/cost_model.py's per_token)
       lookup, the d-th token of a proposal:
                         P(tokens 1..d all accepted) * (L * layer + final) - (L * merge + final_merge)  > 0
 

@@ -64,7 +64,7 @@ def test_wheel_contains_every_module(tmp_path):
     for name in ("heads.safetensors", "README.md"):
         assert f"paradecode/tools/models/smollm2/{name}" in names, f"SmolLM2's {name} is missing from the wheel"
     for name in ("eval_chat.jsonl", "heads_chat.jsonl", "README.md"):
-        assert f"paradecode/tools/data/{name}" in names, f"the prompt set file {name} is missing from the wheel"
+        assert f"paradecode/export/data/{name}" in names, f"the prompt set file {name} is missing from the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in SCRIPTS:

@@ -190,7 +190,7 @@ def save_random_heads(model, path, seed: int = 0):
     """A heads file for `model` (a model folder or a GGUF file): random transforms near identity at every
     intermediate layer and a reduced vocabulary of two thirds of the token ids (so its graphs are like
     trained ones)."""
-    from paradecode.export.heads import save_heads
+    from paradecode.export.heads.file import save_heads
     from paradecode.export.source import resolve_model
 
     source = resolve_model(str(model))

@@ -16,13 +16,13 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+from paradecode.export.prompt_sets import NAMES_HELP
 from paradecode.graphs.arguments import temperature
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import ADAPTIVE, OVERLAPS, GenerationConfig
 from paradecode.tools.options import choice_list
 from paradecode.tools.peers import PEERS, PRECISIONS
-from paradecode.tools.prompt_sets import NAMES_HELP
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -218,15 +218,16 @@ def parse_thresholds(text: str) -> list[float | None]:
 
 
 def run(args) -> str:
+    from paradecode.export.files import check_file_writable
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.tools.benchmarking import opened_with_ar_baselines
-    from paradecode.tools.prompt_sets import load_prompts
-    from paradecode.tools.reporting import check_plotting, check_writable
+    from paradecode.tools.reporting import check_plotting
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
-            check_writable(path, option)  # before the run: its results are written at the end
+            check_file_writable(path, option)  # before the run: its results are written at the end
     if args.plot is not None:
         check_plotting()
     thresholds = parse_thresholds(args.thresholds)
@@ -317,9 +318,9 @@ def first_of_each_category(prompts: list, count: int) -> list:
 
 def default_prompts(model) -> list:
     """The evaluation set (`eval`) where the export has a chat template, else the built-in text prompts."""
+    from paradecode.export.prompt_sets import load_prompts
+    from paradecode.export.prompts import LabelledPrompt
     from paradecode.tools.benchmarking import DEFAULT_PROMPTS
-    from paradecode.tools.prompt_sets import load_prompts
-    from paradecode.tools.prompts import LabelledPrompt
 
     if model.chat_template is not None:
         logger.info("prompts: the evaluation set (eval), as the export has a chat template")
@@ -347,9 +348,9 @@ def prompt_ids_of(model, prompts: list) -> list[list[int]]:
 
 def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes=()) -> str:
     """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report."""
+    from paradecode.export.heads.call_costs import measure_call_costs
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
-    from paradecode.tools.call_costs import measure_call_costs
     from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
 
     manifest = main_model.manifest

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Any
 
-from paradecode.tools.call_costs import CallCosts
-from paradecode.tools.cost_model import CostModel
+from paradecode.export.heads.call_costs import CallCosts
+from paradecode.export.heads.cost_model import CostModel
 from paradecode.tools.harness import Mode, Results, Sample
 
 logger = logging.getLogger(__name__)

@@ -26,11 +26,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from paradecode.export.heads.cost_model import OVERLAPS as BOUNDED_OVERLAPS
+from paradecode.export.heads.cost_model import CostModel
 from paradecode.graphs.errors import ParadecodeError, UserInputError, run_command
 from paradecode.graphs.tensors import DTYPES
 from paradecode.runtime.backends import BACKENDS
-from paradecode.tools.cost_model import OVERLAPS as BOUNDED_OVERLAPS
-from paradecode.tools.cost_model import CostModel
 from paradecode.tools.harness import Mode, Sample
 from paradecode.tools.options import choice_list
 

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from paradecode.export.prompt_sets import NAMES_HELP
 from paradecode.graphs.errors import MissingDependencyError, UserInputError, run_command
 from paradecode.runtime.config import MODES
 from paradecode.tools.load_client import LoadSettings, Record, Target, load
-from paradecode.tools.prompt_sets import NAMES_HELP
 from paradecode.tools.server_process import ServerProcess
 
 PROG = "paradecode-loadtest"
@@ -202,10 +202,10 @@ def server_flags(name: str, args: argparse.Namespace) -> list[str]:
 def prompts_of(args: argparse.Namespace) -> list:
     """The prompts (text or a chat's messages): --prompts, else eval where the export has a chat template,
     else the built-in text prompts. Checked against the export where there is one."""
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.runtime.chat import ChatTemplate
     from paradecode.runtime.loader import open_export
     from paradecode.tools.benchmarking import DEFAULT_PROMPTS
-    from paradecode.tools.prompt_sets import load_prompts
 
     export = open_export(args.export, verify=False) if args.export is not None else None
     if export is not None and export.tokenizer_path is None:

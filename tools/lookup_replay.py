@@ -184,9 +184,9 @@ def recorded_outputs(args) -> list[dict]:
         return read_outputs(path, selection, args.max_new_tokens)
     from tqdm import tqdm
 
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.runtime import load
     from paradecode.tools.bench import first_of_each_category
-    from paradecode.tools.prompt_sets import load_prompts
 
     prompts = load_prompts(args.prompts)
     if args.per_category is not None:  # as paradecode-bench picks them, so the two can be compared
@@ -207,8 +207,8 @@ def recorded_outputs(args) -> list[dict]:
 
 def measured_costs(export: str, positions: int) -> Costs:
     """A pass and a position's cost from the export's measured call costs (layer graphs and the final head)."""
+    from paradecode.export.heads.call_costs import measure_call_costs
     from paradecode.runtime import load
-    from paradecode.tools.call_costs import measure_call_costs
 
     with load(export) as model:
         costs = measure_call_costs(model.backend, model.cache, (1, positions))

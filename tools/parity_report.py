@@ -71,8 +71,8 @@ def scorer(model):
 
 
 def report(args) -> str:
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.tools.bench import default_prompts, first_of_each_category, prompt_ids_of
-    from paradecode.tools.prompt_sets import load_prompts
 
     model = load(args.export, backend=args.backend, device=args.device)
     try:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from paradecode.export.prompt_sets import NAMES_HELP
 from paradecode.graphs.errors import run_command
-from paradecode.tools.prompt_sets import NAMES_HELP
 
 PROG = "python -m paradecode.tools.repeated_workload"
 MODES = {
@@ -85,14 +85,15 @@ def markdown(figures: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, command: str) -> str:
+    from paradecode.export.files import check_file_writable
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.runtime import load
     from paradecode.tools.bench import default_prompts, first_of_each_category, prompt_ids_of
     from paradecode.tools.benchmarking import machine
-    from paradecode.tools.prompt_sets import load_prompts
-    from paradecode.tools.reporting import check_writable, save_json
+    from paradecode.tools.reporting import save_json
 
     if args.json is not None:
-        check_writable(args.json, "--json")
+        check_file_writable(args.json, "--json")
     with load(args.export) as model:
         labelled = load_prompts(args.prompts) if args.prompts else default_prompts(model)
         if args.per_category is not None:

@@ -4,32 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from paradecode.graphs.errors import MissingDependencyError, UserInputError
-
-
-def check_writable(path: Path, option: str) -> None:
-    """Refuse at once an output path that the end of a long run could not write: a folder, a path under a file, a
-    folder that cannot be made or written in. Probes by creating and removing a temporary file: leaves nothing."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserInputError(f"{option} {path} is a folder; give a file name, e.g. {path / 'out'}.")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:  # the folder write_atomically would make
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UserInputError(f"{option} {path}: {folder} is not a folder, so nothing can be written under it.")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
-            pass
-    except OSError as err:
-        raise UserInputError(
-            f"{option} {path} cannot be written: {folder} refuses new files ({err.strerror}). Choose another path "
-            "before the run, so that its results are not lost at the end."
-        ) from None
+from paradecode.graphs.errors import MissingDependencyError
 
 
 def write_atomically(path: Path, data: bytes | str) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from paradecode.export import cli
-from paradecode.export.heads import save_heads
+from paradecode.export.heads.file import save_heads
 from paradecode.graphs.manifest import read_manifest
 
 

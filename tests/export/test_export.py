@@ -89,7 +89,7 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
     manifest = read_manifest(folder)
     model = tiny_model(family)
     from paradecode.export.families import family_for
-    from paradecode.export.heads import load_heads
+    from paradecode.export.heads.file import load_heads
     from paradecode.export.pipeline import head_weights
 
     adapter = family_for(model.config.model_type)

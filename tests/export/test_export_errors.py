@@ -573,7 +573,7 @@ def test_a_broken_model_folder_is_a_user_error(model_dirs, tmp_path, capsys, dam
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("damage", "fragments"), BROKEN_MODELS)
 def test_train_heads_refuses_a_broken_model_folder(model_dirs, tmp_path, capsys, damage, fragments):
-    from paradecode.tools import train_heads
+    from paradecode.export.heads import cli as train_heads
 
     model = tmp_path / "model"
     shutil.copytree(model_dirs["llama"], model)

@@ -175,9 +175,9 @@ def test_manifest_identity_is_the_gguf_file(tiny, exported, tmp_path):
 
 @pytest.mark.slow
 def test_heads_trained_on_the_gguf_model_match_its_export(tiny, exported, tmp_path):
-    from paradecode.export.heads import check_heads, load_heads
+    from paradecode.export.heads import cli as train_heads
+    from paradecode.export.heads.file import check_heads, load_heads
     from paradecode.graphs.manifest import read_manifest
-    from paradecode.tools import train_heads
 
     path, _ = tiny
     heads = tmp_path / "heads.safetensors"

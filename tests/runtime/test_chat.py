@@ -539,8 +539,8 @@ def write_jsonl(path: Path, prompts: list) -> Path:
 
 
 def test_bench_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
+    from paradecode.export.prompts import read_prompts
     from paradecode.tools.bench import prompt_ids_of
-    from paradecode.tools.prompts import read_prompts
 
     folder, model_dir = chat_export
     chat = CHATS["system and turns"]
@@ -558,8 +558,8 @@ def test_bench_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
 def test_train_heads_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
     from transformers import AutoTokenizer
 
-    from paradecode.tools.heads.pipeline import prompt_ids_of
-    from paradecode.tools.prompts import read_prompts
+    from paradecode.export.heads.pipeline import prompt_ids_of
+    from paradecode.export.prompts import read_prompts
 
     _, model_dir = chat_export
     chat = CHATS["system and turns"]

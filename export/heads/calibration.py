@@ -1,6 +1,6 @@
 """Exit layers and thresholds that maximise the expected decoding speed.
 
-The objective is the cost model's expected cost per token (`tools/cost_model.py`: measured call costs,
+The objective is the cost model's expected cost per token (`export/heads/cost_model.py`: measured call costs,
 the runtime's cascade, rollbacks), over held-out positions where each head's top-1 probability and
 whether its top-1 is the final layer's are known. Not a fixed precision: a low threshold exits
 often and is rejected often, a high one rarely does either, and which pays depends on how deep the
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paradecode.tools.cost_model import CostModel
+from paradecode.export.heads.cost_model import CostModel
 
 GRID = (*[round(0.05 * i, 2) for i in range(2, 20)], 0.97, 0.99)  # 0.10, 0.15, ..., 0.95, 0.97, 0.99
 MIN_SUPPORT = 20  # a candidate threshold needs at least this many held-out positions at or above it

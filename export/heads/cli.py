@@ -22,9 +22,9 @@ logger = logging.getLogger("paradecode.train_heads")
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.export.cli import MODEL_HELP, layer_list
+    from paradecode.export.heads.pipeline import COSTS, HeadsConfig
+    from paradecode.export.prompt_sets import NAMES_HELP
     from paradecode.graphs.arguments import positive_int
-    from paradecode.tools.heads.pipeline import COSTS, HeadsConfig
-    from paradecode.tools.prompt_sets import NAMES_HELP
 
     def default(name: str) -> str:
         return f"default {HeadsConfig.default(name)}"
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace):
     from paradecode.export.cli import quiet_dependency_logs
-    from paradecode.tools.heads.pipeline import HeadsConfig, train_exit_heads
+    from paradecode.export.heads.pipeline import HeadsConfig, train_exit_heads
 
     quiet_dependency_logs()
     given = {k: v for k, v in vars(args).items() if v is not None}

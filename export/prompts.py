@@ -13,7 +13,7 @@ Two formats, told apart by the file's suffix:
 the model's chat template (`paradecode-bench` with the export's, `paradecode-train-heads` with the
 tokenizer's). `read_labelled_prompts` returns them with their categories (None where a line has none,
 and for text files). `read_text_prompts` is for tools that take text only: it refuses chats with a
-clear error. The project's own prompt sets, by name, are in `paradecode.tools.prompt_sets`.
+clear error. The project's own prompt sets, by name, are in `paradecode.export.prompt_sets`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exit heads (paradecode.tools.heads): recording during batched generation, the reduced vocabulary and its
+"""Exit heads (paradecode.export.heads): recording during batched generation, the reduced vocabulary and its
 budget, distillation, the heads file through export and the runtime, the speed calibration against hand-computed
 and exhaustive references, the cost model, and the command line."""
 
@@ -13,24 +13,24 @@ import pytest
 import torch
 
 from paradecode.export.families import family_for
-from paradecode.export.heads import check_heads, load_heads
-from paradecode.graphs.errors import UserInputError
-from paradecode.runtime import load
-from paradecode.tools import train_heads
-from paradecode.tools.call_costs import CallCosts, call_costs_from_spec
-from paradecode.tools.cost_model import CostModel
-from paradecode.tools.heads.calibration import GRID, calibrate, expected_speedup
-from paradecode.tools.heads.data import generate_features, held_out_sequences, text_features
-from paradecode.tools.heads.pipeline import HeadsConfig
-from paradecode.tools.heads.training import (
+from paradecode.export.heads import cli as train_heads
+from paradecode.export.heads.calibration import GRID, calibrate, expected_speedup
+from paradecode.export.heads.call_costs import CallCosts, call_costs_from_spec
+from paradecode.export.heads.cost_model import CostModel
+from paradecode.export.heads.data import generate_features, held_out_sequences, text_features
+from paradecode.export.heads.file import check_heads, load_heads
+from paradecode.export.heads.pipeline import HeadsConfig
+from paradecode.export.heads.training import (
     Unembedding,
     evaluate_heads,
     least_squares_init,
     restricted_kl,
     teacher_log_probs,
 )
-from paradecode.tools.heads.training import train_heads as train
-from paradecode.tools.heads.vocab import frequent_tokens, head_parameters, layer_parameters, vocab_budget
+from paradecode.export.heads.training import train_heads as train
+from paradecode.export.heads.vocab import frequent_tokens, head_parameters, layer_parameters, vocab_budget
+from paradecode.graphs.errors import UserInputError
+from paradecode.runtime import load
 from tests.tiny_models import tiny_model
 
 TINY_LAYER = 48 * (2 * 72 + 2 * 24) + 3 * 48 * 80  # q/k/v/o and the gated MLP of the tiny llama: 20,736
@@ -396,7 +396,7 @@ def test_heads_refuse_what_would_lose_the_results_before_training(model_dirs, tm
 
 
 def test_saving_heads_leaves_no_temporary_file_when_it_fails(tmp_path):
-    from paradecode.export.heads import save_heads
+    from paradecode.export.heads.file import save_heads
 
     with pytest.raises(IsADirectoryError):
         save_heads(tmp_path, {1: torch.eye(2)}, {})  # a folder: the rename fails

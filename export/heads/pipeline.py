@@ -38,7 +38,7 @@ class HeadsConfig:
     model: str
     output: Path
     exit_layers: tuple[int, ...] | None = None  # default: the export's, L/4, L/2, 3L/4
-    prompts: str | Path | None = None  # a file or a prompt set's name (`tools.prompt_sets`); default: DEFAULT_PROMPTS
+    prompts: str | Path | None = None  # a file or a prompt set's name (`export.prompt_sets`); default: DEFAULT_PROMPTS
     text: Path | None = None  # train on this text's windows instead of generations
     max_prompts: int = 120  # a larger prompt set is sampled down to this many (seeded)
     new_tokens: int = 128  # greedy tokens per prompt
@@ -70,7 +70,7 @@ class HeadsConfig:
             raise UserInputError(f"--head-budget must be a positive number of decoder layers, got {self.head_budget}.")
         if self.costs not in COSTS:
             raise UserInputError(f"--costs must be one of {', '.join(COSTS)}, got {self.costs!r}.")
-        from paradecode.tools.prompt_sets import is_evaluation_set
+        from paradecode.export.prompt_sets import is_evaluation_set
 
         if self.prompts is not None and is_evaluation_set(self.prompts):
             raise UserInputError(
@@ -120,9 +120,9 @@ def prompt_ids_of(tokenizer, prompts: list, model: str) -> list[list[int]]:
 def record(config: HeadsConfig, text: str | None, source, model, family, spec, exit_layers, generator):
     """The recording to learn from: generations of the prompts (or the windows of `text`, --text's), and its
     description."""
+    from paradecode.export.heads.data import DEFAULT_PROMPTS, generate_features, held_out_sequences, text_features
+    from paradecode.export.prompt_sets import load_prompts
     from paradecode.export.tokenizer import hf_tokenizer
-    from paradecode.tools.heads.data import DEFAULT_PROMPTS, generate_features, held_out_sequences, text_features
-    from paradecode.tools.prompt_sets import load_prompts
 
     tokenizer = hf_tokenizer(source)
     if config.text is not None:
@@ -194,7 +194,7 @@ def check_sequences(count: int) -> None:
 def split_check(held_out: torch.Tensor, sequence: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out positions as two sets of whole sequences: one chooses the thresholds, the other checks them.
     With a single held-out sequence both are that sequence (the check is then in-sample)."""
-    from paradecode.tools.heads.data import held_out_sequences
+    from paradecode.export.heads.data import held_out_sequences
 
     chosen = torch.unique(sequence[held_out])
     if len(chosen) < 2:
@@ -210,21 +210,21 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
 
     from paradecode.export.config import default_exit_layers
     from paradecode.export.families import family_for
-    from paradecode.export.heads import save_heads
+    from paradecode.export.heads.calibration import calibrate, expected_speedup
+    from paradecode.export.heads.call_costs import call_costs_from_spec
+    from paradecode.export.heads.cost_model import CostModel
+    from paradecode.export.heads.file import save_heads
+    from paradecode.export.heads.training import Unembedding, evaluate_heads, least_squares_init, train_heads
+    from paradecode.export.heads.vocab import frequent_tokens, head_parameters, layer_parameters, vocab_budget
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
-    from paradecode.tools.call_costs import call_costs_from_spec
-    from paradecode.tools.cost_model import CostModel
-    from paradecode.tools.heads.calibration import calibrate, expected_speedup
-    from paradecode.tools.heads.training import Unembedding, evaluate_heads, least_squares_init, train_heads
-    from paradecode.tools.heads.vocab import frequent_tokens, head_parameters, layer_parameters, vocab_budget
 
     started = time.perf_counter()
     hf_logging.disable_progress_bar()
-    from paradecode.tools.prompts import read_text_file
-    from paradecode.tools.reporting import check_writable
+    from paradecode.export.files import check_file_writable
+    from paradecode.export.prompts import read_text_file
 
-    check_writable(config.output, "-o")  # a folder, or a path that cannot be written: refused before the run
+    check_file_writable(config.output, "-o")  # a folder, or a path that cannot be written: refused before the run
     if config.output.exists() and not config.force:
         raise UserInputError(f"{config.output} exists. Pass --force to replace it.")
     text = read_text_file(config.text, "--text") if config.text is not None else None

@@ -1,4 +1,4 @@
-"""The one call-cost measurement (`tools/call_costs.py`), over an export's graphs and over graphs traced from a spec.
+"""The one call-cost measurement (`export/heads/call_costs.py`), over an export's graphs and over graphs from a spec.
 
 Correctness only: what is timed, through which call, and what the result holds; never how fast.
 """
@@ -9,9 +9,7 @@ from collections import Counter
 
 import pytest
 
-from paradecode.runtime.backends import backend_class
-from paradecode.runtime.loader import open_export
-from paradecode.tools.call_costs import (
+from paradecode.export.heads.call_costs import (
     CONTEXT,
     WARMUP,
     CallCosts,
@@ -19,8 +17,10 @@ from paradecode.tools.call_costs import (
     graphs_from_spec,
     measure_call_costs,
 )
-from paradecode.tools.cost_model import CostModel
-from tests.tools.test_heads import spec_of
+from paradecode.export.heads.cost_model import CostModel
+from paradecode.runtime.backends import backend_class
+from paradecode.runtime.loader import open_export
+from tests.export.heads.test_training import spec_of
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "onnxruntime"])

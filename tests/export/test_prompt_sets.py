@@ -1,4 +1,4 @@
-"""The project's prompt sets (tools/data/, HumanEval) and bench's per-category results."""
+"""The project's prompt sets (export/data/, HumanEval) and bench's per-category results."""
 
 import json
 import re
@@ -6,13 +6,15 @@ import sys
 
 import pytest
 
+from paradecode.export import prompt_sets, prompts
+from paradecode.export.heads import cli as train_heads
+from paradecode.export.prompts import LabelledPrompt
 from paradecode.graphs.errors import MissingDependencyError, UserInputError
-from paradecode.tools import benchmarking, harness, prompt_sets, prompts, reporting, train_heads
+from paradecode.tools import benchmarking, harness, reporting
 from paradecode.tools.bench import default_prompts
-from paradecode.tools.prompts import LabelledPrompt
 
 CATEGORIES = ("code", "summarisation", "qa_context", "writing", "maths")
-EVAL_COUNTS = dict.fromkeys(CATEGORIES, 10)  # as tools/data/README.md says
+EVAL_COUNTS = dict.fromkeys(CATEGORIES, 10)  # as export/data/README.md says
 HEADS_COUNTS = {"chat": 60, "code": 60, "summarisation": 24, "qa_context": 48, "writing": 60, "maths": 60}
 SHARED_WORDS = 8  # the disjointness rule: no run of this many words in both sets
 
@@ -70,7 +72,7 @@ def categories_of(labelled: list[LabelledPrompt]) -> dict[str, int]:
 
 
 def readme_counts(column: int) -> dict[str, int]:
-    """The counts per category that tools/data/README.md gives: column 0 for eval_chat.jsonl, 1 for heads_chat."""
+    """The counts per category that export/data/README.md gives: column 0 for eval_chat.jsonl, 1 for heads_chat."""
     rows = re.findall(r"^\| `(\w+)` \| (\S+) \| (\S+) \|$", (prompt_sets.DATA / "README.md").read_text(), re.M)
     return {row[0]: int(row[1 + column]) for row in rows if row[1 + column] != "-"}
 

@@ -1,4 +1,4 @@
-"""The one cost model (`tools/cost_model.py`) behind bench's bound, characterise's bound and the speed calibration.
+"""The one cost model (`export/heads/cost_model.py`) behind bench's and characterise's bounds and the calibration.
 
 The expected values below were computed, on these same inputs, by the three speedup models the cost model
 replaced (bench's `exit_bound` over its own `CallCosts`, characterise's `bounds`, the calibration's
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paradecode.export.heads.calibration import calibrate, expected_speedup
+from paradecode.export.heads.call_costs import CallCosts
+from paradecode.export.heads.cost_model import CostModel
 from paradecode.graphs.errors import UserInputError
 from paradecode.tools import characterise
 from paradecode.tools.benchmarking import exit_bound
-from paradecode.tools.call_costs import CallCosts
-from paradecode.tools.cost_model import CostModel
-from paradecode.tools.heads.calibration import calibrate, expected_speedup
 
 # bench's measurement: a layer 2 ms at T = 1 and 2.5 ms at T = 6 (K = 5), an exit head 0.8 ms, the final head 9 ms
 BENCH_COSTS = CallCosts(
@@ -28,7 +28,7 @@ BENCH_COSTS = CallCosts(
     rounds=5,
     backend="onnxruntime CPU, 2 threads",
 )
-# calibration's measurement (as in tests/tools/test_heads.py)
+# calibration's measurement (as in tests/export/heads/test_training.py)
 CALIBRATION_COSTS = CallCosts(
     layer={1: 2e-3, 2: 2.2e-3, 4: 2.6e-3},
     exit_head=1e-3,

@@ -1,7 +1,7 @@
-"""What a token costs under ParaDecode and under plain decoding: the one cost model of the measuring tools.
+"""What a token costs under ParaDecode and under plain decoding: the one cost model of the project.
 
-`paradecode-bench`'s bound (`benchmarking.exit_bound`), `paradecode-characterise`'s bound (DESIGN.md §6)
-and the speed calibration of `paradecode-train-heads` (`heads/calibration.py`) are this model with
+The speed calibration of `paradecode-train-heads` (`calibration.py`), `paradecode-bench`'s bound
+(`tools/benchmarking.py`, `exit_bound`) and `paradecode-characterise`'s bound (DESIGN.md §6) are this model with
 different costs: measured call costs (`call_costs.CallCosts`), the idealised ones of DESIGN.md §6
 (`CostModel.bound`), or parameter counts (`CostModel.estimate`).
 
@@ -43,11 +43,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from paradecode.export.heads.call_costs import CallCosts
+from paradecode.export.heads.vocab import head_parameters, layer_parameters
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.spec import ModelSpec
 from paradecode.runtime.config import OVERLAPS as RUNTIME_OVERLAPS
-from paradecode.tools.call_costs import CallCosts
-from paradecode.tools.heads.vocab import head_parameters, layer_parameters
 
 OVERLAPS = tuple(o for o in RUNTIME_OVERLAPS if o != "auto")  # `auto` is one of them, chosen per device
 MERGE_TOKENS = 2  # `merge` is measured from calls of this many positions: one early token and its successor

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from paradecode.tools.heads.data import Features
+from paradecode.export.heads.data import Features
 
 if TYPE_CHECKING:
     from paradecode.export.families import Family
