@@ -10,7 +10,9 @@ CPU single timings are noisy. On a GPU every call is waited for, or only its lau
 
 The graphs come from:
 
-- an export: the loaded model's backend, on its device (`paradecode-bench`'s bound);
+- an export: the loaded model's backend, on its device (`paradecode-bench`'s bound), or an export
+  folder loaded here on this CPU (`call_costs_of_export`: `paradecode-train-heads --costs FOLDER`
+  calibrates on a quantized export's own costs);
 - a model's spec, before any export exists (`paradecode-train-heads` calibrates the thresholds the export
   then takes in): `call_costs_from_spec` traces the spec's subgraph modules (`graphs.modules`) to ONNX with
   weights of the right shapes (a dense call's time does not depend on the values), LAYER_COPIES copies of
@@ -228,3 +230,46 @@ def call_costs_from_spec(spec: ModelSpec, exit_vocab: int, *, rounds: int = ROUN
             for buffer in cache.keys + cache.values:  # earlier positions hold values, as while decoding
                 buffer.normal_()
             return measure_call_costs(backend, cache, SPEC_TOKENS, rounds=rounds)
+
+
+def check_costs_export(folder: Path, weights_sha256: str, exit_vocab: int) -> None:
+    """Refuse, before any work, an export whose calls are not those of the heads being trained: another
+    model's, one without exit-head graphs, or one whose exit heads read another vocabulary size."""
+    from paradecode.graphs.errors import UserInputError
+    from paradecode.graphs.manifest import read_manifest
+
+    manifest = read_manifest(folder)
+    where = f"--costs {folder}"
+    if manifest.model.get("weights_sha256") != weights_sha256:
+        raise UserInputError(
+            f"{where}: the export is of another model (its weights' sha256 is "
+            f"{manifest.model.get('weights_sha256')}, this model's {weights_sha256}). Time an export of this "
+            "model, or pass --costs measured."
+        )
+    if not any(s.io.kind == "exit" for s in manifest.subgraphs):
+        raise UserInputError(
+            f"{where}: the export has no exit-head graphs (it was exported without --heads), so an exit head's call "
+            "cannot be timed there. Export it with --heads (any heads file of this model, such as one trained with "
+            "--costs measured), or pass --costs measured."
+        )
+    if manifest.head_vocab != exit_vocab:
+        raise UserInputError(
+            f"{where}: the export's exit heads read {manifest.head_vocab} tokens, these heads {exit_vocab}, so their "
+            "calls cost differently. Train with the --head-budget of the export's heads, or pass --costs measured."
+        )
+
+
+def call_costs_of_export(folder: Path, *, rounds: int = ROUNDS) -> CallCosts:
+    """`measure_call_costs` over the graphs of the export in `folder` (`check_costs_export` first), loaded by
+    the runtime on this CPU with its defaults, at SPEC_TOKENS: its own weights, quantization and operators."""
+    from paradecode.runtime import load
+
+    try:
+        model = load(folder, backend="onnxruntime", device="cpu")
+    except MissingDependencyError as err:
+        raise MissingDependencyError(
+            f"timing the export {folder} needs onnxruntime ({err}): `pip install paradecode[cpu]`, or pass "
+            "--costs measured or --costs parameters."
+        ) from err
+    with model:
+        return measure_call_costs(model.backend, model.cache, SPEC_TOKENS, rounds=rounds)

@@ -67,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--costs",
-        choices=COSTS,
-        help="call costs for the speed calibration: timed here with onnxruntime, or estimated from parameter "
-        f"counts ({default('costs')})",
+        metavar="|".join((*COSTS, "FOLDER")),
+        help="call costs for the speed calibration: measured (graphs traced from the model, float32, timed here "
+        "with onnxruntime), parameters (estimated from parameter counts), or an export of this model with exit "
+        "heads (its own graphs timed here: calibrate on the quantized export you will decode with) "
+        f"({default('costs')})",
     )
     parser.add_argument("--seed", type=int, help=f"for the held-out split and the training batches ({default('seed')})")
     parser.add_argument("--force", action="store_true", default=None, help="replace FILE if it exists")

@@ -49,7 +49,9 @@ class HeadsConfig:
     batch: int = 512  # positions per step
     held_out: float = 0.2  # share of sequences held out (half choose the thresholds, half check them)
     head_budget: float = 1.0  # a head may read at most this many decoder layers' parameters
-    costs: str = "measured"  # "measured": time the calls here; "parameters": estimate from parameter counts
+    # "measured": time graphs traced from the model's spec (float32) here; "parameters": estimate from parameter
+    # counts; an export folder of this model: time its own graphs here (its quantization, its operators)
+    costs: str = "measured"
     seed: int = 0
     force: bool = False
 
@@ -68,8 +70,11 @@ class HeadsConfig:
             raise UserInputError(f"--held-out must be a share in (0, 1), got {self.held_out}.")
         if not (math.isfinite(self.head_budget) and self.head_budget > 0):
             raise UserInputError(f"--head-budget must be a positive number of decoder layers, got {self.head_budget}.")
-        if self.costs not in COSTS:
-            raise UserInputError(f"--costs must be one of {', '.join(COSTS)}, got {self.costs!r}.")
+        if self.costs not in COSTS and not Path(self.costs).is_dir():
+            raise UserInputError(
+                f"--costs {self.costs}: expected {' or '.join(COSTS)}, or an export folder of this model whose "
+                "graphs are timed here; there is no such folder."
+            )
         from paradecode.export.prompt_sets import is_evaluation_set
 
         if self.prompts is not None and is_evaluation_set(self.prompts):
@@ -211,7 +216,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     from paradecode.export.config import default_exit_layers
     from paradecode.export.families import family_for
     from paradecode.export.heads.calibration import calibrate, expected_speedup
-    from paradecode.export.heads.call_costs import call_costs_from_spec
+    from paradecode.export.heads.call_costs import call_costs_from_spec, call_costs_of_export, check_costs_export
     from paradecode.export.heads.cost_model import CostModel
     from paradecode.export.heads.file import save_heads
     from paradecode.export.heads.training import Unembedding, evaluate_heads, least_squares_init, train_heads
@@ -237,6 +242,9 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     if bad:
         raise UserInputError(f"exit layers {bad} are out of range: choose layers within 1..{spec.num_layers - 1}.")
     size = vocab_budget(spec, config.head_budget)
+    identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
+    if config.costs not in COSTS:
+        check_costs_export(Path(config.costs), identity["weights_sha256"], size)
     generator = torch.Generator().manual_seed(config.seed)
     seconds: dict[str, float] = {"load": time.perf_counter() - started}
 
@@ -320,12 +328,15 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     seconds["evaluation"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    if config.costs == "measured":
-        call_costs = call_costs_from_spec(spec, len(vocab))
+    if config.costs == "parameters":
+        cost, measured = CostModel.estimate(spec, len(vocab)), None
+    else:
+        if config.costs == "measured":
+            call_costs = call_costs_from_spec(spec, len(vocab))
+        else:
+            call_costs = call_costs_of_export(Path(config.costs))
         cost = CostModel.measured(spec.num_layers, call_costs)
         measured = call_costs.as_dict()
-    else:
-        cost, measured = CostModel.estimate(spec, len(vocab)), None
     seconds["timing"] = time.perf_counter() - clock
     calibration_rows, check_rows = split_check(held_out, features.sequence, config.seed)
     position = {int(r): i for i, r in enumerate(rows.tolist())}
@@ -343,6 +354,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
         ),
     }
     calibration["call_costs"] = measured
+    calibration["costs"] = config.costs if config.costs in COSTS else f"export {Path(config.costs).resolve()}"
     if measured is not None:
         layer_seconds = call_costs.layer[1]
         calibration["expected_tokens_per_s"] = {
@@ -350,7 +362,6 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
             "paradecode": round(calibration["expected_speedup"] / (cost.ar() * layer_seconds), 2),
         }
     seconds["total"] = time.perf_counter() - started
-    identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
     metadata = {
         "base_model": identity["source"],
         "base_weights_sha256": identity["weights_sha256"],

@@ -304,6 +304,53 @@ def test_heads_file_round_trips_through_export_and_runtime(trained, model_dirs, 
             assert sum(exits.values()) > 0 and set(exits) <= {1, 2, 3}, exits  # the reduced heads fired
 
 
+@pytest.fixture(scope="module")
+def trained_export(trained, model_dirs, tmp_path_factory):
+    """The tiny llama exported with the `trained` heads (their 38-token vocabulary)."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("costs") / "export"
+    export_model(ExportConfig(model=str(model_dirs["llama"]), output=out, heads=trained[0], max_seq_len=64))
+    return out
+
+
+@pytest.mark.slow
+def test_heads_calibrated_on_an_exports_own_costs(trained_export, model_dirs, tmp_path):
+    """--costs FOLDER: the thresholds are chosen with the call costs of that export's graphs, timed here."""
+    out = tmp_path / "heads.safetensors"
+    args = ["--exit-layers", "1,2,3", "--steps", "5", "--new-tokens", "16", "--max-prompts", "8"]
+    args += ["--head-budget", "0.2"]
+    assert train_heads.main([str(model_dirs["llama"]), "-o", str(out), *args, "--costs", str(trained_export)]) == 0
+    calibration = load_heads(out)[1]["calibration"]
+    assert calibration["costs"] == f"export {trained_export.resolve()}"
+    measured = calibration["call_costs"]
+    assert measured["backend"].startswith("onnxruntime CPU") and measured["exit_head_vocab"] == 38
+    assert sorted(measured["layer_ms"]) == ["1", "2", "4"] and calibration["cost_model"]["source"] == "measured"
+
+
+@pytest.mark.slow
+def test_heads_refuse_an_export_whose_costs_are_not_theirs(trained_export, model_dirs, tmp_path, capsys):
+    """Each refused before the model generates: a regression would train first."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    plain = tmp_path / "plain"
+    export_model(ExportConfig(model=str(model_dirs["llama"]), output=plain, max_seq_len=64, segments=False))
+    model, out = str(model_dirs["llama"]), str(tmp_path / "h")
+    budget = ["--head-budget", "0.2"]
+    started = time.monotonic()
+    assert train_heads.main([model, "-o", out, *budget, "--costs", str(tmp_path)]) == 2
+    assert "is not a paradecode export: it has no manifest.json" in capsys.readouterr().err
+    assert train_heads.main([model, "-o", out, "--costs", str(trained_export)]) == 2  # the default budget
+    assert "the export's exit heads read 38 tokens, these heads " in capsys.readouterr().err
+    assert train_heads.main([str(model_dirs["qwen2"]), "-o", out, "--costs", str(trained_export)]) == 2
+    assert "the export is of another model" in capsys.readouterr().err
+    assert train_heads.main([model, "-o", out, *budget, "--costs", str(plain)]) == 2
+    assert "the export has no exit-head graphs (it was exported without --heads)" in capsys.readouterr().err
+    assert time.monotonic() - started < 30 and not (tmp_path / "h").exists()
+
+
 @pytest.mark.slow
 def test_heads_of_another_model_or_shape_are_refused(trained, model_dirs):
     from paradecode.export.source import resolve_model
@@ -363,8 +410,8 @@ def test_heads_cli_errors(model_dirs, tmp_path, capsys):
     assert "--head-budget 0.05 layers (1,037 parameters) leaves room for 0 tokens" in capsys.readouterr().err
     assert train_heads.main([model, "-o", str(tmp_path / "h"), "--held-out", "1.5"]) == 2
     assert "--held-out must be a share in (0, 1), got 1.5" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_heads.main([model, "-o", str(tmp_path / "h"), "--costs", "guessed"])
+    assert train_heads.main([model, "-o", str(tmp_path / "h"), "--costs", "guessed"]) == 2
+    assert "--costs guessed: expected measured or parameters, or an export folder" in capsys.readouterr().err
     assert not (tmp_path / "h").exists()
     assert f"(default {HeadsConfig.default('steps')})" in train_heads.build_parser().format_help()
 
