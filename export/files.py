@@ -1,4 +1,5 @@
-"""Writing an export: a staged folder renamed into place at the end, file modes, weights, hashes.
+"""Writing an export: a staged folder renamed into place at the end, file modes, weights, hashes; and the
+checks, before a long run, that its output (a folder, or a file such as a heads file or a report) can be written.
 
 Failures while writing leave nothing behind, and a full disk (ENOSPC) or a reached quota (EDQUOT)
 becomes an `OutOfSpaceError` that says how much the export needs, wherever in the writing it struck.
@@ -25,21 +26,30 @@ OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports an OS error
 
 
-def check_folder_writable(output: Path) -> None:
-    """Refuse early when `output` cannot be created: probe its nearest existing ancestor with a file.
+def nearest_folder(path: Path) -> Path:
+    """`path`'s nearest existing ancestor: where the first missing folder on the way to it would be made (which
+    may be a file, then nothing can be made under it)."""
+    return next(p for p in Path(path).absolute().parents if p.exists())
 
-    The ancestor is where `staged_folder` creates the first missing folder (or the staged folder).
-    A probe file, not `os.access`, so read-only mounts, ACLs and full inode tables are caught too.
-    """
-    parent = next(p for p in output.absolute().parents if p.exists())
+
+def probe_writable(folder: Path, name: str) -> None:
+    """Create and remove a file in `folder` (raises OSError where that fails): not `os.access`, so read-only
+    mounts, ACLs and full inode tables are caught too. Leaves nothing."""
+    handle, probe = tempfile.mkstemp(prefix=f".{name}.probe-", dir=folder)
+    os.close(handle)
+    os.unlink(probe)
+
+
+def check_folder_writable(output: Path) -> None:
+    """Refuse early when the output folder `output` cannot be created (where `staged_folder` creates the first
+    missing folder, or the staged folder)."""
+    parent = nearest_folder(output)
     if not parent.is_dir():
         raise UserInputError(
             f"cannot create the output folder {output}: {parent} is a file, not a folder. Choose another -o path."
         )
     try:
-        handle, probe = tempfile.mkstemp(prefix=f".{output.name}.probe-", dir=parent)
-        os.close(handle)
-        os.unlink(probe)
+        probe_writable(parent, output.name)
     except OSError as err:
         raise UserInputError(
             f"cannot create the output folder {output}: {parent} is not writable ({err.strerror}). "
@@ -48,24 +58,21 @@ def check_folder_writable(output: Path) -> None:
 
 
 def check_file_writable(path: Path, option: str) -> None:
-    """Refuse at once an output path that the end of a long run could not write: a folder, a path under a file, a
-    folder that cannot be made or written in. Probes by creating and removing a temporary file: leaves nothing."""
+    """Refuse at once an output file that the end of a long run could not write: a folder, a path under a file, a
+    folder that cannot be made or written in (the writers make missing folders)."""
     path = Path(path)
     if path.is_dir():
         raise UserInputError(f"{option} {path} is a folder; give a file name, e.g. {path / 'out'}.")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:  # the folder write_atomically would make
-        folder = folder.parent
+    folder = nearest_folder(path)
     if not folder.is_dir():
         raise UserInputError(f"{option} {path}: {folder} is not a folder, so nothing can be written under it.")
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".check"):
-            pass
+        probe_writable(folder, path.name)
     except OSError as err:
         raise UserInputError(
             f"{option} {path} cannot be written: {folder} refuses new files ({err.strerror}). Choose another path "
             "before the run, so that its results are not lost at the end."
-        ) from None
+        ) from err
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """The wheel holds every module of every subpackage under `paradecode.*`, and the console scripts."""
 
+import importlib
 import subprocess
 import sys
 import zipfile
@@ -67,5 +68,8 @@ def test_wheel_contains_every_module(tmp_path):
         assert f"paradecode/export/data/{name}" in names, f"the prompt set file {name} is missing from the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    targets = dict(line.split(" = ") for line in text.splitlines() if " = " in line)
     for script in SCRIPTS:
-        assert f"{script} = paradecode." in text
+        module, _, function = targets[script].partition(":")
+        assert module.startswith("paradecode.") and f"{module.replace('.', '/')}.py" in names, targets[script]
+        assert callable(getattr(importlib.import_module(module), function)), f"{script}: {targets[script]}"

@@ -11,9 +11,9 @@ in the wheel (tools/models/) and the runtime tells users to train them.
 - `calibration`: the exit layers and thresholds with the best expected speed by that cost model;
 - `pipeline`: all of it in order; `cli`: `paradecode-train-heads`.
 
-The one dependency of `export` on `runtime` is here: the call costs are measured by running graphs the
-way the runtime runs them (its backends), and the cost model models the runtime's overlaps. The runtime
-never imports `export`.
+The one dependency of `export` on `runtime` is here: `call_costs` measures by running graphs the way the
+runtime runs them (its loader and backends, or a loaded export; imported where used), and `cost_model`
+models the runtime's overlaps (their names). The runtime never imports `export`.
 """
 
 from paradecode.export.heads.file import check_heads, load_heads, save_heads

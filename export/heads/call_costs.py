@@ -232,19 +232,25 @@ def call_costs_from_spec(spec: ModelSpec, exit_vocab: int, *, rounds: int = ROUN
             return measure_call_costs(backend, cache, SPEC_TOKENS, rounds=rounds)
 
 
-def check_costs_export(folder: Path, weights_sha256: str, exit_vocab: int) -> None:
-    """Refuse, before any work, an export whose calls are not those of the heads being trained: another
-    model's, one without exit-head graphs, or one whose exit heads read another vocabulary size."""
-    from paradecode.graphs.errors import UserInputError
+def check_costs_export(folder: Path, identity: dict, spec: ModelSpec, exit_vocab: int) -> dict:
+    """Refuse an export whose calls are not those of the heads being trained (another model's, one without
+    exit-head graphs, one whose exit heads read another vocabulary size, one onnxruntime cannot run here);
+    return what the heads file records of it. `identity`: the model's (`ModelSource.identity`)."""
+    from paradecode.export.heads.vocab import head_parameters, layer_parameters
+    from paradecode.graphs.errors import ManifestError, UserInputError
     from paradecode.graphs.manifest import read_manifest
 
-    manifest = read_manifest(folder)
     where = f"--costs {folder}"
-    if manifest.model.get("weights_sha256") != weights_sha256:
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as err:
+        raise UserInputError(f"{where}: {err} (with --heads: its exit heads are timed too)") from err
+    theirs = manifest.model.get("weights_sha256")
+    if theirs != identity["weights_sha256"]:
         raise UserInputError(
-            f"{where}: the export is of another model (its weights' sha256 is "
-            f"{manifest.model.get('weights_sha256')}, this model's {weights_sha256}). Time an export of this "
-            "model, or pass --costs measured."
+            f"{where}: the export is of another model ({manifest.model.get('source')!r}, weights sha256 "
+            f"{str(theirs)[:12]}...) than {identity['source']!r} (sha256 {identity['weights_sha256'][:12]}...). "
+            "Time an export of this model, or pass --costs measured."
         )
     if not any(s.io.kind == "exit" for s in manifest.subgraphs):
         raise UserInputError(
@@ -252,16 +258,26 @@ def check_costs_export(folder: Path, weights_sha256: str, exit_vocab: int) -> No
             "cannot be timed there. Export it with --heads (any heads file of this model, such as one trained with "
             "--costs measured), or pass --costs measured."
         )
-    if manifest.head_vocab != exit_vocab:
+    theirs = manifest.head_vocab or manifest.spec.vocab_size
+    if theirs != exit_vocab:
+        budget = (head_parameters(spec, theirs) + spec.hidden_size / 2) / layer_parameters(spec)  # mid-interval
         raise UserInputError(
-            f"{where}: the export's exit heads read {manifest.head_vocab} tokens, these heads {exit_vocab}, so their "
-            "calls cost differently. Train with the --head-budget of the export's heads, or pass --costs measured."
+            f"{where}: the export's exit heads read {theirs} tokens, these heads {exit_vocab}, so their calls cost "
+            f"differently. Train heads of the export's size with --head-budget {budget:.6f}, or pass --costs measured."
         )
+    if manifest.dtype == "bfloat16":
+        raise UserInputError(
+            f"{where}: the export computes in bfloat16, which onnxruntime cannot run on a CPU, where the costs are "
+            "timed. Time a float32 export of this model, or pass --costs measured."
+        )
+    activations = manifest.quantization.activations if manifest.quantization else None
+    return {"export": folder.name, "dtype": manifest.dtype, "activations": activations, "ops": manifest.ops}
 
 
-def call_costs_of_export(folder: Path, *, rounds: int = ROUNDS) -> CallCosts:
-    """`measure_call_costs` over the graphs of the export in `folder` (`check_costs_export` first), loaded by
-    the runtime on this CPU with its defaults, at SPEC_TOKENS: its own weights, quantization and operators."""
+def call_costs_from_export(folder: Path, *, rounds: int = ROUNDS) -> CallCosts:
+    """`measure_call_costs` over the graphs of the export in `folder` (checked by `check_costs_export`), loaded
+    by the runtime with onnxruntime on this CPU with its defaults, at SPEC_TOKENS: its own weights, quantization
+    and operators."""
     from paradecode.runtime import load
 
     try:
@@ -269,7 +285,7 @@ def call_costs_of_export(folder: Path, *, rounds: int = ROUNDS) -> CallCosts:
     except MissingDependencyError as err:
         raise MissingDependencyError(
             f"timing the export {folder} needs onnxruntime ({err}): `pip install paradecode[cpu]`, or pass "
-            "--costs measured or --costs parameters."
+            "--costs parameters."
         ) from err
     with model:
         return measure_call_costs(model.backend, model.cache, SPEC_TOKENS, rounds=rounds)

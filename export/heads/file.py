@@ -34,6 +34,7 @@ def save_heads(
     from safetensors.torch import save_file
 
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as check_file_writable promised
     tmp = path.with_name(path.name + ".tmp")
     tensors = {f"exits.{e}.transform": t.detach().to(torch.float32).contiguous() for e, t in sorted(transforms.items())}
     if vocab is not None:

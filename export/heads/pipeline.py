@@ -1,12 +1,13 @@
 """`train_exit_heads`: a Hugging Face causal LM -> a heads file with distilled, speed-calibrated exit heads.
 
 Order of work: every check that can refuse the request (output file, model, exit layers, vocabulary
-budget, prompts) runs before the model generates anything. Then: held-out sequences are chosen;
+budget, prompts, the export `--costs` names, which is timed then: its costs depend on the vocabulary's
+size only) runs before the model generates anything. Then: held-out sequences are chosen;
 the model continues the prompts greedily in batches while hooks record what training needs
 (`data`); the reduced vocabulary is ranked from the training sequences (`vocab`); the heads start
 from the least-squares map and are distilled (`training`); the held-out positions measure the
-agreement, untrained and trained; the call costs are measured (`timing`); half of the held-out
-sequences choose the exit layers and thresholds for speed (`calibration`), the other half checks
+agreement, untrained and trained; the call costs are measured (`timing`) unless an export's were;
+half of the held-out sequences choose the exit layers and thresholds for speed (`calibration`), the other half checks
 the expected speedup of that choice. The heads file is written last, atomically.
 """
 
@@ -50,8 +51,8 @@ class HeadsConfig:
     held_out: float = 0.2  # share of sequences held out (half choose the thresholds, half check them)
     head_budget: float = 1.0  # a head may read at most this many decoder layers' parameters
     # "measured": time graphs traced from the model's spec (float32) here; "parameters": estimate from parameter
-    # counts; an export folder of this model: time its own graphs here (its quantization, its operators)
-    costs: str = "measured"
+    # counts; an export folder of this model (`costs_export`): time its own graphs here (quantization, operators)
+    costs: str | Path = "measured"
     seed: int = 0
     force: bool = False
 
@@ -70,10 +71,11 @@ class HeadsConfig:
             raise UserInputError(f"--held-out must be a share in (0, 1), got {self.held_out}.")
         if not (math.isfinite(self.head_budget) and self.head_budget > 0):
             raise UserInputError(f"--head-budget must be a positive number of decoder layers, got {self.head_budget}.")
-        if self.costs not in COSTS and not Path(self.costs).is_dir():
+        if self.costs_export is not None and (self.costs == "" or not self.costs_export.is_dir()):
+            what = "is a file" if self.costs_export.is_file() else "is no such folder"
             raise UserInputError(
-                f"--costs {self.costs}: expected {' or '.join(COSTS)}, or an export folder of this model whose "
-                "graphs are timed here; there is no such folder."
+                f"--costs {self.costs}: expected {' or '.join(COSTS)}, or an export folder of this model (the one "
+                f"holding manifest.json) whose graphs are timed here; {self.costs or 'an empty path'} {what}."
             )
         from paradecode.export.prompt_sets import is_evaluation_set
 
@@ -82,6 +84,12 @@ class HeadsConfig:
                 f"--prompts {self.prompts} is the held-out evaluation set, which heads never train on (it measures "
                 "them): train on the training set, --prompts heads, or on a file of your own."
             )
+
+    @property
+    def costs_export(self) -> Path | None:
+        """The export whose graphs are timed for the calibration, or None (`measured` or `parameters`; a folder
+        named like one of them is given as ./measured)."""
+        return None if self.costs in COSTS else Path(self.costs)
 
     @classmethod
     def default(cls, name: str):
@@ -216,7 +224,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     from paradecode.export.config import default_exit_layers
     from paradecode.export.families import family_for
     from paradecode.export.heads.calibration import calibrate, expected_speedup
-    from paradecode.export.heads.call_costs import call_costs_from_spec, call_costs_of_export, check_costs_export
+    from paradecode.export.heads.call_costs import call_costs_from_export, call_costs_from_spec, check_costs_export
     from paradecode.export.heads.cost_model import CostModel
     from paradecode.export.heads.file import save_heads
     from paradecode.export.heads.training import Unembedding, evaluate_heads, least_squares_init, train_heads
@@ -243,10 +251,14 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
         raise UserInputError(f"exit layers {bad} are out of range: choose layers within 1..{spec.num_layers - 1}.")
     size = vocab_budget(spec, config.head_budget)
     identity = source.identity()  # the same identity paradecode-export computes and check_heads compares
-    if config.costs not in COSTS:
-        check_costs_export(Path(config.costs), identity["weights_sha256"], size)
-    generator = torch.Generator().manual_seed(config.seed)
     seconds: dict[str, float] = {"load": time.perf_counter() - started}
+    costs_source, call_costs = config.costs, None
+    if config.costs_export is not None:  # refused or timed before the long work (the costs depend on `size` only)
+        costs_source = check_costs_export(config.costs_export, identity, spec, size)
+        clock = time.perf_counter()
+        call_costs = call_costs_from_export(config.costs_export)
+        seconds["timing"] = time.perf_counter() - clock
+    generator = torch.Generator().manual_seed(config.seed)
 
     clock = time.perf_counter()
     recording, data = record(config, text, source, model, family, spec, exit_layers, generator)
@@ -327,17 +339,15 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     }
     seconds["evaluation"] = time.perf_counter() - clock
 
-    clock = time.perf_counter()
     if config.costs == "parameters":
         cost, measured = CostModel.estimate(spec, len(vocab)), None
     else:
-        if config.costs == "measured":
+        if call_costs is None:
+            clock = time.perf_counter()
             call_costs = call_costs_from_spec(spec, len(vocab))
-        else:
-            call_costs = call_costs_of_export(Path(config.costs))
+            seconds["timing"] = time.perf_counter() - clock
         cost = CostModel.measured(spec.num_layers, call_costs)
         measured = call_costs.as_dict()
-    seconds["timing"] = time.perf_counter() - clock
     calibration_rows, check_rows = split_check(held_out, features.sequence, config.seed)
     position = {int(r): i for i, r in enumerate(rows.tolist())}
 
@@ -354,7 +364,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
         ),
     }
     calibration["call_costs"] = measured
-    calibration["costs"] = config.costs if config.costs in COSTS else f"export {Path(config.costs).resolve()}"
+    calibration["costs"] = costs_source  # "measured", "parameters" or what the timed export is
     if measured is not None:
         layer_seconds = call_costs.layer[1]
         calibration["expected_tokens_per_s"] = {

@@ -317,38 +317,62 @@ def trained_export(trained, model_dirs, tmp_path_factory):
 
 @pytest.mark.slow
 def test_heads_calibrated_on_an_exports_own_costs(trained_export, model_dirs, tmp_path):
-    """--costs FOLDER: the thresholds are chosen with the call costs of that export's graphs, timed here."""
-    out = tmp_path / "heads.safetensors"
+    """--costs FOLDER: the thresholds are chosen with the call costs of that export's graphs, timed here; -o
+    into a folder that does not exist yet makes it."""
+    out = tmp_path / "new" / "heads.safetensors"
     args = ["--exit-layers", "1,2,3", "--steps", "5", "--new-tokens", "16", "--max-prompts", "8"]
     args += ["--head-budget", "0.2"]
     assert train_heads.main([str(model_dirs["llama"]), "-o", str(out), *args, "--costs", str(trained_export)]) == 0
     calibration = load_heads(out)[1]["calibration"]
-    assert calibration["costs"] == f"export {trained_export.resolve()}"
+    assert calibration["costs"] == {"export": "export", "dtype": "float32", "activations": None, "ops": "fused"}
     measured = calibration["call_costs"]
     assert measured["backend"].startswith("onnxruntime CPU") and measured["exit_head_vocab"] == 38
     assert sorted(measured["layer_ms"]) == ["1", "2", "4"] and calibration["cost_model"]["source"] == "measured"
 
 
 @pytest.mark.slow
-def test_heads_refuse_an_export_whose_costs_are_not_theirs(trained_export, model_dirs, tmp_path, capsys):
-    """Each refused before the model generates: a regression would train first."""
+def test_heads_refuse_an_export_whose_costs_are_not_theirs(trained_export, model_dirs, tmp_path, capsys, monkeypatch):
     from paradecode.export.config import ExportConfig
+    from paradecode.export.heads import pipeline
     from paradecode.export.pipeline import export_model
 
     plain = tmp_path / "plain"
     export_model(ExportConfig(model=str(model_dirs["llama"]), output=plain, max_seq_len=64, segments=False))
+    (tmp_path / "file").write_text("not an export")
+
+    def generates(*args):
+        raise AssertionError("the model generated before the refusal")
+
+    monkeypatch.setattr(pipeline, "record", generates)
     model, out = str(model_dirs["llama"]), str(tmp_path / "h")
     budget = ["--head-budget", "0.2"]
-    started = time.monotonic()
-    assert train_heads.main([model, "-o", out, *budget, "--costs", str(tmp_path)]) == 2
-    assert "is not a paradecode export: it has no manifest.json" in capsys.readouterr().err
-    assert train_heads.main([model, "-o", out, "--costs", str(trained_export)]) == 2  # the default budget
-    assert "the export's exit heads read 38 tokens, these heads " in capsys.readouterr().err
-    assert train_heads.main([str(model_dirs["qwen2"]), "-o", out, "--costs", str(trained_export)]) == 2
-    assert "the export is of another model" in capsys.readouterr().err
-    assert train_heads.main([model, "-o", out, *budget, "--costs", str(plain)]) == 2
-    assert "the export has no exit-head graphs (it was exported without --heads)" in capsys.readouterr().err
-    assert time.monotonic() - started < 30 and not (tmp_path / "h").exists()
+    refusals = [
+        ([model, *budget, "--costs", str(tmp_path)], "is not a paradecode export: it has no manifest.json"),
+        ([model, *budget, "--costs", str(tmp_path / "file")], "the one holding manifest.json) whose graphs are timed"),
+        ([model, *budget, "--costs", ""], "timed here; an empty path is no such folder"),
+        ([model, "--costs", str(trained_export)], "the export's exit heads read 38 tokens, these heads "),
+        ([str(model_dirs["qwen2"]), "--costs", str(trained_export)], "the export is of another model"),
+        ([model, *budget, "--costs", str(plain)], "the export has no exit-head graphs (it was exported without"),
+    ]
+    for args, message in refusals:
+        assert train_heads.main([*args, "-o", out]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "h").exists()
+
+
+def test_heads_of_another_vocabulary_size_are_told_the_budget_of_the_exports(trained_export):
+    """The refusal names the --head-budget that gives the export's vocabulary size, and that budget does."""
+    from paradecode.export.heads.call_costs import check_costs_export
+    from paradecode.graphs.manifest import read_manifest
+
+    _, spec = spec_of("llama")
+    identity = {"weights_sha256": read_manifest(trained_export).model["weights_sha256"], "source": "tiny"}
+    with pytest.raises(UserInputError, match="--head-budget ([0-9.]+)") as refused:
+        check_costs_export(trained_export, identity, spec, 40)
+    budget = float(str(refused.value).split("--head-budget ")[1].split(",")[0])
+    assert vocab_budget(spec, budget) == 38
+    assert check_costs_export(trained_export, identity, spec, 38)["dtype"] == "float32"
 
 
 @pytest.mark.slow
