@@ -93,7 +93,7 @@ class GenerationConfig:
     lookup_length_factor: float = 1.0
     # Lookup also proposes what earlier requests' outputs on this loaded model continued with (where the request's
     # own prompt and output have no match), and this request's output joins them (runtime/lookup.py,
-    # SharedContinuations). Proposals are verified, so outputs do not change; only their speed can tell that
+    # SharedSuffixIndex). Proposals are verified, so outputs do not change; only their speed can tell that
     # an earlier request produced the same text. Off by default: measured only on a repeated workload so far.
     lookup_shared: bool = False
     # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None

@@ -9,15 +9,15 @@ frontier's batched calls and the final layer verifies it like an early exit, so 
 that of plain decoding (DESIGN.md §3).
 
 A proposer answers one question, `propose(tokens, end, count) -> list[int]`: up to `count` tokens to follow
-tokens[:end]. Its answer is a pure function of its inputs (and, for `SharedContinuations`, of what earlier
+tokens[:end]. Its answer is a pure function of its inputs (and, for `SharedSuffixIndex`, of what earlier
 requests produced); the index behind it only saves a scan. The scheduler asks its proposers in order (the
-request's own `SuffixIndex`, then a model's `SharedContinuations`) and takes the first non-empty answer.
+request's own `SuffixIndex`, then a model's `SharedSuffixIndex`) and takes the first non-empty answer.
 
 - `SuffixIndex`: the request's own prompt and verified output. The longest suffix of tokens[:end] that
   occurred earlier (up to `max_ngram` tokens long), the continuation most of those occurrences agree on, and a
   proposal no longer than `length_factor` times the match: a long match predicts further than a short one.
-- `SharedContinuations`: what followed each n-gram in earlier requests' outputs, counted (SuffixDecoding's
-  global tree, in n-gram form). Asked only where the request's own tokens have no match.
+- `SharedSuffixIndex`: the same longest match over earlier requests' outputs, with the continuation most of
+  them agree on (SuffixDecoding's global tree). Asked only where the request's own tokens have no match.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -168,75 +168,122 @@ class SuffixIndex:
         return length
 
 
-class SharedContinuations:
-    """What followed each n-gram in the outputs of a loaded model's earlier requests, counted: proposals for a
-    request from what other requests' outputs did (SuffixDecoding's global tree, in n-gram form).
+class SharedSuffixIndex:
+    """Proposals from the longest match of a request's newest tokens in earlier requests' outputs: SuffixDecoding's
+    global suffix tree, as a suffix index over a bounded corpus of the outputs a loaded model produced.
 
-    `add(prompt, output)` counts, for every n-gram of the prompt's last tokens and the output (n from its own
-    config's max_ngram down to min_ngram: 3 and 2 by default, whatever a request's own lookup matches), the token
-    that followed it. `propose(tokens, end, count)` follows, from the longest suffix of
-    tokens[:end] seen before, the continuation earlier outputs took most often, one token at a time, and stops
-    where they disagreed (the top token followed its n-gram in less than `AGREEMENT` of the cases) or nothing
-    was seen: so a proposal is as long as earlier outputs support it. Proposals are only proposals: the final
-    layer verifies each, so nothing of one request reaches another except tokens the model itself produces.
+    `add(prompt, output)` appends the output (after its prompt's last `max_ngram` tokens, so an output's first
+    tokens have a context) to the corpus, one document each, never matched across documents.
+    `propose(tokens, end, count)` answers from tokens[:end]:
 
-    Memory is bounded: past `max_contexts` n-grams the oldest are forgotten. Thread-safe (one lock): a server's
-    requests add and propose from several threads.
+    1. the match: the corpus occurrences of the longest suffix of tokens[:end], from `min_ngram` up to `max_ngram`
+       tokens long (among the newest OCCURRENCES occurrences of its last `min_ngram` tokens);
+    2. the length: at most `count`, and at most `length_factor` times the match's length (at least 1);
+    3. the continuation, a token at a time: the token most of the remaining occurrences continue with, if at
+       least AGREEMENT of them do (frequency-scored: a continuation many outputs took outranks one output's), then
+       only the occurrences that continued so; it ends where they disagree or their documents end.
+
+    Worked example (min_ngram 2, max_ngram 16, length_factor 1.0):
+
+        add([], [1, 2, 3, 4]); add([], [7, 2, 3, 5, 6]); add([], [8, 2, 3, 5, 0])
+        propose([9, 2, 3], 3, 5) -> [5, 0]   "2 3" (2 long) in all three: 4, 5, 5 follow, 2 of 3 agree on 5;
+                                             then 6 and 0 tie and the newest occurrence's wins; 2 tokens at most
+        propose([7, 2, 3], 3, 5) -> [5, 6]   "7 2 3" (3 long) in the second only: what followed it there
+        propose([9, 9, 4], 3, 5) -> []      "9 4" never occurred
+
+    Memory is bounded: a document that would take the corpus past `max_tokens` tokens first makes it forget its
+    oldest documents, down to three quarters of the bound at most, and index what it kept again (so that costs
+    O(1) per added token on average). Proposals are only
+    proposals: the final layer verifies each, so nothing of one request reaches another except tokens the model
+    itself produces. Thread-safe (one lock): a server's requests add and propose from several threads.
     """
 
     AGREEMENT = 0.5
+    OCCURRENCES = SuffixIndex.OCCURRENCES
+    SEPARATOR = -1  # between documents: never a token, so no match or continuation crosses it
 
-    def __init__(self, config: LookupConfig | None = None, max_contexts: int = 200_000):
-        # 3- and 2-grams by default: counting every size up to a request's longest match (16) would cost each
-        # output token 15 counts, in memory shared by every request
-        self.config = config or LookupConfig(max_ngram=3, min_ngram=2)
-        self.sizes = range(self.config.max_ngram, self.config.min_ngram - 1, -1)
-        self.max_contexts = max_contexts
-        # n-gram -> {following token: count}, oldest n-gram first (an OrderedDict forgets its first in O(1))
-        self.next: OrderedDict[tuple[int, ...], dict[int, int]] = OrderedDict()
+    def __init__(self, config: LookupConfig | None = None, max_tokens: int = 200_000):
+        self.config = config or LookupConfig()
+        self.max_tokens = max_tokens
+        self.corpus: list[int] = []  # documents, each followed by SEPARATOR
+        self.documents: list[int] = []  # each document's length with its separator, oldest first
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # min_ngram-gram -> corpus indices of what followed it
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self.next)
+        """Corpus tokens held (documents with their separators)."""
+        return len(self.corpus)
 
     def clear(self) -> None:
         with self.lock:
-            self.next.clear()
+            self.corpus.clear()
+            self.documents.clear()
+            self.starts.clear()
 
     def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """Count what followed every n-gram of `output` (and of the prompt's end, before the output's first token)."""
-        longest = self.config.max_ngram
-        tokens = [*prompt[-longest:], *output]
-        first = len(tokens) - len(output)  # the index of the output's first token
+        """Add `output`, after its prompt's last max_ngram tokens, as one document."""
+        document = [*prompt[-self.config.max_ngram :], *output]
+        if not output or len(document) + 1 > self.max_tokens:
+            return
         with self.lock:
-            for i in range(max(first, 1), len(tokens)):
-                for n in self.sizes:
-                    if i >= n:
-                        following = self.next.setdefault(tuple(tokens[i - n : i]), {})
-                        following[tokens[i]] = following.get(tokens[i], 0) + 1
-            while len(self.next) > self.max_contexts:  # forget the oldest n-grams
-                self.next.popitem(last=False)
+            if len(self.corpus) + len(document) + 1 > self.max_tokens:
+                self._forget(len(document) + 1)
+            self._index(len(self.corpus), document)
+            self.corpus += [*document, self.SEPARATOR]
+            self.documents.append(len(document) + 1)
 
     def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
-        """Up to `count` tokens earlier outputs agree on after tokens[:end]."""
-        context = list(tokens[max(0, end - self.config.max_ngram) : end])
-        proposals: list[int] = []
+        """Up to `count` tokens earlier outputs agree on after the longest match of tokens[:end]'s suffix."""
+        n = self.config.min_ngram
+        if count < 1 or end < n:
+            return []
         with self.lock:
+            starts = self.starts.get(tuple(tokens[end - n : end]), [])[-self.OCCURRENCES :]
+            if not starts:
+                return []
+            matched = {s: self._match(tokens, s, end) for s in starts}
+            longest = max(matched.values())
+            alive = [s for s in starts if matched[s] == longest]
+            count = min(count, max(1, int(min(self.config.length_factor * longest, count))))
+            proposals: list[int] = []
             while len(proposals) < count:
-                token = self._most_agreed(context)
-                if token is None:
+                following = [(self.corpus[s + len(proposals)], s) for s in alive]
+                votes = Counter(token for token, _ in following if token != self.SEPARATOR)
+                if not votes:
+                    break
+                newest = dict(following)  # occurrences run oldest first: each token's last one is its newest
+                token = max(votes, key=lambda t: (votes[t], newest[t]))
+                if votes[token] < self.AGREEMENT * len(following):
                     break
                 proposals.append(token)
-                context = [*context[1:], token] if len(context) >= self.config.max_ngram else [*context, token]
-        return proposals
+                alive = [s for t, s in following if t == token]
+            return proposals
 
-    def _most_agreed(self, context: list[int]) -> int | None:
-        """The token that most often followed the longest known suffix of `context`, if earlier outputs agreed."""
-        for n in self.sizes:
-            if len(context) < n:
-                continue
-            following = self.next.get(tuple(context[-n:]))
-            if following:
-                token, seen = max(following.items(), key=lambda item: item[1])
-                return token if seen >= self.AGREEMENT * sum(following.values()) else None
-        return None
+    def _match(self, tokens: Sequence[int], start: int, end: int) -> int:
+        """How many tokens before corpus index `start` equal those before tokens[end] (min_ngram already do)."""
+        length = self.config.min_ngram
+        while length < self.config.max_ngram and start - 1 - length >= 0 and end - 1 - length >= 0:
+            if self.corpus[start - 1 - length] != tokens[end - 1 - length]:  # a separator never equals a token
+                break
+            length += 1
+        return length
+
+    def _index(self, offset: int, document: Sequence[int]) -> None:
+        n = self.config.min_ngram
+        for i in range(n, len(document)):  # document[i - n : i], followed by document[i]
+            self.starts.setdefault(tuple(document[i - n : i]), []).append(offset + i)
+
+    def _forget(self, needed: int) -> None:
+        """Drop the oldest documents until `needed` more tokens fit within three quarters of the bound, and index
+        what is kept again (its indices shift)."""
+        target = min(self.max_tokens - needed, self.max_tokens * 3 // 4)
+        dropped = 0
+        while self.documents and len(self.corpus) - dropped > target:
+            dropped += self.documents.pop(0)
+        kept = self.corpus[dropped:]
+        self.corpus, self.starts = [], {}
+        offset = 0
+        for length in self.documents:
+            self._index(offset, kept[offset : offset + length - 1])
+            offset += length
+        self.corpus = kept

@@ -41,7 +41,7 @@ from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
 from paradecode.runtime.loader import open_export
-from paradecode.runtime.lookup import SharedContinuations
+from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
@@ -140,7 +140,7 @@ class ParaDecodeModel:
         # What decoding has measured of this model's call costs and acceptance: carried over between requests.
         self.speculation = Speculation(self.backend.spec.num_layers)
         # What its requests' outputs continued with, for lookup proposals across requests (runtime/lookup.py).
-        self.continuations = SharedContinuations()
+        self.continuations = SharedSuffixIndex()
         self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
         self._lock = threading.Lock()
         self._owner: int | None = None

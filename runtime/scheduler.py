@@ -27,7 +27,7 @@ One `ParaDecoder` serves one generate call; all its state is created in `__init_
   extra lane, in `streams` and `both`) only compute the next layer of pending groups.
 - Set in `__init__` and read-only after: the settings (`ctx`, `stops`, `L`, `thresholds`, `exit_head`, `fused`,
   `K`, `merge`, `side_lanes`, `exit_policy`, `last_position`, `sync`, the list `proposers`) and the lock
-  and conditions (a model's `SharedContinuations`, one of the proposers, locks itself).
+  and conditions (a model's `SharedSuffixIndex`, one of the proposers, locks itself).
 - Owned by lane 0 (only lane 0 reads or writes them): `stats` (the request's counters), `tokens`, `verified`,
   `source_of`, `lookup_depth`, `proposals`, `lookup`, `draws`, `waited`, `speculation`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): `groups`, `frontier`,
@@ -55,7 +55,7 @@ from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.completion import Stops
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, choose, prefill
 from paradecode.runtime.lanes import Future, Lane
-from paradecode.runtime.lookup import LookupConfig, Proposer, SharedContinuations, SuffixIndex
+from paradecode.runtime.lookup import LookupConfig, Proposer, SharedSuffixIndex, SuffixIndex
 from paradecode.runtime.sampling import PROPOSE, Draws, Proposal, SamplingParams, distribution, verify
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
@@ -90,7 +90,7 @@ class ParaDecoder:
         side_lanes: list[Lane],
         exit_policy=None,
         lookup: LookupConfig | None = None,
-        shared: SharedContinuations | None = None,
+        shared: SharedSuffixIndex | None = None,
         sampling: SamplingParams | None = None,
         speculation: Speculation | None = None,
     ):

@@ -11,7 +11,7 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig
-from paradecode.runtime.lookup import LookupConfig, SharedContinuations, SuffixIndex
+from paradecode.runtime.lookup import LookupConfig, SharedSuffixIndex, SuffixIndex
 from tests.parity import assert_same_tokens, export_scorer
 
 pytestmark = pytest.mark.timeout(300)
@@ -185,32 +185,45 @@ def test_lookup_output_equals_ar(loaded, family, backend, overlap, thresholds):
     assert stats.lookup_proposed > 0 and 0 <= stats.lookup_accepted <= stats.lookup_proposed
 
 
-# --- lookup over earlier requests' outputs (SharedContinuations) -------------------------------------------------
+# --- lookup over earlier requests' outputs (SharedSuffixIndex) --------------------------------------------------
 
 
-def test_shared_continuations_follow_what_earlier_outputs_agreed_on():
-    shared = SharedContinuations(LookupConfig(max_ngram=2, min_ngram=1))
-    shared.add([1, 2], [3, 4, 5, 6])
-    assert shared.propose([9, 2, 3], 3, 5) == [4, 5, 6]  # "2 3" -> 4, "3 4" -> 5, "4 5" -> 6, then nothing seen
-    assert shared.propose([9, 2, 3], 3, 2) == [4, 5]
-    assert shared.propose([7, 8], 2, 5) == [] and shared.propose([9, 2, 3], 3, 0) == []
-    shared.add([1, 2], [3, 4, 7])  # "3 4" was followed by 5 once and 7 once: half agree, the first seen wins
-    assert shared.propose([2, 3], 2, 5) == [4, 5, 6]
-    shared.add([1, 2], [3, 4, 7])  # now 7 twice against 5 once
-    assert shared.propose([2, 3], 2, 5) == [4, 7]
-    shared.add([0], [8, 1, 8, 2, 8, 3])  # "8" alone: followed by 1, 2, 3: no agreement, no proposal
+def test_shared_suffix_index_worked_example():
+    """The docstring's example: the longest match picks the documents, most of them must agree."""
+    shared = SharedSuffixIndex(LookupConfig())
+    shared.add([], [1, 2, 3, 4])
+    shared.add([], [7, 2, 3, 5, 6])
+    shared.add([], [8, 2, 3, 5, 0])
+    assert shared.propose([9, 2, 3], 3, 5) == [5, 0]  # 2 of 3 agree on 5; then 6 and 0 tie, the newest wins
+    assert shared.propose([7, 2, 3], 3, 5) == [5, 6]  # "7 2 3" matches the second document alone
+    assert shared.propose([9, 9, 4], 3, 5) == [] and shared.propose([9, 2, 3], 3, 0) == []
+    assert shared.propose([9, 2, 3], 3, 1) == [5]
+
+
+def test_shared_suffix_index_follows_agreement_and_never_crosses_documents():
+    shared = SharedSuffixIndex(LookupConfig(min_ngram=1, max_ngram=2, length_factor=float("inf")))
+    shared.add([1, 2], [3, 4, 5, 6])  # the prompt's last tokens give the output's first ones a context
+    assert shared.propose([9, 2, 3], 3, 5) == [4, 5, 6]  # then the document ends: nothing after it
+    shared.add([0], [3, 4, 7])
+    shared.add([0], [3, 4, 7])
+    assert shared.propose([9, 3], 2, 5) == [4, 7]  # "3" alone matches all three: then 7 twice against 5 once
+    assert shared.propose([2, 3], 2, 5) == [4, 5, 6]  # "2 3", the longer match, only the first document
+    shared.add([0], [8, 1, 8, 2, 8, 3])  # "8": followed by 1, 2 and 3, no agreement
     assert shared.propose([5, 8], 2, 3) == []
+    assert shared.propose([6], 1, 3) == []  # 6 ended a document: what came next in the corpus is another's
 
 
-def test_shared_continuations_stay_within_their_bound():
-    shared = SharedContinuations(LookupConfig(max_ngram=2, min_ngram=2), max_contexts=10)
+def test_shared_suffix_index_stays_within_its_bound():
+    shared = SharedSuffixIndex(LookupConfig(), max_tokens=40)
     for start in range(0, 100, 10):
-        shared.add([], list(range(start, start + 10)))
-    assert len(shared) == 10
-    assert shared.propose([0, 1], 2, 3) == []  # the oldest n-grams were forgotten
-    assert shared.propose([91, 92], 2, 3) == [93, 94, 95]  # the newest are kept
+        shared.add([], list(range(start, start + 10)))  # 11 corpus tokens each, with the separator
+        assert len(shared) <= 40
+    assert len(shared) == 33 and shared.propose([0, 1], 2, 3) == [] and shared.propose([61, 62], 2, 3) == []
+    assert shared.propose([91, 92], 2, 3) == [93, 94] and shared.propose([71, 72], 2, 3) == [73, 74]  # re-indexed
+    shared.add([], list(range(50)))  # longer than the bound: not kept
+    assert len(shared) == 33
     shared.clear()
-    assert len(shared) == 0
+    assert len(shared) == 0 and shared.propose([91, 92], 2, 3) == []
 
 
 def test_a_repeated_request_is_proposed_what_the_first_produced(stories_export):
