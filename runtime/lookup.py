@@ -23,9 +23,10 @@ request's own `SuffixIndex`, then a model's `SharedSuffixIndex`) and takes the f
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -172,16 +173,19 @@ class SharedSuffixIndex:
     """Proposals from the longest match of a request's newest tokens in earlier requests' outputs: SuffixDecoding's
     global suffix tree, as a suffix index over a bounded corpus of the outputs a loaded model produced.
 
-    `add(prompt, output)` appends the output (after its prompt's last `max_ngram` tokens, so an output's first
-    tokens have a context) to the corpus, one document each, never matched across documents.
+    `add(prompt, output)` appends the output to the corpus as one document, after its prompt's last `max_ngram`
+    tokens: those give the output's first tokens a context to be matched in, and are never proposed (another
+    request's prompt is not the model's output). No match or continuation crosses a document's end.
     `propose(tokens, end, count)` answers from tokens[:end]:
 
-    1. the match: the corpus occurrences of the longest suffix of tokens[:end], from `min_ngram` up to `max_ngram`
-       tokens long (among the newest OCCURRENCES occurrences of its last `min_ngram` tokens);
+    1. the match: the occurrences (continuing into an output) of the longest suffix of tokens[:end], from
+       `min_ngram` up to `max_ngram` tokens long, among the newest OCCURRENCES occurrences of its last LONG_KEY
+       tokens, or where those never occurred, of its last `min_ngram` tokens (so a long match in an older output
+       is found however often its last few tokens recur in newer ones);
     2. the length: at most `count`, and at most `length_factor` times the match's length (at least 1);
     3. the continuation, a token at a time: the token most of the remaining occurrences continue with, if at
-       least AGREEMENT of them do (frequency-scored: a continuation many outputs took outranks one output's), then
-       only the occurrences that continued so; it ends where they disagree or their documents end.
+       least AGREEMENT of them do (a tie goes to the newest occurrence's), then only the occurrences that
+       continued so; it ends where they disagree or their documents end.
 
     Worked example (min_ngram 2, max_ngram 16, length_factor 1.0):
 
@@ -191,23 +195,31 @@ class SharedSuffixIndex:
         propose([7, 2, 3], 3, 5) -> [5, 6]   "7 2 3" (3 long) in the second only: what followed it there
         propose([9, 9, 4], 3, 5) -> []      "9 4" never occurred
 
-    Memory is bounded: a document that would take the corpus past `max_tokens` tokens first makes it forget its
-    oldest documents, down to three quarters of the bound at most, and index what it kept again (so that costs
-    O(1) per added token on average). Proposals are only
-    proposals: the final layer verifies each, so nothing of one request reaches another except tokens the model
-    itself produces. Thread-safe (one lock): a server's requests add and propose from several threads.
+    The settings are the index's own (a model's: the defaults), not a request's: `min_ngram` and LONG_KEY key it.
+    Memory is bounded: a document that would take the corpus past `capacity` tokens first makes it forget its
+    oldest documents, each with its index entries (the oldest of every list they are in), so an `add` costs
+    what it adds and what it forgets. Proposals are only proposals: the final layer verifies each, so nothing
+    of one request reaches another except tokens the model itself produced.
+
+    Threading model: `corpus`, `base`, `documents`, `starts` and `long_starts` are read and written only while
+    holding `lock` (a server's requests add and propose from several threads); `config` and `capacity` never
+    change.
     """
 
     AGREEMENT = 0.5
     OCCURRENCES = SuffixIndex.OCCURRENCES
+    LONG_KEY = 8  # a second key: the last 8 tokens, asked first
     SEPARATOR = -1  # between documents: never a token, so no match or continuation crosses it
 
-    def __init__(self, config: LookupConfig | None = None, max_tokens: int = 200_000):
+    def __init__(self, config: LookupConfig | None = None, capacity: int = 200_000):
         self.config = config or LookupConfig()
-        self.max_tokens = max_tokens
-        self.corpus: list[int] = []  # documents, each followed by SEPARATOR
-        self.documents: list[int] = []  # each document's length with its separator, oldest first
-        self.starts: dict[tuple[int, ...], list[int]] = {}  # min_ngram-gram -> corpus indices of what followed it
+        self.capacity = capacity
+        self.corpus: list[int] = []  # the documents kept, each followed by SEPARATOR
+        self.base = 0  # the position of corpus[0]: positions count every token ever added, forgotten ones too
+        self.documents: deque[tuple[int, int]] = deque()  # (length with the separator, output's first index)
+        # the positions of what followed each min_ngram-gram (each LONG_KEY-gram), oldest first
+        self.starts: dict[tuple[int, ...], deque[int]] = {}
+        self.long_starts: dict[tuple[int, ...], deque[int]] = {}
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -216,21 +228,26 @@ class SharedSuffixIndex:
 
     def clear(self) -> None:
         with self.lock:
+            self.base += len(self.corpus)
             self.corpus.clear()
             self.documents.clear()
             self.starts.clear()
+            self.long_starts.clear()
 
     def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
-        """Add `output`, after its prompt's last max_ngram tokens, as one document."""
-        document = [*prompt[-self.config.max_ngram :], *output]
-        if not output or len(document) + 1 > self.max_tokens:
+        """Add `output`, after its prompt's last max_ngram tokens, as one document (not kept when longer than the
+        whole bound)."""
+        tail = [int(t) for t in prompt[len(prompt) - min(len(prompt), self.config.max_ngram) :]]
+        document = [*tail, *map(int, output)]
+        if len(output) == 0 or len(document) + 1 > self.capacity:
             return
         with self.lock:
-            if len(self.corpus) + len(document) + 1 > self.max_tokens:
-                self._forget(len(document) + 1)
-            self._index(len(self.corpus), document)
+            while len(self.corpus) + len(document) + 1 > self.capacity:
+                self._forget_oldest()
+            for key, index, i in self._occurrences(document, len(tail)):
+                index.setdefault(key, deque()).append(self.base + len(self.corpus) + i)
             self.corpus += [*document, self.SEPARATOR]
-            self.documents.append(len(document) + 1)
+            self.documents.append((len(document) + 1, len(tail)))
 
     def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
         """Up to `count` tokens earlier outputs agree on after the longest match of tokens[:end]'s suffix."""
@@ -238,7 +255,9 @@ class SharedSuffixIndex:
         if count < 1 or end < n:
             return []
         with self.lock:
-            starts = self.starts.get(tuple(tokens[end - n : end]), [])[-self.OCCURRENCES :]
+            found = self.long_starts.get(tuple(tokens[end - self.LONG_KEY : end])) if end >= self.LONG_KEY else None
+            found = found or self.starts.get(tuple(tokens[end - n : end]), ())
+            starts = [p - self.base for p in itertools.islice(reversed(found), self.OCCURRENCES)][::-1]
             if not starts:
                 return []
             matched = {s: self._match(tokens, s, end) for s in starts}
@@ -260,7 +279,7 @@ class SharedSuffixIndex:
             return proposals
 
     def _match(self, tokens: Sequence[int], start: int, end: int) -> int:
-        """How many tokens before corpus index `start` equal those before tokens[end] (min_ngram already do)."""
+        """How many tokens before corpus[start] equal those before tokens[end] (min_ngram already do)."""
         length = self.config.min_ngram
         while length < self.config.max_ngram and start - 1 - length >= 0 and end - 1 - length >= 0:
             if self.corpus[start - 1 - length] != tokens[end - 1 - length]:  # a separator never equals a token
@@ -268,22 +287,22 @@ class SharedSuffixIndex:
             length += 1
         return length
 
-    def _index(self, offset: int, document: Sequence[int]) -> None:
-        n = self.config.min_ngram
-        for i in range(n, len(document)):  # document[i - n : i], followed by document[i]
-            self.starts.setdefault(tuple(document[i - n : i]), []).append(offset + i)
+    def _occurrences(self, document: Sequence[int], first: int):
+        """(key, the index it goes in, i) for every occurrence in `document` whose continuation document[i] is
+        output (i >= first), oldest first: its min_ngram-gram, and its LONG_KEY-gram where it has one."""
+        n, long = self.config.min_ngram, self.LONG_KEY
+        for i in range(max(n, first), len(document)):
+            yield tuple(document[i - n : i]), self.starts, i
+            if i >= long:
+                yield tuple(document[i - long : i]), self.long_starts, i
 
-    def _forget(self, needed: int) -> None:
-        """Drop the oldest documents until `needed` more tokens fit within three quarters of the bound, and index
-        what is kept again (its indices shift)."""
-        target = min(self.max_tokens - needed, self.max_tokens * 3 // 4)
-        dropped = 0
-        while self.documents and len(self.corpus) - dropped > target:
-            dropped += self.documents.pop(0)
-        kept = self.corpus[dropped:]
-        self.corpus, self.starts = [], {}
-        offset = 0
-        for length in self.documents:
-            self._index(offset, kept[offset : offset + length - 1])
-            offset += length
-        self.corpus = kept
+    def _forget_oldest(self) -> None:
+        """Drop the oldest document and its index entries: the oldest of every list it is in."""
+        length, first = self.documents.popleft()
+        for key, index, _ in self._occurrences(self.corpus[: length - 1], first):
+            positions = index[key]
+            positions.popleft()
+            if not positions:
+                del index[key]
+        del self.corpus[:length]
+        self.base += length

@@ -140,7 +140,7 @@ class ParaDecodeModel:
         # What decoding has measured of this model's call costs and acceptance: carried over between requests.
         self.speculation = Speculation(self.backend.spec.num_layers)
         # What its requests' outputs continued with, for lookup proposals across requests (runtime/lookup.py).
-        self.continuations = SharedSuffixIndex()
+        self.shared_index = SharedSuffixIndex()
         self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -344,16 +344,16 @@ class ParaDecodeModel:
             side_lanes=self.side_lanes,
             exit_policy=exit_policy,
             lookup=config.lookup_config(),
-            shared=self.continuations if config.lookup_shared else None,
+            shared=self.shared_index if config.lookup_shared else None,
             sampling=sampling,
             speculation=self.speculation if adaptive else None,
         )
 
     def remember(self, request: Request, tokens: list[int]) -> None:
-        """Add a finished request's verified tokens to the continuations later requests' lookup proposes from."""
+        """Add a finished request's verified tokens to the outputs later requests' lookup proposes from."""
         config = request.config
         if config.lookup_shared and config.lookup_tokens and tokens:
-            self.continuations.add(request.ids, tokens)
+            self.shared_index.add(request.ids, tokens)
 
     def eos_of(self, config: GenerationConfig) -> tuple[int, ...]:
         """The tokens that end a request's output (none when it ignores end-of-sequence tokens)."""

@@ -2,7 +2,7 @@
 service sees them, to show what lookup over earlier requests' outputs (`lookup_shared`) adds.
 
 Three modes, interleaved request by request on one model: `ar`; ParaDecode with the defaults, lookup over each
-request's own prompt and output (`own`); and the same with shared lookup (`shared`: its continuations are empty at
+request's own prompt and output (`own`); and the same with shared lookup (`shared`: its index of outputs is empty at
 the start, then hold what every `shared` request before produced). Pass 1 sends every prompt once (for `shared`,
 earlier requests of the pass are other prompts: the effect on a workload that does not repeat); pass 2 sends
 them all again (it repeats). Per pass and mode: tokens/s (new tokens over decoding seconds, summed over the
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def measure(model, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     """{pass: {mode: figures}} of two passes over `prompts`, the modes interleaved request by request."""
-    model.continuations.clear()
+    model.shared_index.clear()
     passes: dict[str, dict[str, dict]] = {}
     reference: list[list[int]] = []
     for number in (1, 2):
@@ -65,7 +65,7 @@ def measure(model, prompts: list[list[int]], max_new_tokens: int) -> dict[str, A
             row["tokens_per_second"] = row["tokens"] / row["seconds"] if row["seconds"] else None
             row["vs_ar"] = row["tokens_per_second"] / ar if row["tokens_per_second"] else None
         passes[str(number)] = totals
-    return {"passes": passes, "prompts": len(prompts), "shared_contexts": len(model.continuations)}
+    return {"passes": passes, "prompts": len(prompts), "shared_tokens": len(model.shared_index)}
 
 
 def markdown(figures: dict[str, Any]) -> str:

@@ -270,18 +270,18 @@ def test_slots_a_row_has_not_reached_never_reach_its_output(loaded, backend):
 
 def test_a_batch_remembers_outputs_for_shared_lookup(loaded):
     model = loaded["llama", "onnxruntime"]
-    model.continuations.clear()
+    model.shared_index.clear()
     try:
         plain = requests_of(model, mode="paradecode", thresholds=float("inf"))
         shared = [model.request(prompt_ids=r.ids, config=r.config, lookup_shared=True) for r in plain]
         want = alone(model, plain)
-        assert len(model.continuations) == 0  # requests without lookup_shared leave nothing behind
+        assert len(model.shared_index) == 0  # requests without lookup_shared leave nothing behind
         first = generate_batched(model, shared, rows=2)
-        assert len(model.continuations) > 0
+        assert len(model.shared_index) > 0
         again = generate_batched(model, shared, rows=2)
         assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
     finally:
-        model.continuations.clear()
+        model.shared_index.clear()
 
 
 def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(loaded, monkeypatch):

@@ -7,6 +7,7 @@ import math
 import random
 from collections import Counter
 
+import numpy
 import pytest
 
 from paradecode.graphs.errors import UserInputError
@@ -214,16 +215,70 @@ def test_shared_suffix_index_follows_agreement_and_never_crosses_documents():
 
 
 def test_shared_suffix_index_stays_within_its_bound():
-    shared = SharedSuffixIndex(LookupConfig(), max_tokens=40)
+    shared = SharedSuffixIndex(LookupConfig(), capacity=40)
     for start in range(0, 100, 10):
         shared.add([], list(range(start, start + 10)))  # 11 corpus tokens each, with the separator
         assert len(shared) <= 40
     assert len(shared) == 33 and shared.propose([0, 1], 2, 3) == [] and shared.propose([61, 62], 2, 3) == []
-    assert shared.propose([91, 92], 2, 3) == [93, 94] and shared.propose([71, 72], 2, 3) == [73, 74]  # re-indexed
+    assert shared.propose([91, 92], 2, 3) == [93, 94] and shared.propose([71, 72], 2, 3) == [73, 74]
     shared.add([], list(range(50)))  # longer than the bound: not kept
     assert len(shared) == 33
     shared.clear()
     assert len(shared) == 0 and shared.propose([91, 92], 2, 3) == []
+
+
+def test_shared_suffix_index_forgets_as_a_fresh_index_of_what_it_keeps_would_be():
+    """After many documents through a small bound, the index is exactly that of the documents kept."""
+    generator = random.Random(0)
+    shared = SharedSuffixIndex(LookupConfig(), capacity=97)
+    added = []
+    for _ in range(300):
+        document = (
+            [generator.randrange(6) for _ in range(generator.randrange(4))],
+            [generator.randrange(6) for _ in range(generator.randrange(1, 12))],
+        )
+        shared.add(*document)
+        added.append(document)
+    fresh = SharedSuffixIndex(LookupConfig(), capacity=97)
+    kept = len(shared.documents)
+    for document in added[-kept:]:
+        fresh.add(*document)
+    assert fresh.corpus == shared.corpus and len(shared) <= 97
+    relative = lambda index, base: {k: [p - base for p in v] for k, v in index.items()}
+    assert relative(shared.starts, shared.base) == relative(fresh.starts, fresh.base)
+    assert relative(shared.long_starts, shared.base) == relative(fresh.long_starts, fresh.base)
+    for _ in range(200):
+        query = [generator.randrange(6) for _ in range(10)]
+        assert shared.propose(query, 10, 5) == fresh.propose(query, 10, 5)
+
+
+def test_shared_suffix_index_never_proposes_a_prompt():
+    """A document's prompt tail is context to match in, never a proposal: another request's prompt is not the
+    model's output."""
+    shared = SharedSuffixIndex(LookupConfig())
+    shared.add(list(range(100, 108)), [1, 2])
+    assert shared.propose([50, 100, 101, 102], 4, 5) == []  # what followed "101 102" was the prompt's own 103
+    assert shared.propose([105, 106, 107], 3, 5) == [1, 2]  # the output, matched from the prompt's end
+    shared.add(numpy.array([3, 4]), numpy.array([5, 6, 7]))  # arrays, as a caller may hold tokens
+    proposed = shared.propose(numpy.array([9, 4, 5]), 3, 5)
+    assert proposed == [6, 7] and all(type(t) is int for t in proposed)
+
+
+def test_shared_suffix_index_finds_a_long_match_behind_many_short_ones():
+    """A 16-token match in an old output is found even when its last tokens recur in more than OCCURRENCES
+    newer ones; a backward match stops at a document's start."""
+    shared = SharedSuffixIndex(LookupConfig(max_ngram=16))
+    context = list(range(20, 36))
+    shared.add([], [*context, 50, 51, 52])
+    for _ in range(SharedSuffixIndex.OCCURRENCES + 10):
+        shared.add([], [34, 35, 60])
+    assert shared.propose([0, *context], 17, 5) == [50, 51, 52]  # a 16-long match: up to 16 tokens
+    assert shared.propose([0, 34, 35], 3, 5) == [60]  # "34 35": the newest 64 agree on 60, then their ends
+    shared = SharedSuffixIndex(LookupConfig())
+    shared.add([], [1, 7])
+    shared.add([], [2, 3, 9])
+    shared.add([], [4, 2, 3, 8])
+    assert shared.propose([7, 2, 3], 3, 5) == [8]  # "7 | 2 3" does not match across the separator: a tie, newest
 
 
 def test_a_repeated_request_is_proposed_what_the_first_produced(stories_export):
@@ -234,9 +289,9 @@ def test_a_repeated_request_is_proposed_what_the_first_produced(stories_export):
         settings = dict(prompt="Once upon a time", max_new_tokens=40, thresholds=float("inf"), ignore_eos=True)
         want = model.generate(mode="ar", **settings).token_ids
         alone = model.generate(lookup_shared=False, **settings)
-        assert len(model.continuations) == 0  # requests without lookup_shared leave nothing behind
+        assert len(model.shared_index) == 0  # requests without lookup_shared leave nothing behind
         first = model.generate(lookup_shared=True, **settings)
-        assert len(model.continuations) > 0
+        assert len(model.shared_index) > 0
         again = model.generate(lookup_shared=True, **settings)
         assert alone.token_ids == first.token_ids == again.token_ids == want
         assert again.stats.lookup_accepted > first.stats.lookup_accepted

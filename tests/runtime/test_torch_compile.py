@@ -106,7 +106,7 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         model.warm_up(batch=batch)
         assert compile_count() > at_start  # qwen3's modules (q/k norms) are compiled by no earlier test
         assert model.speculation is speculation and speculation.times.layer.value is None  # it learned nothing
-        assert len(model.continuations) == 0
+        assert len(model.shared_index) == 0
         before = compile_count()
         model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: exits, lookup
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)

@@ -590,7 +590,7 @@ def test_repeated_workload_reports_both_passes(stories_export, tmp_path, capsys)
     table = capsys.readouterr().out
     assert "| 2 | shared |" in table and "| 1 | ar | " in table
     data = json.loads(out.read_text())
-    assert data["prompts"] == 2 and data["shared_contexts"] > 0
+    assert data["prompts"] == 2 and data["shared_tokens"] > 0
     for number in ("1", "2"):
         for mode in ("ar", "own", "shared"):
             row = data["passes"][number][mode]
