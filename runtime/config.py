@@ -17,9 +17,9 @@ OVERLAPS = ("auto", "streams", "batched", "both")
 ADAPTIVE = {"auto": None, "on": True, "off": False}  # `adaptive` by the name the command-line tools take
 ADAPTIVE_HELP = (  # the command-line tools' --adaptive (GenerationConfig.adaptive says why)
     "call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto (default: "
-    "greedy decoding with the export's thresholds on a CPU in the batched overlap adapts; there sampling, and on "
-    "CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on, or off (the "
-    "export's thresholds as they are)"
+    "greedy decoding with the export's thresholds on a CPU in the batched overlap adapts; there sampling or lookup, "
+    "and on CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on, or off "
+    "(the export's thresholds as they are)"
 )
 
 
@@ -106,9 +106,14 @@ class GenerationConfig:
     # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
     # on a CPU in the batched overlap (explicit thresholds are used as given; on a GPU a call's host time is not
     # its cost; its cost model is batched's). Elsewhere None decides once, by measurement (`skips_exits`): with
-    # the export's thresholds in the batched overlap, no exit heads (lookup only) on a GPU and when sampling on a
-    # CPU. On an H100 (SmolLM2's real weights and shipped heads, the torch backend compiled) exits + lookup ran at
-    # 0.87x of ar and lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
+    # the export's thresholds in the batched overlap, no exit heads (lookup only) on a GPU, and on a CPU when
+    # sampling or when lookup is on. On a CPU with lookup on (SmolLM2, `eval`, the five interleaved runs of
+    # 2026-11-26 on the exact int8 export): exits + lookup within 2% of lookup alone, with a worse worst category
+    # in each (0.97x-1.08x against 1.00x-1.12x) and a worse p95 token latency; on the default export 0.97x against
+    # 1.00x (tools/results/cpu-2core/, bench-smollm2-*-s6-* and -s7-*); with lookup off the exits are the
+    # speculation (exits alone 1.03x with the shipped heads). On an H100 (SmolLM2's real weights and shipped heads,
+    # the torch backend compiled) exits + lookup ran at 0.87x of ar
+    # and lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
     # (tools/results/NVIDIA-H100-80GB-HBM3/); sampling on a CPU (SmolLM2's exact int8 export, T = 0.7): exits +
     # lookup 0.97x of ar sampling, lookup alone 1.06x (tools/results/cpu-2core/, bench-smollm2-int8-exact-
     # sampling-suffix-t0.7.md). True / False: on / off (False: the export's thresholds as they are).
@@ -192,11 +197,12 @@ class GenerationConfig:
 
     def skips_exits(self, device: str, overlap: str) -> bool:
         """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's
-        thresholds in the batched overlap: on a GPU, and when sampling on a CPU, where they were measured not to
-        pay (see `adaptive`; on a GPU measured with the torch backend). `overlap` is the resolved one."""
+        thresholds in the batched overlap: on a GPU, and on a CPU when sampling or when lookup is on, where they
+        were measured not to pay (see `adaptive`; on a GPU measured with the torch backend). `overlap` is the
+        resolved one."""
         if self.adaptive is not None or self.thresholds is not None or overlap != "batched":
             return False
-        return device == "cuda" or self.temperature != 0
+        return device == "cuda" or self.temperature != 0 or self.lookup_tokens > 0
 
     def resolve_thresholds(self, defaults: Mapping[int, float], device: str, overlap: str) -> dict[int, float]:
         """Thresholds per exit layer: the export's defaults, overridden by this config; none where the defaults

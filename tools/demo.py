@@ -120,11 +120,7 @@ def run(args) -> None:
             model.prompt_ids(messages=[{"role": "user", "content": p}]) if show.chat else model.prompt_ids(p)
             for p in show.prompts
         ]
-        thresholds = {e: round(t, 3) for e, t in model.manifest.thresholds.items() if t <= 1}
-        print(
-            f"\n== ParaDecode (exit layers and thresholds {thresholds or 'none'}, {describe_defaults()}):\n",
-            file=sys.stderr,
-        )
+        print(f"\n== ParaDecode ({describe_defaults(model, show.settings)}):\n", file=sys.stderr)
         print(show.prompts[0] if show.chat else "", file=sys.stderr)
         if not show.chat:
             sys.stdout.write(show.prompts[0])
@@ -135,12 +131,20 @@ def run(args) -> None:
         print(measure(model, ar_models, prompts, args.max_new_tokens, args.repeat, show.settings))
 
 
-def describe_defaults() -> str:
+def describe_defaults(model, settings: dict) -> str:
+    """What ParaDecode does with the demo's settings on this device: its exits (the export's thresholds, or none
+    where `GenerationConfig.skips_exits` measured them not to pay), overlap, K and lookup."""
     from paradecode.runtime.config import GenerationConfig
 
-    config = GenerationConfig()
+    config = GenerationConfig(**settings)
+    thresholds = {e: round(t, 3) for e, t in model.manifest.thresholds.items() if t <= 1}
+    overlap = model.overlap_of(config)
+    if thresholds and config.skips_exits(model.backend.device.type, overlap):
+        exits = f"exit heads after layers {', '.join(map(str, thresholds))} not called here: measured not to pay"
+    else:
+        exits = f"exit layers and thresholds {thresholds or 'none'}"
     lookup = f"lookup up to {config.lookup_tokens} tokens" if config.lookup_tokens else "no lookup"
-    return f"overlap {config.overlap}, K {config.max_unverified}, {lookup}"
+    return f"{exits}, overlap {overlap}, K {config.max_unverified}, {lookup}"
 
 
 def measure(model, ar_models: dict, prompts: list[list[int]], max_new_tokens: int, repeat: int, settings: dict) -> str:

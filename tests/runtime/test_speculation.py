@@ -142,14 +142,19 @@ def test_when_adaptive_speculation_is_on():
 
 def test_the_defaults_call_no_exit_heads_where_they_were_measured_not_to_pay():
     """adaptive None decides once, by measurement, where it does not adapt: with the export's thresholds in the
-    batched overlap, no exit heads on a GPU (greedy or sampled) and when sampling on a CPU. Elsewhere, or asked
-    otherwise, the thresholds are the export's or the given."""
+    batched overlap, no exit heads on a GPU (greedy or sampled), and on a CPU when sampling or when lookup is on.
+    Elsewhere, or asked otherwise, the thresholds are the export's or the given."""
     export, never = {8: 0.9, 23: 0.8}, {8: math.inf, 23: math.inf}
     sampled, greedy = GenerationConfig(temperature=0.7), GenerationConfig()
+    assert GenerationConfig().lookup_tokens > 0  # lookup is on by default
     assert sampled.resolve_thresholds(export, "cpu", "batched") == never
     assert sampled.resolve_thresholds(export, "cuda", "batched") == never
     assert greedy.resolve_thresholds(export, "cuda", "batched") == never
-    assert greedy.resolve_thresholds(export, "cpu", "batched") == export  # greedy on a CPU: adaptive decides
+    assert greedy.resolve_thresholds(export, "cpu", "batched") == never  # with lookup: lookup alone
+    no_lookup = GenerationConfig(lookup_tokens=0)
+    assert no_lookup.resolve_thresholds(export, "cpu", "batched") == export  # the exits are the speculation
+    assert no_lookup.resolve_thresholds(export, "cuda", "batched") == never
+    assert GenerationConfig(temperature=0.7, lookup_tokens=0).resolve_thresholds(export, "cpu", "batched") == never
     for overlap in ("streams", "both"):  # not measured there
         assert sampled.resolve_thresholds(export, "cpu", overlap) == export
         assert greedy.resolve_thresholds(export, "cuda", overlap) == export
