@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threshold",
         metavar="G",
-        help="exit threshold for every exit layer, in [0, 1], or 'never' (default: the export's)",
+        help="exit threshold for every exit layer, in [0, 1], or 'never' (default: the export's; with --adaptive auto "
+        "in the batched overlap none are called on CUDA, or on a CPU when sampling or with lookup on)",
     )
     parser.add_argument("--max-unverified", type=positive_int, metavar="K", help="most unverified tokens (default 5)")
     parser.add_argument(

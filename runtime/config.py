@@ -17,9 +17,9 @@ OVERLAPS = ("auto", "streams", "batched", "both")
 ADAPTIVE = {"auto": None, "on": True, "off": False}  # `adaptive` by the name the command-line tools take
 ADAPTIVE_HELP = (  # the command-line tools' --adaptive (GenerationConfig.adaptive says why)
     "call exit heads and propose lookup tokens only while measured costs and acceptance say they pay: auto (default: "
-    "greedy decoding with the export's thresholds on a CPU in the batched overlap adapts; there sampling or lookup, "
-    "and on CUDA any decoding, with the export's thresholds calls no exit heads, measured not to pay), on, or off "
-    "(the export's thresholds as they are)"
+    "with the export's thresholds in the batched overlap, no exit heads on CUDA, nor on a CPU when sampling or with "
+    "lookup on, measured not to pay; greedy CPU decoding with --lookup 0 adapts its exits), on, or off (the "
+    "export's thresholds as they are)"
 )
 
 
@@ -104,16 +104,17 @@ class GenerationConfig:
     seed: int | None = None
     # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
     # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
-    # on a CPU in the batched overlap (explicit thresholds are used as given; on a GPU a call's host time is not
-    # its cost; its cost model is batched's). Elsewhere None decides once, by measurement (`skips_exits`): with
-    # the export's thresholds in the batched overlap, no exit heads (lookup only) on a GPU, and on a CPU when
-    # sampling or when lookup is on. On a CPU with lookup on (SmolLM2, `eval`, the five interleaved runs of
-    # 2026-11-26 on the exact int8 export): exits + lookup within 2% of lookup alone, with a worse worst category
-    # in each (0.97x-1.08x against 1.00x-1.12x) and a worse p95 token latency; on the default export 0.97x against
-    # 1.00x (tools/results/cpu-2core/, bench-smollm2-*-s6-* and -s7-*); with lookup off the exits are the
-    # speculation (exits alone 1.03x with the shipped heads). On an H100 (SmolLM2's real weights and shipped heads,
-    # the torch backend compiled) exits + lookup ran at 0.87x of ar
-    # and lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
+    # on a CPU in the batched overlap with lookup off (explicit thresholds are used as given; on a GPU a call's
+    # host time is not its cost; its cost model is batched's). Elsewhere None decides once, by measurement
+    # (`skips_exits`): with the export's thresholds in the batched overlap, no exit heads (lookup alone, as
+    # measured: not adapting) on a GPU, and on a CPU when sampling or when lookup is on. On a CPU with lookup on
+    # (SmolLM2, `eval`, six interleaved runs of 2026-11-26 on the exact int8 export, tools/results/cpu-2core/
+    # bench-smollm2-int8-exact-{s6-peers,s7-*,suffix-lookup-peers}.md): exits + lookup within 2% of lookup alone,
+    # with a worse worst category in five (0.97x-1.08x against 1.00x-1.12x; the sixth 1.06x against 1.03x) and a
+    # worse p95 token latency in each; on the default export 0.97x against 1.00x (bench-smollm2-default-export-
+    # s7.md); with lookup off the exits are the speculation (exits alone 1.03x with the shipped heads). On an H100
+    # (SmolLM2's real weights and shipped heads, the torch backend compiled) exits + lookup ran at 0.87x of ar and
+    # lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
     # (tools/results/NVIDIA-H100-80GB-HBM3/); sampling on a CPU (SmolLM2's exact int8 export, T = 0.7): exits +
     # lookup 0.97x of ar sampling, lookup alone 1.06x (tools/results/cpu-2core/, bench-smollm2-int8-exact-
     # sampling-suffix-t0.7.md). True / False: on / off (False: the export's thresholds as they are).
@@ -193,7 +194,8 @@ class GenerationConfig:
         is the resolved one (its cost model is `batched`'s)."""
         if self.adaptive is not None:
             return self.adaptive
-        return self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
+        greedy_cpu = self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
+        return greedy_cpu and not self.skips_exits(device, overlap)  # lookup alone, as measured, does not adapt
 
     def skips_exits(self, device: str, overlap: str) -> bool:
         """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's

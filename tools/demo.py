@@ -60,6 +60,9 @@ SHOWCASES = {
         max_seq_len=384,
         fused_exits=True,
         chat=False,
+        # The toy's exits pay (tools/demo_model/README.md), where SmolLM2's do not beside lookup, which made the
+        # CPU defaults call no exit heads with lookup on (GenerationConfig.skips_exits): adapting, the toy calls them.
+        settings={"adaptive": True},
         # No trailing newline: the tokenizer merges a newline with the next line's indentation ("\n    " is
         # one token), so a prompt cut after "\n" asks for a continuation the model has rarely seen.
         prompts=(
@@ -140,7 +143,8 @@ def describe_defaults(model, settings: dict) -> str:
     thresholds = {e: round(t, 3) for e, t in model.manifest.thresholds.items() if t <= 1}
     overlap = model.overlap_of(config)
     if thresholds and config.skips_exits(model.backend.device.type, overlap):
-        exits = f"exit heads after layers {', '.join(map(str, thresholds))} not called here: measured not to pay"
+        layers = ", ".join(map(str, thresholds))
+        exits = f"exit heads after layers {layers} not called: beside lookup, measured not to pay"
     else:
         exits = f"exit layers and thresholds {thresholds or 'none'}"
     lookup = f"lookup up to {config.lookup_tokens} tokens" if config.lookup_tokens else "no lookup"

@@ -130,7 +130,8 @@ def test_a_depth_is_learned_only_from_the_tokens_judged_there():
 
 
 def test_when_adaptive_speculation_is_on():
-    assert GenerationConfig().adapts("cpu")
+    assert GenerationConfig(lookup_tokens=0).adapts("cpu")  # the exits alone (with lookup on, lookup alone: no)
+    assert not GenerationConfig().adapts("cpu")
     assert not GenerationConfig().adapts("cuda")  # a call's host time is not its cost there
     assert not GenerationConfig(thresholds=0.5).adapts("cpu")  # explicit thresholds are used as given
     assert not GenerationConfig(temperature=0.7).adapts("cpu")  # a seed must reproduce its sequence
@@ -155,6 +156,9 @@ def test_the_defaults_call_no_exit_heads_where_they_were_measured_not_to_pay():
     assert no_lookup.resolve_thresholds(export, "cpu", "batched") == export  # the exits are the speculation
     assert no_lookup.resolve_thresholds(export, "cuda", "batched") == never
     assert GenerationConfig(temperature=0.7, lookup_tokens=0).resolve_thresholds(export, "cpu", "batched") == never
+    # lookup alone, as measured, does not adapt; the exits alone (lookup off) do
+    assert not greedy.adapts("cpu", "batched") and no_lookup.adapts("cpu", "batched")
+    assert GenerationConfig(adaptive=True).adapts("cpu", "batched")
     for overlap in ("streams", "both"):  # not measured there
         assert sampled.resolve_thresholds(export, "cpu", overlap) == export
         assert greedy.resolve_thresholds(export, "cuda", overlap) == export

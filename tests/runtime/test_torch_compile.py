@@ -108,7 +108,7 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         assert model.speculation is speculation and speculation.times.layer.value is None  # it learned nothing
         assert len(model.shared_index) == 0
         before = compile_count()
-        model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: exits, lookup
+        model.generate(prompt_ids=PROMPT * 4, max_new_tokens=24, ignore_eos=True)  # the defaults: lookup (exits below)
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
         model.generate(prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True)
         requests = [model.request(prompt_ids=p, max_new_tokens=12, mode="ar") for p in ([5, 6], [7, 8, 9])]
