@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from paradecode.graphs.errors import MissingDependencyError
+from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
     HIDDEN,
@@ -237,7 +237,6 @@ def check_costs_export(folder: Path, identity: dict, spec: ModelSpec, exit_vocab
     exit-head graphs, one whose exit heads read another vocabulary size, one onnxruntime cannot run here);
     return what the heads file records of it. `identity`: the model's (`ModelSource.identity`)."""
     from paradecode.export.heads.vocab import head_parameters, layer_parameters
-    from paradecode.graphs.errors import ManifestError, UserInputError
     from paradecode.graphs.manifest import read_manifest
 
     where = f"--costs {folder}"
