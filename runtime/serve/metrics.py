@@ -13,7 +13,11 @@ replica workers update them, the event loop renders them.
     paradecode_e2e_request_latency_seconds            arrival to the response's last byte
     paradecode_early_exits_total{layer}               early tokens proposed at each exit layer
     paradecode_early_exits_accepted_total{layer}      ... and verified by the final layer
-    paradecode_rollbacks_total
+    paradecode_lookup_proposed_tokens_total           tokens prompt lookup proposed (vLLM's spec_decode_num_draft_tokens
+                                                      for its n-gram proposer)
+    paradecode_lookup_accepted_tokens_total           ... and the final layer verified (spec_decode_num_accepted_tokens)
+    paradecode_rollbacks_total                        proposed tokens (of exits or lookup) the final layer rejected,
+                                                      discarding what followed
     paradecode_requests_waiting / _requests_running   the queue depth, and requests being decoded
     paradecode_batch_size                             requests in a batch's last step (batching replicas)
     paradecode_batch_steps_total{speculation}         batch steps: `on` (one request alone, with ParaDecode's
@@ -80,7 +84,17 @@ class Metrics(PoolMetrics):
             ("layer",),
             registry=registry,
         )
-        self.rollbacks = Counter("paradecode_rollbacks", "Rejected early tokens (rollbacks)", registry=registry)
+        self.lookup_proposed = Counter(
+            "paradecode_lookup_proposed_tokens", "Tokens proposed by prompt lookup", registry=registry
+        )
+        self.lookup_accepted = Counter(
+            "paradecode_lookup_accepted_tokens", "Lookup's proposed tokens the final layer verified", registry=registry
+        )
+        self.rollbacks = Counter(
+            "paradecode_rollbacks",
+            "Rollbacks: proposed tokens (of exit heads or lookup) the final layer rejected",
+            registry=registry,
+        )
         self.waiting = Gauge("paradecode_requests_waiting", "Requests waiting for a replica", registry=registry)
         self.running = Gauge("paradecode_requests_running", "Requests being decoded", registry=registry)
         Gauge("paradecode_replicas", "Models loaded in this server", registry=registry).set(replicas)
@@ -130,6 +144,8 @@ class Metrics(PoolMetrics):
             self.exits.labels(str(layer)).inc(count)
         for layer, count in stats.accepted_per_layer.items():
             self.accepted.labels(str(layer)).inc(count)
+        self.lookup_proposed.inc(stats.lookup_proposed)
+        self.lookup_accepted.inc(stats.lookup_accepted)
         self.rollbacks.inc(stats.rollbacks)
 
     # --- the app's reports -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Field names follow OpenAI's API and vLLM's extensions: `choices[0].stop_reason` (the stop string or
 end-of-sequence token that ended the choice), `token_ids` / `prompt_token_ids` (with
 `return_token_ids`). ParaDecode's own statistics of the request are in an extra top-level field,
-`paradecode`: exits and accepted tokens per exit layer, rollbacks, speed, and why decoding stopped.
+`paradecode`: exits and accepted tokens per exit layer, lookup's proposed and accepted tokens, rollbacks, speed,
+and why decoding stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def paradecode_stats(result: GenerationResult, queue_seconds: float) -> dict[str
         "overlap": stats.overlap,
         "exits_per_layer": {str(k): v for k, v in sorted(stats.exits_per_layer.items())},
         "accepted_per_layer": {str(k): v for k, v in sorted(stats.accepted_per_layer.items())},
+        "lookup_proposed": stats.lookup_proposed,
+        "lookup_accepted": stats.lookup_accepted,
         "rollbacks": stats.rollbacks,
         "tokens_per_second": stats.tokens_per_second,
         "queue_seconds": queue_seconds,

@@ -65,6 +65,10 @@ def check_stats(stats: dict, result) -> None:
     """The response's `paradecode` field against the same request's GenerationResult."""
     assert stats["exits_per_layer"] == {str(k): v for k, v in result.stats.exits_per_layer.items()}
     assert stats["accepted_per_layer"] == {str(k): v for k, v in result.stats.accepted_per_layer.items()}
+    assert (stats["lookup_proposed"], stats["lookup_accepted"]) == (
+        result.stats.lookup_proposed,
+        result.stats.lookup_accepted,
+    )
     assert stats["rollbacks"] == result.stats.rollbacks
     assert sum(stats["exits_per_layer"].values()) > 0 and stats["mode"] == "paradecode"
 
@@ -536,7 +540,8 @@ def test_closing_the_pool_ends_its_jobs(served_export, monkeypatch):
 
 
 def test_metrics_count_what_was_served(serve, served_export):
-    running = serve(served_export, replicas=1)
+    # lookup from single tokens too: the random model's outputs repeat, so lookup proposes and is accepted
+    running = serve(served_export, replicas=1, generation=replace(GENERATION, lookup_min_ngram=1))
     client = running.openai()
     before = running.metrics()
     assert before[("paradecode_replicas", ())] == 1 and before[("paradecode_generation_tokens_total", ())] == 0
@@ -574,6 +579,9 @@ def test_metrics_count_what_was_served(serve, served_export):
         accepted = sum(s["accepted_per_layer"].get(layer, 0) for s in stats)
         assert after[("paradecode_early_exits_total", (("layer", layer),))] == exits
         assert after[("paradecode_early_exits_accepted_total", (("layer", layer),))] == accepted
+    for name in ("proposed", "accepted"):
+        counted = after[(f"paradecode_lookup_{name}_tokens_total", ())]
+        assert counted == sum(s[f"lookup_{name}"] for s in stats) > 0, (name, stats)
     assert after[("paradecode_rollbacks_total", ())] == sum(s["rollbacks"] for s in stats) > 0
     assert after[("paradecode_requests_waiting", ())] == 0 and after[("paradecode_requests_running", ())] == 0
 
