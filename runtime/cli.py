@@ -117,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lanes", type=positive_int, default=2, help="concurrent lanes, the calling thread included (default 2)"
     )
-    parser.add_argument("--threads", type=positive_int, help="onnxruntime threads per call (default: every core)")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="onnxruntime threads per call (default: every core, but one for a layer graph's calls with int8 "
+        "activations except a prefill of more than 16 tokens)",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",

@@ -128,8 +128,8 @@ class ParaDecodeModel:
             )
         options = {}
         if backend == "onnxruntime":
-            # None: every core per call, but one for the layers of int8-activation exports (onnxruntime_backend,
-            # measured); lane 0 alone computes in ar and in `batched` (a CPU's default overlap).
+            # None: every core per call, but one for the layer graphs' decoding calls in int8-activation exports
+            # (onnxruntime_backend's THREADS, measured); lane 0 alone computes in ar and in `batched` (a CPU's default).
             options["threads"] = threads
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs

@@ -182,6 +182,30 @@ def test_int8_layers_give_a_position_the_same_bits_at_any_token_count(int8_model
         assert torch.equal(together, alone), f"{family}: max |diff| {(together - alone).abs().max():.3e}"
 
 
+def test_a_prefill_runs_on_more_threads_and_gives_the_same_bits(quantized_exports, monkeypatch):
+    """With int8 activations a layer graph runs a prefill (a call of more than BOUND_TOKENS positions) on every core,
+    through a second session, and its other calls on one thread (runtime/backends/onnxruntime_backend.py, THREADS):
+    a position's results are the same bits either way. Two cores are pretended, so a one-core machine tests it too."""
+    from paradecode.runtime.backends.onnxruntime_backend import BOUND_TOKENS
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    prompt = (PROMPT * 3)[: BOUND_TOKENS + 2]
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        backend = model.backend
+        assert backend.threads == {"layers": 1, "prefill": 2, "heads": 2}
+        ctx = DecodeContext(backend, backend.allocate_cache(1), Timeline())
+        hidden = ctx.embed(MAIN, prompt, 0)
+        together = ctx.layers(MAIN, 1, ctx.num_layers, hidden, 0).clone()
+        alone = torch.cat([ctx.layers(MAIN, 1, ctx.num_layers, hidden[:, i : i + 1], i) for i in range(len(prompt))], 1)
+        assert torch.equal(together, alone), f"max |diff| {(together - alone).abs().max():.3e}"
+        threads = {name: s.get_session_options().intra_op_num_threads for name, s in backend.sessions.items()}
+        prefill = {name.removesuffix(" (prefill)") for name in threads if name.endswith(" (prefill)")}
+        layer_graphs = {sub.io.name for sub in backend.manifest.subgraphs if sub.io.kind in ("layer", "segment")}
+        assert prefill and prefill <= layer_graphs, threads
+        assert all(threads[f"{name} (prefill)"] == 2 and threads[name] == 1 for name in prefill), threads
+        assert threads["embed"] == 1 and "embed (prefill)" not in threads  # a lookup: no second session
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["batched", "streams"])
 def test_paradecode_equals_ar_exactly_with_int8_activations(int8_models, overlap):
