@@ -8,6 +8,8 @@ refactor changed none of them beyond float rounding.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from paradecode.export.heads.cost_model import CostModel
 from paradecode.graphs.errors import UserInputError
 from paradecode.tools import characterise
 from paradecode.tools.benchmarking import exit_bound
+from tests.export.heads.test_training import TINY_LAYER, spec_of
 
 # bench's measurement: a layer 2 ms at T = 1 and 2.5 ms at T = 6 (K = 5), an exit head 0.8 ms, the final head 9 ms
 BENCH_COSTS = CallCosts(
@@ -28,7 +31,7 @@ BENCH_COSTS = CallCosts(
     rounds=5,
     backend="onnxruntime CPU, 2 threads",
 )
-# calibration's measurement (as in tests/export/heads/test_training.py)
+# calibration's measurement
 CALIBRATION_COSTS = CallCosts(
     layer={1: 2e-3, 2: 2.2e-3, 4: 2.6e-3},
     exit_head=1e-3,
@@ -181,3 +184,46 @@ def test_a_streams_exit_waits_for_the_slower_lane():
     assert model.exit(8, 2) == pytest.approx(max(8 + 1.0, 2) + 0.2 + 0.1)
     both = CostModel(num_layers=10, head=0.5, merge=0.1, final=2.0, final_merge=0.2, other=0.1, overlap="both")
     assert both.exit(3, 1) == pytest.approx(max(3 + 0.5, 0.7) + 0.2 + 0.1)
+
+
+# --- from measured call costs, by hand, and from a spec's parameters ----------------------------------------
+
+
+def test_cost_model_from_measured_call_costs_by_hand():
+    costs = CALIBRATION_COSTS
+    _, spec = spec_of("llama")
+    cost = CostModel.measured(spec.num_layers, costs)
+    assert (cost.head, cost.final, cost.other) == pytest.approx((0.5, 4.0, 0.05))
+    assert (cost.merge, cost.final_merge) == pytest.approx((0.1, 0.5))  # from the T = 2 calls
+    assert cost.ar() == pytest.approx(4 + 4.0 + 0.05) and cost.lost == cost.ar()
+    json.dumps(costs.as_dict())
+
+
+def test_cost_model_charges_every_head_passed_and_every_rollback():
+    """Four positions by hand: L = 4, head 0.5, merge 0.1, final 2, final merge 0.3, embedding 0.2,
+    rollback = ar = 4 + 2 + 0.2 = 6.2."""
+    cost = CostModel(num_layers=4, head=0.5, merge=0.1, final=2.0, final_merge=0.3, other=0.2)
+    confidence = {1: torch.tensor([0.9, 0.9, 0.1, 0.1]), 2: torch.tensor([0.9, 0.1, 0.9, 0.1])}
+    agree = {1: torch.tensor([True, False, True, True]), 2: torch.ones(4, dtype=torch.bool)}
+    # exits at 1, right: 1 + 0.5 + 0.3 + 0.3 + 0.2 = 2.3; at 1, wrong: the same + 6.2;
+    # at 2 after two heads: 2 + 1 + 0.2 + 0.3 + 0.2 = 3.7; nowhere: 4 layers + 2 exit heads + final + 0.2 = 7.2
+    expected = (2.3 + 8.5 + 3.7 + 7.2) / 4
+    assert cost.paradecode((1, 2), confidence, agree, {1: 0.5, 2: 0.5}) == pytest.approx(expected)
+    assert cost.paradecode((2, 1), confidence, agree, {1: 0.5, 2: 0.5}) == pytest.approx(expected)
+    assert cost.ar() == pytest.approx(6.2) and cost.lost == pytest.approx(6.2)
+    assert CostModel(num_layers=4, head=0.5, rollback=1.0).lost == 1.0
+    assert CostModel(num_layers=4, head=0.5).final_head == 0.5  # no final head given: a full-vocabulary head
+
+
+def test_cost_model_estimate_and_validation():
+    _, spec = spec_of("llama")
+    estimate = CostModel.estimate(spec, exit_vocab=38)
+    assert estimate.num_layers == 4 and estimate.source == "parameters"
+    assert estimate.head == pytest.approx((38 * 48 + 48 * 48) / TINY_LAYER)
+    assert estimate.final == pytest.approx(97 * 48 / TINY_LAYER)
+    with pytest.raises(UserInputError, match=r"head must be .* >= 0, got -0.5"):
+        CostModel(num_layers=4, head=-0.5)
+    with pytest.raises(UserInputError, match="merge must be .* got nan"):
+        CostModel(num_layers=4, head=0.5, merge=float("nan"))
+    with pytest.raises(UserInputError, match="num_layers >= 1, got 0"):
+        CostModel(num_layers=0, head=0.5)

@@ -1,6 +1,7 @@
 """Exit heads (paradecode.export.heads): recording during batched generation, the reduced vocabulary and its
 budget, distillation, the heads file through export and the runtime, the speed calibration against hand-computed
-and exhaustive references, the cost model, and the command line."""
+and exhaustive references, and the command line (the call costs and the cost model: test_call_costs.py and
+test_cost_model.py)."""
 
 import dataclasses
 import itertools
@@ -15,7 +16,6 @@ import torch
 from paradecode.export.families import family_for
 from paradecode.export.heads import cli as train_heads
 from paradecode.export.heads.calibration import GRID, calibrate, expected_speedup
-from paradecode.export.heads.call_costs import CallCosts, call_costs_from_spec
 from paradecode.export.heads.cost_model import CostModel
 from paradecode.export.heads.data import generate_features, held_out_sequences, text_features
 from paradecode.export.heads.file import check_heads, load_heads
@@ -472,67 +472,6 @@ def test_saving_heads_leaves_no_temporary_file_when_it_fails(tmp_path):
     with pytest.raises(IsADirectoryError):
         save_heads(tmp_path, {1: torch.eye(2)}, {})  # a folder: the rename fails
     assert not (tmp_path.parent / f"{tmp_path.name}.tmp").exists()
-
-
-# --- call costs and the cost model ----------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_call_costs_are_measured_with_onnxruntime():
-    _, spec = spec_of("gpt2")  # learned positions: the embedding takes positions too
-    costs = call_costs_from_spec(spec, 20, rounds=3)
-    assert set(costs.layer) == set(costs.final_head) == {1, 2, 4}
-    assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
-    cost = CostModel.measured(spec.num_layers, costs)
-    assert cost.source == "measured" and cost.num_layers == 3 and cost.head == costs.exit_head / costs.layer[1]
-
-
-def test_cost_model_from_measured_call_costs_by_hand():
-    costs = CallCosts(
-        layer={1: 2e-3, 2: 2.2e-3, 4: 2.6e-3},
-        exit_head=1e-3,
-        final_head={1: 8e-3, 2: 9e-3, 4: 11e-3},
-        embed=1e-4,
-        exit_vocab=100,
-        rounds=5,
-        backend="onnxruntime CPU, 2 threads",
-    )
-    _, spec = spec_of("llama")
-    cost = CostModel.measured(spec.num_layers, costs)
-    assert (cost.head, cost.final, cost.other) == pytest.approx((0.5, 4.0, 0.05))
-    assert (cost.merge, cost.final_merge) == pytest.approx((0.1, 0.5))  # from the T = 2 calls
-    assert cost.ar() == pytest.approx(4 + 4.0 + 0.05) and cost.lost == cost.ar()
-    json.dumps(costs.as_dict())
-
-
-def test_cost_model_charges_every_head_passed_and_every_rollback():
-    """Four positions by hand: L = 4, head 0.5, merge 0.1, final 2, final merge 0.3, embedding 0.2,
-    rollback = ar = 4 + 2 + 0.2 = 6.2."""
-    cost = CostModel(num_layers=4, head=0.5, merge=0.1, final=2.0, final_merge=0.3, other=0.2)
-    confidence = {1: torch.tensor([0.9, 0.9, 0.1, 0.1]), 2: torch.tensor([0.9, 0.1, 0.9, 0.1])}
-    agree = {1: torch.tensor([True, False, True, True]), 2: torch.ones(4, dtype=torch.bool)}
-    # exits at 1, right: 1 + 0.5 + 0.3 + 0.3 + 0.2 = 2.3; at 1, wrong: the same + 6.2;
-    # at 2 after two heads: 2 + 1 + 0.2 + 0.3 + 0.2 = 3.7; nowhere: 4 layers + 2 exit heads + final + 0.2 = 7.2
-    expected = (2.3 + 8.5 + 3.7 + 7.2) / 4
-    assert cost.paradecode((1, 2), confidence, agree, {1: 0.5, 2: 0.5}) == pytest.approx(expected)
-    assert cost.paradecode((2, 1), confidence, agree, {1: 0.5, 2: 0.5}) == pytest.approx(expected)
-    assert cost.ar() == pytest.approx(6.2) and cost.lost == pytest.approx(6.2)
-    assert CostModel(num_layers=4, head=0.5, rollback=1.0).lost == 1.0
-    assert CostModel(num_layers=4, head=0.5).final_head == 0.5  # no final head given: a full-vocabulary head
-
-
-def test_cost_model_estimate_and_validation():
-    _, spec = spec_of("llama")
-    estimate = CostModel.estimate(spec, exit_vocab=38)
-    assert estimate.num_layers == 4 and estimate.source == "parameters"
-    assert estimate.head == pytest.approx((38 * 48 + 48 * 48) / TINY_LAYER)
-    assert estimate.final == pytest.approx(97 * 48 / TINY_LAYER)
-    with pytest.raises(UserInputError, match=r"head must be .* >= 0, got -0.5"):
-        CostModel(num_layers=4, head=-0.5)
-    with pytest.raises(UserInputError, match="merge must be .* got nan"):
-        CostModel(num_layers=4, head=0.5, merge=float("nan"))
-    with pytest.raises(UserInputError, match="num_layers >= 1, got 0"):
-        CostModel(num_layers=0, head=0.5)
 
 
 # --- the speed calibration ------------------------------------------------------------------------------------
