@@ -1,5 +1,6 @@
-"""The onnxruntime backend: one InferenceSession per subgraph, shared by every lane (on a CPU, where a layer graph's
-prefills run on more threads than its other calls, a second session for those: see THREADS).
+"""The onnxruntime backend: one InferenceSession per subgraph, shared by every lane; on a CPU, where a layer graph's
+prefills run on more threads than its other calls, a second session for those, which pre-packs a second copy of
+that graph's weights (see THREADS).
 
 `InferenceSession.run` releases the GIL and one session can run on several threads at once, so
 lanes (threads) compute in parallel without a second copy of the weights. Inputs and outputs are
@@ -38,21 +39,23 @@ NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int6
 MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
 # THREADS. `threads=None`: the layer graphs of an export with int8 activations run on one thread, except a call of
-# more than BOUND_TOKENS positions (a prompt's prefill), which runs on every core through a second session of the
-# graph (its weights pre-packed again: SmolLM2's exact int8 export holds 638 MB resident instead of 514). Other graphs
-# run on every core. Measured on this project's 2-core CPU with SmolLM2's exact int8 export
-# (tools/results/cpu-2core/prefill-threads.md, 36 interleaved runs each way, twice): a prefill of an eval prompt took
-# 0.165 s and 0.160 s against 0.299 s and 0.304 s (medians); decoding's speed did not change. Decoding's calls of a
-# few positions (ParaDecode's verifications) gain nothing from a second thread: inside decoding a segment of 7-8
-# layers at 6 positions took 5.7-6.9 ms on two threads and 6.0-6.8 ms on one
-# (tools/results/cpu-2core/position-costs.md), though back-to-back calls outside decoding took 22.4 ms a pass at 6
-# positions on two threads against 28.9 on one (not measured why; a guess: waking a pool thread that slept since the
-# last such call costs what the core gives. Letting the pool threads spin made ParaDecode 0.63x as fast, 55.0 against
-# 87.3 tokens/s in one run: they took the cores from the other calls). One position each, SmolLM2, plain decoding
-# (tools/results/cpu-2core/bench-smollm2-peers.md): int8 activations 138.4 tokens/s with layers on 1 thread and the
-# heads on 2, 130.8 all on 1, 122.8 all on 2 (the int8 kernels are fast enough that waking a second thread for each of
-# a layer's operators costs more than the core gives); float activations 97.2 all on 2 against 92.5 with layers on 1;
-# float weights 60.9 all on 2 against 55.9. A head's one large product splits well everywhere.
+# more than BOUND_TOKENS positions (in practice a prompt's prefill: a verification carries max_unverified + 1
+# positions, 6 by default), which runs on every core through a second session of the graph. That session pre-packs a
+# second copy of the graph's weights (SmolLM2's exact int8 export: 638 MB resident instead of 514) and is made at the
+# first such call; `threads=N` keeps one session per graph. Other graphs run on every core. Measured on this project's
+# 2-core CPU with SmolLM2's exact int8 export (tools/results/cpu-2core/prefill-threads.md, 36 interleaved runs each
+# way, twice): a prefill of an eval prompt took 0.165 s and 0.160 s against 0.299 s and 0.304 s (medians); decoding's
+# speed did not change. Decoding's calls of a few positions (ParaDecode's verifications) gained nothing from a second
+# thread in a prototype that ran them on one (tools/results/cpu-2core/position-costs.md: a segment of 7-8 layers at 6
+# positions took 5.7-6.9 ms inside decoding on two threads, 6.0-6.8 ms on one), though back-to-back calls outside
+# decoding took 23.7 ms a pass at 6 positions on two threads against 30.5 on one; why was not measured (a guess:
+# waking a pool thread that slept since the last such call costs what the core gives). Letting the pool threads spin
+# made ParaDecode 0.63x as fast (55.0 against 87.3 tokens/s, one run): they took the cores from the other calls. One
+# position each, SmolLM2, plain decoding (tools/results/cpu-2core/bench-smollm2-peers.md): int8 activations 138.4
+# tokens/s with layers on 1 thread and the heads on 2, 130.8 all on 1, 122.8 all on 2 (the int8 kernels are fast
+# enough that waking a second thread for each of a layer's operators costs more than the core gives); float
+# activations 97.2 all on 2 against 92.5 with layers on 1; float weights 60.9 all on 2 against 55.9. A head's one
+# large product splits well everywhere.
 
 
 def return_freed_weights_to_the_system() -> None:
@@ -252,7 +255,7 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""
         if self.device.type != "cuda":
-            return self._cpu_session(name, prefill=True)  # a call of more than BOUND_TOKENS tokens
+            return self._cpu_session(name, prefill=True)  # more than BOUND_TOKENS tokens: a prefill
         key = (name, lane)
         if key not in self._lane_sessions:
             stream = torch.cuda.current_stream(self.device).cuda_stream

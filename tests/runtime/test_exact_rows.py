@@ -200,10 +200,16 @@ def test_a_prefill_runs_on_more_threads_and_gives_the_same_bits(quantized_export
         assert torch.equal(together, alone), f"max |diff| {(together - alone).abs().max():.3e}"
         threads = {name: s.get_session_options().intra_op_num_threads for name, s in backend.sessions.items()}
         prefill = {name.removesuffix(" (prefill)") for name in threads if name.endswith(" (prefill)")}
-        layer_graphs = {sub.io.name for sub in backend.manifest.subgraphs if sub.io.kind in ("layer", "segment")}
+        kinds = ("layer", "segment", "layer_exit")
+        layer_graphs = {sub.io.name for sub in backend.manifest.subgraphs if sub.io.kind in kinds}
         assert prefill and prefill <= layer_graphs, threads
         assert all(threads[f"{name} (prefill)"] == 2 and threads[name] == 1 for name in prefill), threads
         assert threads["embed"] == 1 and "embed (prefill)" not in threads  # a lookup: no second session
+        backend.close()
+        assert not backend.sessions
+    with load(quantized_exports["llama", "gguf-int8"][0], threads=2) as model:  # threads given: one session each
+        model.generate(prompt_ids=prompt, max_new_tokens=2, mode="ar")
+        assert model.backend.sessions and not [name for name in model.backend.sessions if "(prefill)" in name]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Correctness only: what is timed, through which call, and what the result holds; 
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from paradecode.export.heads.call_costs import (
     WARMUP,
     CallCosts,
     call_costs_from_spec,
+    described,
     graphs_from_spec,
     measure_call_costs,
 )
@@ -75,3 +77,22 @@ def test_a_specs_graphs_are_an_export_the_runtime_opens(tmp_path):
     costs = call_costs_from_spec(spec, 20, rounds=2)
     assert set(costs.layer) == {1, 2, 4} and costs.exit_vocab == 20 and costs.backend.startswith("onnxruntime CPU")
     assert CostModel.measured(spec.num_layers, costs).source == "measured"
+
+
+@pytest.mark.slow
+def test_call_costs_are_measured_with_onnxruntime():
+    _, spec = spec_of("gpt2")  # learned positions: the embedding takes positions too
+    costs = call_costs_from_spec(spec, 20, rounds=3)
+    assert set(costs.layer) == set(costs.final_head) == {1, 2, 4}
+    assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
+    cost = CostModel.measured(spec.num_layers, costs)
+    assert cost.source == "measured" and cost.num_layers == 3 and cost.head == costs.exit_head / costs.layer[1]
+
+
+def test_the_record_names_the_threads_of_prefills_where_they_differ():
+    cpu = SimpleNamespace(type="cpu")
+    int8 = SimpleNamespace(name="onnxruntime", device=cpu, threads={"layers": 1, "prefill": 2, "heads": 2})
+    assert described(int8) == "onnxruntime CPU, threads: layers 1 (prefills 2), heads 2"
+    float32 = SimpleNamespace(name="onnxruntime", device=cpu, threads={"layers": 2, "prefill": 2, "heads": 2})
+    assert described(float32) == "onnxruntime CPU, threads: layers 2, heads 2"
+    assert described(SimpleNamespace(name="torch", device=cpu)) == "torch CPU"
