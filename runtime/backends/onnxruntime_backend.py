@@ -46,7 +46,7 @@ BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (
 # 2-core CPU with SmolLM2's exact int8 export (tools/results/cpu-2core/prefill-threads.md, 36 interleaved runs each
 # way, twice): a prefill of an eval prompt took 0.165 s and 0.160 s against 0.299 s and 0.304 s (medians); decoding's
 # speed did not change. Decoding's calls of a few positions (ParaDecode's verifications) gained nothing from a second
-# thread in a prototype that ran them on one (tools/results/cpu-2core/position-costs.md: a segment of 7-8 layers at 6
+# thread in a prototype that ran them on two (tools/results/cpu-2core/position-costs.md: a segment of 7-8 layers at 6
 # positions took 5.7-6.9 ms inside decoding on two threads, 6.0-6.8 ms on one), though back-to-back calls outside
 # decoding took 23.7 ms a pass at 6 positions on two threads against 30.5 on one; why was not measured (a guess:
 # waking a pool thread that slept since the last such call costs what the core gives). Letting the pool threads spin
