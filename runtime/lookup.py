@@ -69,6 +69,33 @@ class LookupConfig:
             )
 
 
+def longest_matches(
+    source: Sequence[int], starts: Sequence[int], tokens: Sequence[int], end: int, config: LookupConfig
+) -> tuple[int, list[int]]:
+    """Of the occurrences `starts` in `source` (the indices of the tokens after them, whose last min_ngram tokens
+    equal tokens[:end]'s), the longest match of tokens[:end]'s suffix, up to max_ngram: (its length, the starts
+    that match that long, in their order)."""
+    matched = {s: match_length(source, s, tokens, end, config) for s in starts}
+    longest = max(matched.values())
+    return longest, [s for s in starts if matched[s] == longest]
+
+
+def match_length(source: Sequence[int], start: int, tokens: Sequence[int], end: int, config: LookupConfig) -> int:
+    """How many tokens before source[start] equal those before tokens[end] (min_ngram already do), up to max_ngram.
+    A separator in `source` (SharedSuffixIndex.SEPARATOR) never equals a token."""
+    length = config.min_ngram
+    while length < config.max_ngram and start - 1 - length >= 0 and end - 1 - length >= 0:
+        if source[start - 1 - length] != tokens[end - 1 - length]:
+            break
+        length += 1
+    return length
+
+
+def proposal_length(config: LookupConfig, longest: int, count: int) -> int:
+    """A proposal's length: at most `count`, and at most length_factor times the match's length (at least 1)."""
+    return min(count, max(1, int(min(config.length_factor * longest, count))))
+
+
 class SuffixIndex:
     """Proposals from the longest earlier match of a request's newest tokens, in its prompt and verified output.
 
@@ -127,7 +154,7 @@ class SuffixIndex:
         longest, alive = self.match(tokens, end)
         if count < 1 or not alive:
             return []
-        count = min(count, max(1, int(min(self.config.length_factor * longest, count))))
+        count = proposal_length(self.config, longest, count)
         found: list[list[int]] = []
         stack = [([], alive)]  # (a branch's tokens so far, the occurrences that continued so), depth first
         while stack:
@@ -155,18 +182,7 @@ class SuffixIndex:
         starts = starts[max(0, before - self.OCCURRENCES) : before]
         if not starts:
             return 0, []
-        matched = {s: self._match(tokens, s, end) for s in starts}
-        longest = max(matched.values())
-        return longest, [s for s in starts if matched[s] == longest]
-
-    def _match(self, tokens: Sequence[int], start: int, end: int) -> int:
-        """How many tokens before `start` equal those before `end` (min_ngram already do), up to max_ngram."""
-        length = self.config.min_ngram
-        while length < self.config.max_ngram and start - 1 - length >= 0:
-            if tokens[start - 1 - length] != tokens[end - 1 - length]:
-                break
-            length += 1
-        return length
+        return longest_matches(tokens, starts, tokens, end, self.config)
 
 
 class SharedSuffixIndex:
@@ -260,10 +276,8 @@ class SharedSuffixIndex:
             starts = [p - self.base for p in itertools.islice(reversed(found), self.OCCURRENCES)][::-1]
             if not starts:
                 return []
-            matched = {s: self._match(tokens, s, end) for s in starts}
-            longest = max(matched.values())
-            alive = [s for s in starts if matched[s] == longest]
-            count = min(count, max(1, int(min(self.config.length_factor * longest, count))))
+            longest, alive = longest_matches(self.corpus, starts, tokens, end, self.config)
+            count = proposal_length(self.config, longest, count)
             proposals: list[int] = []
             while len(proposals) < count:
                 following = [(self.corpus[s + len(proposals)], s) for s in alive]
@@ -277,15 +291,6 @@ class SharedSuffixIndex:
                 proposals.append(token)
                 alive = [s for t, s in following if t == token]
             return proposals
-
-    def _match(self, tokens: Sequence[int], start: int, end: int) -> int:
-        """How many tokens before corpus[start] equal those before tokens[end] (min_ngram already do)."""
-        length = self.config.min_ngram
-        while length < self.config.max_ngram and start - 1 - length >= 0 and end - 1 - length >= 0:
-            if self.corpus[start - 1 - length] != tokens[end - 1 - length]:  # a separator never equals a token
-                break
-            length += 1
-        return length
 
     def _occurrences(self, document: Sequence[int], first: int):
         """(key, the index it goes in, i) for every occurrence in `document` whose continuation document[i] is
