@@ -7,9 +7,11 @@ matrix-vector kernel (MLAS' M = 1 path) that sums in another order than the matr
 tokens: rows differ in the last bits (~1e-7). With float activations that stays a near-tie matter. With int8
 activations it does not: every MatMulNBits rounds its input to 8 bits, a last-bit difference moves a value across
 a rounding step now and then, and the step (1/127 of a block's largest value) grows through the layers; on
-SmolLM2 ParaDecode's outputs then left plain decoding's in 15 of 18 prompts. Every other operator of a layer
-(MatMulNBits with int8 activations, the float products, RMSNormalization, rotary embeddings) was measured to
-give each row bit for bit the same result at 1, 2, 6 and 8 tokens.
+SmolLM2 ParaDecode's outputs then left plain decoding's in 15 of 18 prompts. On an AVX-512 VNNI CPU every other
+operator of a layer (MatMulNBits with int8 activations, the float products, RMSNormalization, rotary embeddings)
+was measured to give each row bit for bit the same result at 1, 2, 6 and 8 tokens; on AVX2 without AVX-512 the
+int8 MatMulNBits computes a lone row otherwise too, which depends on the machine and so is the runtime's to
+handle (runtime/row_exactness.py: a lone position then runs as two rows).
 
 So the layer graphs of an int8-activation export give the kernel at least two query rows: a call of one row
 (B = 1) appends a copy of its last token, whose keys and values go to the slot after the call's last position

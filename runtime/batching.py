@@ -68,6 +68,9 @@ class RowsContext(DecodeContext):
     def at(self, start: int, tokens: int) -> torch.Tensor:
         return self.row_positions
 
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # one position per row, each at its own: nothing to pad (runtime/row_exactness.py)
+
     def embed_rows(self, ids: list[int]) -> torch.Tensor:
         feeds = {INPUT_IDS: torch.tensor(ids, dtype=torch.int64)[:, None]}
         if self.learned_positions:

