@@ -186,7 +186,8 @@ def external_initializer(name: str, data_type: int, dims, stored: StoredTensor) 
 class GraphTemplate:
     """A traced graph whose weight initializers are matched to the module parameters they came from.
 
-    `sources` maps an initializer to its parameter (or buffer) and whether the exporter transposed it.
+    `sources` maps an initializer to its parameter (or buffer) and whether the exporter transposed it; its
+    dtype may differ from the parameter's where the exporter folded a cast of it (see `_find_source`).
     `foreign` lists float initializers larger than SMALL_CONSTANT that match no parameter (folded from
     weights, say): a graph with such initializers cannot serve other subgraphs as a template.
     """
@@ -233,9 +234,10 @@ class GraphTemplate:
         `canonical` maps the module's parameter names to the canonical weight names (`graphs.modules`),
         `stored` says where each canonical weight lies in the weights file. Every matched initializer
         becomes an external reference into that file (one copy of each weight on disk, whichever graphs
-        read it); one the exporter had transposed reads the stored layout through a Transpose node, which
-        onnxruntime folds when it loads the graph. The readers of a weight that `quantization` lists are
-        rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
+        read it); one the exporter had transposed reads the stored layout through a Transpose node, and one
+        the exporter had cast (a float32 rotary table in a bfloat16 graph) reads the stored dtype through a
+        Cast node; onnxruntime folds both when it loads the graph. The readers of a weight that `quantization`
+        lists are rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
         `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py). With `pad_attention`, its fused
         attention computes a one-row call's positions as it does several (export/exact_rows.py).
         """
@@ -244,7 +246,7 @@ class GraphTemplate:
         graph = model.graph
         graph.name = io.name
         formats = quantization.weights if quantization is not None else {}
-        kept, transposes, readers = [], [], {}
+        kept, conversions, readers = [], [], {}
         for init in graph.initializer:
             if init.name not in self.sources:
                 kept.append(init)
@@ -254,22 +256,30 @@ class GraphTemplate:
                 readers[init.name] = (canonical[source], transposed, formats[canonical[source]])
                 continue
             weight = stored[canonical[source]]
-            itemsize = ONNX_ITEMSIZE[init.data_type]
+            stored_type = ONNX_TYPES[weight.dtype]
             numel = int(torch.tensor(list(init.dims)).prod()) if init.dims else 1
-            if weight.length != numel * itemsize:
+            if stored_type not in ONNX_ITEMSIZE or weight.length != numel * ONNX_ITEMSIZE[stored_type]:
                 raise ValidationError(
                     f"{io.name}: initializer {init.name} ({numel} values) does not fit the stored weight "
-                    f"{canonical[source]} ({weight.length} bytes)."
+                    f"{canonical[source]} ({weight.length} bytes of {weight.dtype})."
                 )
-            if transposed:
-                stored_name = f"{init.name}__stored"
-                kept.append(external_initializer(stored_name, init.data_type, weight.shape, weight))
-                transposes.append(onnx.helper.make_node("Transpose", [stored_name], [init.name], perm=[1, 0]))
-            else:
+            if not transposed and stored_type == init.data_type:
                 kept.append(external_initializer(init.name, init.data_type, init.dims, weight))
+                continue
+            stored_name = f"{init.name}__stored"
+            kept.append(
+                external_initializer(stored_name, stored_type, weight.shape if transposed else init.dims, weight)
+            )
+            value = stored_name  # the stored tensor -> what the graph reads: Cast where the dtypes differ, Transpose
+            if stored_type != init.data_type:
+                cast = f"{init.name}__cast" if transposed else init.name
+                conversions.append(onnx.helper.make_node("Cast", [value], [cast], to=init.data_type))
+                value = cast
+            if transposed:
+                conversions.append(onnx.helper.make_node("Transpose", [value], [init.name], perm=[1, 0]))
         del graph.initializer[:]
         graph.initializer.extend(kept)
-        nodes = transposes + list(graph.node)
+        nodes = conversions + list(graph.node)
         del graph.node[:]
         graph.node.extend(nodes)
         if readers:
@@ -287,9 +297,16 @@ class GraphTemplate:
 
 
 def _find_source(value: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[str, bool] | None:
+    """The parameter `value` holds, and whether transposed. A parameter of another floating dtype matches
+    where it cast to `value`'s dtype equals it: the exporter folds casts of constants (a float32 rotary table
+    cast to a bfloat16 graph's dtype), and `instantiate` casts the stored tensor as the folded graph did."""
     for name, param in state.items():
-        if param.dtype != value.dtype or param.numel() != value.numel() or param.numel() <= 1:
+        if param.numel() != value.numel() or param.numel() <= 1:
             continue
+        if param.dtype != value.dtype:
+            if not (param.is_floating_point() and value.is_floating_point()):
+                continue
+            param = param.to(value.dtype)
         if param.shape == value.shape and torch.equal(param, value):
             return name, False
         if param.dim() == 2 and param.t().shape == value.shape and torch.equal(param.t(), value):

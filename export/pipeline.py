@@ -477,9 +477,9 @@ def template_for(
     key = structure_key(io, spec, weights)
     how = "from template"
     if key not in templates:
-        random_module = build_subgraph(
-            spec, io, random_weights(weights, generator), dtype=dtype, with_logits=config.with_logits, fused=fused
-        )
+        read = {id(t) for t in subgraph_state(spec, io, weights, fused=fused).values()}
+        traced = random_weights(weights, generator, read)
+        random_module = build_subgraph(spec, io, traced, dtype=dtype, with_logits=config.with_logits, fused=fused)
         templates[key] = GraphTemplate.trace(random_module, io, **export_args)
         how = "traced"
     template = templates[key]
@@ -489,10 +489,15 @@ def template_for(
     return template, how
 
 
-def random_weights(weights: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Weights of the same shapes with distinct random values, for tracing templates."""
+def random_weights(
+    weights: dict[str, torch.Tensor], generator: torch.Generator, read: set[int]
+) -> dict[str, torch.Tensor]:
+    """The weights, those a subgraph reads (`read`: their ids) with distinct random values of the same shapes,
+    for tracing a template. Only those: a 1B model's whole weights take seconds to fill, once per structure.
+    float32, as the source's: `build_subgraph` casts them to the export's dtype as it does the source's."""
     return {
-        k: torch.randn(v.shape, generator=generator) * 0.1 if v.is_floating_point() else v for k, v in weights.items()
+        k: torch.randn(v.shape, generator=generator).mul_(0.1) if id(v) in read and v.is_floating_point() else v
+        for k, v in weights.items()
     }
 
 

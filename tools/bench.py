@@ -387,6 +387,10 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     if hf_path is not None:
         modes += hf_modes(hf_path, manifest, ignore, args.temperature, args.hf_modes, device=args.device)
     modes += extra_modes
+    compiling = None
+    if args.compile:  # before any mode runs: the first generate is where the modules compile
+        compiling = bm.first_compile(main_model, prompts[0])
+        logger.info("%s", bm.compile_line(compiling))
     logger.info(
         "benchmarking %d modes x %d prompts x %d repeats, %d new tokens each",
         len(modes),
@@ -432,6 +436,8 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     )
     by_category = bm.summarize_by_category(results, [p.category for p in labelled], bound=bound)
     table = markdown_report(summary, by_category)
+    if compiling is not None:
+        table = f"{bm.compile_line(compiling)}\n\n{table}"
     if args.json:
         save_json(
             args.json,
@@ -443,6 +449,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                 "prompts": texts,
                 "call_costs": costs.as_dict(),
                 "memory_bound": memory_bound,
+                "compile": compiling,
                 "summary": summary,
                 "categories": by_category,
                 "samples": bm.samples_as_dicts(results.samples),

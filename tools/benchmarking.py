@@ -91,6 +91,35 @@ def opened_with_ar_baselines(
         close_all(model, baselines)
 
 
+def first_compile(model, prompt_ids: list[int], new_tokens: int = 16) -> dict[str, Any]:
+    """With torch_compile: the time of the model's first generate (plain decoding, where its modules compile, or
+    load from Inductor's cache, for the calls ar makes) and of the second (nothing left to compile), and the
+    cache's hits and misses so far. Call it before anything else decodes with the model."""
+    from paradecode.runtime.backends.torch_backend import compile_cache_counts
+
+    seconds = []
+    for _ in range(2):
+        began = time.perf_counter()
+        model.generate(prompt_ids=prompt_ids, max_new_tokens=new_tokens, mode="ar", ignore_eos=True)
+        seconds.append(time.perf_counter() - began)
+    return {
+        "first_generate_seconds": seconds[0],
+        "second_generate_seconds": seconds[1],
+        "new_tokens": new_tokens,
+        "cache_folder": str(model.backend.compile_cache),
+        **compile_cache_counts(),
+    }
+
+
+def compile_line(report: dict[str, Any]) -> str:
+    """`first_compile`'s report in one line."""
+    return (
+        f"torch.compile: first generate {report['first_generate_seconds']:.1f} s, the next "
+        f"{report['second_generate_seconds']:.2f} s ({report['new_tokens']} tokens, ar); Inductor's cache "
+        f"{report['fx_graph_hits']} hits, {report['fx_graph_misses']} misses ({report['cache_folder']})"
+    )
+
+
 def _kind(settings: dict[str, Any]) -> str:
     return "ar" if settings.get("mode") == "ar" else "paradecode"
 
@@ -302,16 +331,44 @@ def copy_bandwidth(device: str, megabytes: int = 256) -> float:
 
     source = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
+    return source.numel() * source.element_size() / best_seconds(lambda: target.copy_(source), device)
+
+
+def read_bandwidth(device: str, dtype: str = "float32", megabytes: int = 512) -> dict[str, float]:
+    """Measured device memory read rates, bytes read per second: `sum`, a reduction over a float32 tensor of
+    `megabytes`; `matvec`, a matrix of that size in `dtype` times a vector (how a decode step reads a weight).
+    A decode step reads each weight once: weight bytes over the faster of the two is the read-bandwidth bound,
+    about twice the copy bound where a copy's reads and writes share the bandwidth."""
+    import torch
+
+    data = torch.ones(megabytes << 18, dtype=torch.float32, device=device)
+    rates = {"sum": data.numel() * 4 / best_seconds(data.sum, device)}
+    del data
+    kind = getattr(torch, dtype)
+    columns = 4096
+    matrix = torch.ones((megabytes << 20) // (kind.itemsize * columns), columns, dtype=kind, device=device)
+    vector = torch.ones(columns, dtype=kind, device=device)
+    rates["matvec"] = matrix.numel() * kind.itemsize / best_seconds(lambda: torch.mv(matrix, vector), device)
+    return rates
+
+
+def best_seconds(work: Callable[[], object], device: str, rounds: int = 5) -> float:
+    """The fastest of `rounds` runs of `work` (after one untimed run), synchronised on CUDA."""
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    work()
     best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
+    for _ in range(rounds):
+        sync()
         began = time.perf_counter()
-        target.copy_(source)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        work()
+        sync()
         best = min(best, time.perf_counter() - began)
-    return source.numel() * source.element_size() / best
+    return best
 
 
 def weight_bytes_per_token(export_dir) -> int:

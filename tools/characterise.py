@@ -112,21 +112,10 @@ def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
 
 
 def build_model(args, folder: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from paradecode.tools.peer_shapes import LlamaShape, random_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    shape = LlamaShape(args.hidden, args.ffn, args.layers, args.heads, args.kv_heads, args.vocab)
+    random_llama(shape).save_pretrained(folder)
     return folder
 
 

@@ -23,6 +23,13 @@
 #                leaves it eager), on the eval prompts: ar against ParaDecode with the export's thresholds
 #                (--adaptive off: on CUDA the defaults call no exit heads) and lookup, heads alone, lookup alone
 #                (`batched`)
+#   peers        Hugging Face transformers' static-cache generate (compiled by transformers on CUDA) beside
+#                paradecode's ar (torch backend, --compile) and ParaDecode's defaults, on random-weight Llamas of
+#                real shapes (tools/peer_shapes.py), each against the copy bound and the read-bandwidth bound; one
+#                JSON per case; the next case's model and export are made on the CPU while one is measured.
+#                PEER_SHAPES: the cases (default: smollm2-fp32 smollm2-bf16 1b-bf16); REPEAT (3), MAX_NEW_TOKENS
+#                (128); COMPILE= runs paradecode eager; HF_COMPILE: auto (transformers' choice: compiled on CUDA,
+#                not on a CPU), on or off
 # TESTS: the tests stage's test paths (default tests/; pytest reads more options, such as -k, from PYTEST_ADDOPTS).
 # STAGE_TIMEOUT (seconds) bounds each command of a stage, so that a lease's time limit leaves later stages their turn.
 set -euo pipefail
@@ -113,6 +120,27 @@ stage_method() {
       --json "$out/bench-smollm2-method.json" --plot "$out/bench-smollm2-method.png"
 }
 
+stage_peers() {  # each case measured while the next one's model and export are made on the CPU
+  local cases=(${PEER_SHAPES:-smollm2-fp32 smollm2-bf16 1b-bf16}) i next
+  local shared=(--device "$device" --max-new-tokens "${MAX_NEW_TOKENS:-128}")
+  local peers="$py -m paradecode.tools.peer_shapes"
+  run $peers "${cases[0]}" --prepare --work-dir "$work/peers-${cases[0]}" "${shared[@]}"
+  for ((i = 0; i < ${#cases[@]}; i++)); do
+    next=
+    if ((i + 1 < ${#cases[@]})); then
+      run $peers "${cases[i + 1]}" --prepare --work-dir "$work/peers-${cases[i + 1]}" "${shared[@]}" \
+          >"$out/log-peers-prepare-${cases[i + 1]}.txt" 2>&1 &
+      next=$!
+    fi
+    PYTHONUNBUFFERED=1 run $peers "${cases[i]}" --work-dir "$work/peers-${cases[i]}" "${shared[@]}" \
+        --repeat "${REPEAT:-3}" ${COMPILE---compile} --hf-compile "${HF_COMPILE:-auto}" --json "$out/peers-${cases[i]}.json"
+    if [[ -n $next ]]; then
+      wait "$next" || echo "preparing ${cases[i + 1]} failed; its run prepares it again"
+      echo "-- preparing ${cases[i + 1]} (beside ${cases[i]}):"; tail -n 3 "$out/log-peers-prepare-${cases[i + 1]}.txt"
+    fi
+  done
+}
+
 stage_profile() {
   [[ -d $work/demo-float32 ]] || run $py -m paradecode.export.cli tools/demo_model -o "$work/demo-float32" \
       --heads tools/demo_model/heads.safetensors --fused-exits --max-seq-len 512 --force -q
@@ -128,7 +156,7 @@ stage_profile() {
 }
 
 for stage in "${stages[@]}"; do
-  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile method)" >&2; exit 2; }
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile method peers)" >&2; exit 2; }
   echo "== $stage on $gpu, results in $out"
   "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done

@@ -21,6 +21,13 @@ shape; the first call of each pays for the compilation (seconds per module on a 
 cache, masked, as CUDA does (a length read from the positions is a shape Inductor cannot plan for), so their
 caches start at 0 (`reads_whole_cache`).
 
+What Inductor compiles is kept on disk and reused by later processes (its FX graph and AOTAutograd caches,
+and the kernels they point to), so a second run of the same export traces with dynamo but compiles nothing
+again: `use_compile_cache` points Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, which Inductor otherwise
+puts under /tmp, emptied at reboot) at ~/.cache/paradecode/inductor unless the user set it. The compiled
+graphs hold no weights (dynamo passes a module's parameters as inputs) nor anything else of one process, so a
+graph of the same shapes, dtype and device hits the cache (tests/runtime/test_torch_compile.py checks it on a CPU).
+
 Threads and compiled modules: lanes (and a server's replicas) call the same compiled code from several
 threads. Compilation itself is serialised by dynamo's own lock, and a CUDA graph's warm-up calls (where a
 shape compiles) run under the capture lock; PyTorch does not document torch.compile as thread-safe beyond
@@ -30,9 +37,12 @@ tokens (tests/runtime/test_torch_compile.py on a CPU; tests/runtime/test_gpu.py 
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -51,6 +61,59 @@ GRAPH_TOKENS = 16  # calls of up to this many tokens are captured as CUDA graphs
 # 5 seen for the layers: one and several tokens, one and several rows, views at other offsets); the limit is raised
 # to this, process-wide (dynamo has no per-module limit), and reaching it is reported as a ParadecodeError.
 RECOMPILE_LIMIT = 64
+
+
+INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_compile_cache() -> Path:
+    """Where Inductor's caches go unless TORCHINDUCTOR_CACHE_DIR says otherwise: beside the TensorRT engine cache."""
+    return Path.home() / ".cache" / "paradecode" / "inductor"
+
+
+def use_compile_cache() -> Path:
+    """Inductor's cache folder for this process: TORCHINDUCTOR_CACHE_DIR where the user set it, else
+    `default_compile_cache()`, set in the environment, where Inductor reads it (process-wide, as Inductor's own
+    setting is), before anything compiles.
+
+    Inductor writes its own default (a folder under the temporary directory) into the environment at its first
+    use, which may precede this (tracing for an export in the same process does): that value is taken as unset.
+    Inductor reads the variable again wherever it reads or writes its caches, so what compiles from here on goes
+    to the new folder (measured: tests/runtime/test_torch_compile.py, and a process that exports then compiles).
+    """
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch internal: where it moves, Inductor's documented default (tmp/torchinductor_USER)
+
+        def default_cache_dir() -> str:
+            import getpass
+            import tempfile
+
+            return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+
+    folder = os.environ.get(INDUCTOR_CACHE_VARIABLE)
+    if folder is None or os.path.abspath(folder) == os.path.abspath(default_cache_dir()):
+        folder = os.environ[INDUCTOR_CACHE_VARIABLE] = str(default_compile_cache())
+    _say_where(folder)
+    return Path(folder)
+
+
+@functools.cache
+def _say_where(folder: str) -> None:  # once per process and folder, however many models load
+    logger.info("torch_compile: Inductor caches what it compiles in %s (%s)", folder, INDUCTOR_CACHE_VARIABLE)
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's hits and misses of Inductor's FX graph cache and of the AOTAutograd cache so far (from dynamo's
+    counters, a torch internal)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "fx_graph_hits": counters["inductor"].get("fxgraph_cache_hit", 0),
+        "fx_graph_misses": counters["inductor"].get("fxgraph_cache_miss", 0),
+        "aot_autograd_hits": counters["aot_autograd"].get("autograd_cache_hit", 0),
+        "aot_autograd_misses": counters["aot_autograd"].get("autograd_cache_miss", 0),
+    }
 
 
 def compiled(module: torch.nn.Module) -> Callable:
@@ -159,8 +222,10 @@ class TorchBackend(Backend):
             self.modules[sub.io.name] = module.to(self.device)
         self.torch_compile = torch_compile
         self.reads_whole_cache = torch_compile or self.device.type != "cpu"  # compiled: graphs/ops.py, attention
+        self.compile_cache: Path | None = None  # Inductor's cache folder, with torch_compile
         if torch_compile:
             check_compiler(self.device)
+            self.compile_cache = use_compile_cache()
             self.modules = {name: compiled(module) for name, module in self.modules.items()}
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         # (subgraph, batch, tokens, lane, the caches' addresses): a graph writes the very caches it was captured with

@@ -3,10 +3,15 @@
 Inductor compiles every subgraph module; the tokens must be the eager modules' (the same reference as every
 parity test: a divergence only at a reported near tie), ParaDecode's must be the compiled model's own ar in
 every overlap, and the token and batch dimensions must be dynamic, so a new prompt length or proposal count
-reuses the compiled code instead of compiling again. The GPU test (test_gpu.py) runs the same with CUDA graphs.
+reuses the compiled code instead of compiling again, and a later process must reuse what an earlier one compiled
+(Inductor's caches on disk). The GPU test (test_gpu.py) runs the same with CUDA graphs.
 """
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -149,3 +154,57 @@ def test_serve_config_refuses_compile_without_torch(tmp_path):
         ServeConfig(export=tmp_path, torch_compile=True)
     options = ServeConfig(export=tmp_path, backend="torch", torch_compile=True).model_options()
     assert options["torch_compile"] is True
+
+
+# One process's compiled decoding: its tokens and the Inductor cache's hits and misses, as JSON on stdout's last line.
+COMPILE_IN_A_PROCESS = """
+import json, sys
+from paradecode.runtime import load
+from paradecode.runtime.backends.torch_backend import compile_cache_counts
+with load(sys.argv[1], backend="torch", torch_compile=True) as model:
+    tokens = model.generate(prompt_ids=[3, 1, 4, 1, 5], max_new_tokens=12, mode="ar", ignore_eos=True).token_ids
+    print(json.dumps({"tokens": tokens, "folder": str(model.backend.compile_cache), **compile_cache_counts()}))
+"""
+
+
+def compile_in_a_process(export, env: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_IN_A_PROCESS, str(export)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_second_process_reuses_what_the_first_compiled(exports, tmp_path):
+    """Two processes compile the same export with no TORCHINDUCTOR_CACHE_DIR set: the first compiles into
+    ~/.cache/paradecode/inductor, the second finds its graphs there (Inductor's FX graph cache hits) and decodes the
+    same tokens."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["HOME"] = str(home)
+    first = compile_in_a_process(exports["llama"][0], env)
+    second = compile_in_a_process(exports["llama"][0], env)
+    folder = home / ".cache" / "paradecode" / "inductor"
+    assert first["folder"] == second["folder"] == str(folder)
+    assert first["fx_graph_misses"] > 0 and first["fx_graph_hits"] == 0, first
+    assert second["fx_graph_hits"] > 0, f"the second process compiled again: {second}"
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_cache_folder_the_user_set_is_kept_inductors_own_default_is_not(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from paradecode.runtime.backends import torch_backend
+
+    ours = tmp_path / ".cache" / "paradecode" / "inductor"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert torch_backend.use_compile_cache() == tmp_path / "mine"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert torch_backend.use_compile_cache() == ours
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ours)
+    # what Inductor writes into the environment at its first use (an export's tracing in the same process, say)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert torch_backend.use_compile_cache() == ours

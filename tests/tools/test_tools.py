@@ -414,6 +414,32 @@ def test_bench_summary_from_fake_modes():
     assert len(rows) == 3 * 3 * 2 and "timestamps" not in rows[0] and rows[0]["tokens_per_second"] == 10.0
 
 
+def test_bench_reports_the_first_compiled_generate_apart_from_the_next(monkeypatch):
+    """`first_compile` times the first two plain-decoding generates (the first is where a compiled model's modules
+    compile) and reads Inductor's cache counters; the fake model's first call takes longer, as a compiling one does."""
+    import time
+    import types
+
+    from paradecode.runtime.backends import torch_backend
+    from paradecode.tools import benchmarking
+
+    calls = []
+
+    def generate(**kwargs):
+        calls.append(kwargs)
+        time.sleep(0.05 if len(calls) == 1 else 0.0)
+
+    model = types.SimpleNamespace(generate=generate, backend=types.SimpleNamespace(compile_cache="/cache"))
+    counts = {"fx_graph_hits": 7, "fx_graph_misses": 1, "aot_autograd_hits": 7, "aot_autograd_misses": 1}
+    monkeypatch.setattr(torch_backend, "compile_cache_counts", lambda: counts)
+    report = benchmarking.first_compile(model, [1, 2], new_tokens=4)
+    assert [c["mode"] for c in calls] == ["ar", "ar"] and all(c["max_new_tokens"] == 4 for c in calls)
+    assert report["first_generate_seconds"] >= 0.05 > report["second_generate_seconds"]
+    assert report["cache_folder"] == "/cache" and report["fx_graph_hits"] == 7
+    line = benchmarking.compile_line(report)
+    assert line.startswith("torch.compile: first generate 0.") and "7 hits, 1 misses (/cache)" in line
+
+
 @pytest.mark.slow
 def test_bench_and_train_heads_refuse_chats_without_a_template(stories_export, stories_dir, tmp_path, capsys):
     """stories260K has no chat template: a chat prompt is refused before any generation (test_chat.py renders them)."""
