@@ -29,7 +29,7 @@ Where no candidate holds (`None`), ParaDecode cannot verify several positions in
 request decodes as plain decoding does, and says so once: never silently inexact.
 
 The verdict is cached per machine and export (`$XDG_CACHE_HOME/paradecode/row-exactness.json`, keyed by the
-manifest's bytes, the backend and its threads, the kernels' library versions and the CPU's model and flags), so a
+manifest's content, the backend and its threads, the kernels' library versions and the CPU's model and flags), so a
 later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine. On CUDA the
 form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every overlap,
 tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too, and there ParaDecode's
@@ -49,8 +49,6 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-
-from paradecode.graphs.manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +128,7 @@ def _version(package: str) -> str:
 def verdict_key(backend) -> str:
     """What a verdict depends on: the export (its manifest lists every file's hash), the backend, its threads, the
     kernels' libraries and the machine."""
-    manifest = (backend.export.path / MANIFEST_NAME).read_bytes()
+    manifest = json.dumps(backend.manifest.to_dict(), sort_keys=True).encode()  # it lists every file's hash
     parts = [
         hashlib.sha256(manifest).hexdigest(),
         backend.name,

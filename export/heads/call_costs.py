@@ -50,6 +50,7 @@ from paradecode.graphs.tensors import (
     PROB,
     TOKEN,
 )
+from paradecode.runtime.row_exactness import AS_IS
 
 CONTEXT = 256  # positions already in the cache when a timed call runs (fewer where the cache holds fewer)
 SPEC_TOKENS = (1, 2, 4)  # the calls of a spec's graphs are timed at these T (the calibration's merge: T = 2)
@@ -108,14 +109,19 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
     """
     manifest, spec = backend.manifest, backend.spec
     sizes = sorted({1, *tokens})
+    # each call as the runtime makes it on this machine: a call of T positions runs as `rows(T)` rows (copies of
+    # its last position after it: runtime/row_exactness.py); its cost is what T positions cost
+    rows = (backend.row_form or AS_IS).rows
     context = min(CONTEXT, cache.capacity - sizes[-1])
     layers = [(s.io.name, s.io.layer) for s in manifest.subgraphs if s.io.kind == "layer"]
     exit_head = next((s.io.name for s in manifest.subgraphs if s.io.kind == "exit"), "final")
     exit_vocab = manifest.head_vocab if exit_head != "final" and manifest.head_vocab else spec.vocab_size
     generator = torch.Generator().manual_seed(0)
     # hidden states in the export's dtype, as decoding feeds them
-    hidden = {t: (torch.randn(1, t, spec.hidden_size, generator=generator) * 0.1).to(backend.dtype) for t in sizes}
-    positions = {t: torch.arange(context, context + t)[None] for t in sizes}
+    hidden = {
+        t: (torch.randn(1, rows(t), spec.hidden_size, generator=generator) * 0.1).to(backend.dtype) for t in sizes
+    }
+    positions = {t: torch.arange(context, context + rows(t))[None] for t in sizes}
     calls: list[tuple[str, int, str, dict, tuple[str, ...]]] = []  # (kind, T, subgraph, feeds, outputs)
     for t in sizes:
         for name, layer in layers:
@@ -127,7 +133,7 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
         calls.append(("final", t, "final", {HIDDEN: hidden[t]}, HEAD_OUTPUTS))
     embed_feeds = {INPUT_IDS: torch.tensor([[1]])}
     if POSITIONS in backend.subgraphs["embed"].io.input_names:
-        embed_feeds[POSITIONS] = positions[1]
+        embed_feeds[POSITIONS] = positions[1][:, :1]
     calls.append(("embed", 1, "embed", embed_feeds, (HIDDEN,)))
     settle = torch.cuda.synchronize if backend.device.type == "cuda" else None
     times: dict[tuple[str, int], list[float]] = {(kind, t): [] for kind, t, *_ in calls}
