@@ -102,8 +102,16 @@ def cache_path() -> Path:
 
 
 def machine_identity() -> str:
-    """The CPU's model name and feature flags (what onnxruntime's kernel dispatch reads), and the architecture."""
-    fields = {}
+    """The CPU's model name and feature flags (what onnxruntime's kernel dispatch reads), and the architecture. The
+    features as this process's CPUID reports them (numpy's dispatch table), which an emulator or a virtual machine
+    may mask below what /proc/cpuinfo lists, and /proc/cpuinfo's too."""
+    fields: dict = {}
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__  # numpy's own probe of CPUID (np.show_runtime)
+
+        fields["cpuid"] = sorted(name for name, present in __cpu_features__.items() if present)
+    except ImportError:
+        pass
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
