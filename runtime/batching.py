@@ -52,6 +52,7 @@ from paradecode.runtime.decoding import MAIN, DecodeContext, choose, prefill
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.model import ParaDecodeModel, Request, StreamedToken
+from paradecode.runtime.row_exactness import AS_IS
 from paradecode.runtime.sampling import Draws
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 
@@ -236,7 +237,8 @@ class Batch:
         sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
-            if self.rows_alone:
+            if self.rows_alone or (n == 1 and self.backend.row_form not in (None, AS_IS)):
+                # a lone row runs as the machine's form pads it, as the same request alone does
                 outs = [self._row_alone(row, s, sampled) for row, s in enumerate(sequences)]
             else:
                 hidden = ctx.layers(

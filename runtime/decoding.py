@@ -117,8 +117,8 @@ class DecodeContext:
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         rows = self.rows(hidden)
         feeds = self._layer_feeds(layer, rows, start)
-        out = self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)[HIDDEN_OUT]
-        return out if rows is hidden else out[:, : hidden.shape[1]]
+        out = self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)
+        return _kept(out, hidden, rows)[HIDDEN_OUT]
 
     def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
         """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
@@ -140,16 +140,14 @@ class DecodeContext:
         for layer in range(first, last + 1):
             feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
         name, label = f"segment_{first}_{last}", f"layers {first}-{last}"
-        out = self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))[HIDDEN_OUT]
-        return out if rows is hidden else out[:, : hidden.shape[1]]
+        out = self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))
+        return _kept(out, hidden, rows)[HIDDEN_OUT]
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
         rows = self.rows(hidden)
         feeds = self._layer_feeds(layer, rows, start)
         name, label = f"layer_exit_{layer}", f"layer {layer} + exit head"
-        out = self._call(lane, name, label, start, start + hidden.shape[1], feeds)
-        if rows is not hidden:
-            out = {key: value[:, : hidden.shape[1]] for key, value in out.items()}
+        out = _kept(self._call(lane, name, label, start, start + hidden.shape[1], feeds), hidden, rows)
         return out[HIDDEN_OUT], HeadOutput.of(out)
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
@@ -157,9 +155,7 @@ class DecodeContext:
         outputs = (*HEAD_OUTPUTS, LOGITS) if logits else HEAD_OUTPUTS
         rows = self.rows(hidden)
         out = self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: rows}, outputs)
-        if rows is not hidden:
-            out = {key: value[:, : hidden.shape[1]] for key, value in out.items()}
-        return HeadOutput.of(out)
+        return HeadOutput.of(_kept(out, hidden, rows))
 
     def _call(
         self, lane: str, name: str, label: str, start: int, end: int, feeds: dict, outputs=None
@@ -191,6 +187,14 @@ class DecodeContext:
         with self.annotate(name):
             yield
         self.timeline.add("phases", name, began, time.perf_counter(), positions)
+
+
+def _kept(outputs: dict[str, torch.Tensor], hidden: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A call's outputs for `hidden`'s positions: the copies' rows (`DecodeContext.rows`) dropped."""
+    if rows is hidden:
+        return outputs
+    per_position = (HIDDEN_OUT, *HEAD_OUTPUTS, LOGITS)  # [B, T, ...]; not the caches, written in place
+    return {name: value[:, : hidden.shape[1]] if name in per_position else value for name, value in outputs.items()}
 
 
 def choose(out: HeadOutput, index: int, position: int, sampling: SamplingParams | None, draws: Draws | None) -> int:

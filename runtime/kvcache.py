@@ -24,8 +24,9 @@ class KVCache:
         zeroed: bool = False,
     ):
         self.shape = tuple(shape)
-        # Slots at the end that no position takes: an export with padded attention (export/exact_rows.py) writes a
-        # copy into the slot after a call, so its last slot is kept for that copy and every position gets it.
+        # Slots at the end that no position takes, kept for copies written after a call's last position: the graphs'
+        # (padded attention, export/exact_rows.py: one slot) and the runtime's (a row form's padding,
+        # runtime/row_exactness.py: up to `RowForm.spare`). Every position gets a slot of its own before them.
         self.spare = spare
         # `zeroed`: the buffers start at 0, for a backend whose attention reads every slot, masked (the torch modules
         # on CUDA and under torch.compile): masked garbage could be NaN, and 0 x NaN would leak through the masked

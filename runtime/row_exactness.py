@@ -39,16 +39,20 @@ padding makes its attention's sums alike: see above).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
+import tempfile
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from paradecode.graphs.cache_dir import user_cache
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,10 @@ class RowForm:
 
     minimum: int = 1
     multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if self.minimum < 1 or self.multiple < 1:
+            raise ValueError(f"a row form pads to at least 1 row, a multiple of 1 or more; got {self}")
 
     def rows(self, tokens: int) -> int:
         """The rows a call of `tokens` positions runs as."""
@@ -89,16 +97,21 @@ AS_IS = RowForm()
 TWO_ROWS = RowForm(minimum=2)
 CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm(multiple=8))  # cheapest first
 NONE_NAME = "none"
-SIZES = (1, 2, 3, 6, 17)  # call sizes compared: one position, verifications of up to K + 1 (K 5 by default), a long one
-PREFIX = 4  # positions before the compared ones, in one call (a prompt's prefill)
+# Call sizes compared: one position, verifications of up to K + 1 positions (lookup and exits, K 5 by default, up to
+# BOUND_TOKENS in a call of the bound sessions) and one more (a call of more: another session, more threads).
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17)
+OTHER_GRAPHS_SIZES = (1, 3)  # the per-layer and fused exit graphs, compared at these sizes
+PREFIX = 64  # positions before the compared ones (at most), in one call: a prompt's prefill
+ROOM = max(form.spare for form in CANDIDATES) + 1  # slots after a call: the widest padding and the attention's copy
+PROBE_VERSION = 2  # in the verdict's key: what the probe compares changed, so verdicts are probed again
 CACHE_FILE = "row-exactness.json"
 CACHE_LIMIT = 256  # verdicts kept in the cache file (the oldest go first)
+CACHE_BYTES = 1 << 20  # a cache file larger than this is not read (256 verdicts take about 25 kB)
 
 
 def cache_path() -> Path:
     """Where verdicts are kept: `$XDG_CACHE_HOME/paradecode/row-exactness.json` (~/.cache by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "paradecode" / CACHE_FILE
+    return user_cache(CACHE_FILE)
 
 
 def machine_identity() -> str:
@@ -126,11 +139,14 @@ def machine_identity() -> str:
     return json.dumps([platform.machine(), fields], sort_keys=True)
 
 
-def _version(package: str) -> str:
+def kernels_version() -> str:
+    """onnxruntime's version and build, whichever package installed it (onnxruntime, onnxruntime-gpu, ...)."""
     try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
+        import onnxruntime
+    except ImportError:
         return "-"
+    build = getattr(onnxruntime, "get_build_info", lambda: "")()
+    return f"{onnxruntime.__version__} {build}"
 
 
 def verdict_key(backend) -> str:
@@ -138,11 +154,11 @@ def verdict_key(backend) -> str:
     kernels' libraries and the machine."""
     manifest = json.dumps(backend.manifest.to_dict(), sort_keys=True).encode()  # it lists every file's hash
     parts = [
+        str(PROBE_VERSION),
         hashlib.sha256(manifest).hexdigest(),
         backend.name,
         json.dumps(getattr(backend, "threads", None), sort_keys=True),
-        _version("onnxruntime"),
-        torch.__version__,
+        kernels_version(),
         machine_identity(),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -152,26 +168,45 @@ FORMS_BY_NAME = {form.name: form for form in CANDIDATES}
 
 
 def _read_cache(path: Path) -> dict[str, str]:
-    """The verdicts recorded in `path` (key -> form name or NONE_NAME); unreadable entries are left out."""
+    """The verdicts recorded in `path` (key -> form name or NONE_NAME); unreadable entries are left out, and a file
+    that is not a verdicts file (or too large to be one) counts as none, said once."""
     try:
+        if path.stat().st_size > CACHE_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than {CACHE_BYTES}")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: probe again (and write a good one)
-    if not isinstance(data, dict):
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as err:
+        _say_unreadable(str(path), str(err).splitlines()[0][:200])
+        return {}  # probed again, and the file written anew
     return {k: v for k, v in data.items() if isinstance(k, str) and (v in FORMS_BY_NAME or v == NONE_NAME)}
 
 
+@functools.cache
+def _say_unreadable(path: str, why: str) -> None:  # once per process and file
+    logger.warning("the row-exactness verdicts in %s cannot be read (%s): probing again, writing it anew", path, why)
+
+
 def _write_cache(path: Path, verdicts: dict[str, str]) -> None:
-    """Write the verdicts atomically (a temporary file renamed over the old one); a cache that cannot be written
-    only costs a probe at the next load."""
+    """Write the verdicts atomically (a temporary file of its own renamed over the old one); a cache that cannot be
+    written only costs a probe at the next load. Two processes writing at once keep one's verdicts: the other's
+    export probes again at its next load."""
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(dict(list(verdicts.items())[-CACHE_LIMIT:]), indent=0), encoding="utf-8")
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as f:
+            json.dump(dict(list(verdicts.items())[-CACHE_LIMIT:]), f, indent=0)
         os.replace(temporary, path)
+        temporary = None
     except OSError as err:
         logger.info("could not record the row-exactness verdict in %s (%s); the next load probes again", path, err)
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
 
 
 def row_form(backend) -> RowForm | None:
@@ -196,56 +231,79 @@ def row_form(backend) -> RowForm | None:
         form = probe(backend)
         verdicts[key] = form.name if form is not None else NONE_NAME
         _write_cache(path, verdicts)
-    if form is None:
-        logger.warning(
-            "%s on this machine: no form of call gives a position the same bits alone and among others (calls of "
-            "%s positions compared): ParaDecode decodes as plain decoding does",
-            backend.export.path.name,
-            ", ".join(map(str, SIZES)),
-        )
-    else:
+    if form is not None:  # None: the model says so, once, where a ParaDecode request decodes as ar
         logger.info("%s on this machine: %s", backend.export.path.name, form.describe())
     return form
 
 
 def probe(backend) -> RowForm | None:
     """The first of CANDIDATES under which a fixed prompt's positions get the same bits (their last hidden state and
-    the final head's token, probability and margin) in calls of every size in SIZES, after a prefill of PREFIX
-    positions; None if none does."""
-    from paradecode.runtime.decoding import DecodeContext  # it imports this module
+    the final head's token, probability and margin) in calls of every size in SIZES through the segments decoding
+    uses, and of OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill of up
+    to PREFIX positions; None if none does, or if the cache is too small to tell (a verification needs two
+    positions and the slots after them)."""
+    from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
     from paradecode.runtime.kvcache import KVCache
     from paradecode.runtime.lanes import Timeline
 
     spec, manifest = backend.spec, backend.manifest
-    room = max(form.rows(max(SIZES)) for form in CANDIDATES) + 1  # the widest padded call, and an attention copy
-    positions = min(max(SIZES), manifest.max_seq_len - PREFIX - room)
+    slots = manifest.max_seq_len
+    positions = min(max(SIZES), slots - ROOM - 1)  # compared, after a prefix of at least one
+    prefix = min(PREFIX, slots - ROOM - positions)
     if positions < 2:
-        return AS_IS  # too small a cache to tell: two positions are the least a verification holds
-    ids = torch.randint(0, spec.vocab_size, (PREFIX + positions,), generator=torch.Generator().manual_seed(0))
+        logger.warning("%s: a cache of %d slots is too small to probe", backend.export.path.name, slots)
+        return None
+    sizes = [size for size in SIZES if size <= positions]
+    ids = torch.randint(0, spec.vocab_size, (prefix + positions,), generator=torch.Generator().manual_seed(0))
     ids = ids.tolist()
-    shape = (1, spec.num_kv_heads, manifest.max_seq_len, spec.head_dim)
+    shape = (1, spec.num_kv_heads, slots, spec.head_dim)
     cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, zeroed=backend.reads_whole_cache)
     timeline = Timeline(record_spans=False)
+    layers = spec.num_layers
+    fused_exits = sorted(sub.io.layer for sub in manifest.subgraphs if sub.io.kind == "layer_exit")
 
-    def results(form: RowForm, size: int) -> tuple[torch.Tensor, list]:
-        """The compared positions in calls of `size` (padded as `form` says), after the prefix in one call."""
+    def through(ctx: DecodeContext, path: str, hidden: torch.Tensor, first: int) -> torch.Tensor:
+        if path == "segments":  # what plain decoding and the main lane run
+            return ctx.layers(MAIN, 1, layers, hidden, first)
+        if path == "layer graphs":  # what side lanes, and ranges no segment covers, run
+            for layer in range(1, layers + 1):
+                hidden = ctx.layer(MAIN, layer, hidden, first)
+            return hidden
+        done = 0  # "exit graphs": a frontier that exits at every fused exit layer
+        for layer in fused_exits:
+            if layer - 1 > done:
+                hidden = ctx.layers(MAIN, done + 1, layer - 1, hidden, first)
+            hidden, _ = ctx.layer_exit(MAIN, layer, hidden, first)
+            done = layer
+        return ctx.layers(MAIN, done + 1, layers, hidden, first) if done < layers else hidden
+
+    def results(form: RowForm, size: int, path: str) -> tuple[torch.Tensor, list]:
+        """The compared positions in calls of `size` (padded as `form` says) through `path`."""
         ctx = DecodeContext(backend, cache, timeline, form=form)
-        layers = spec.num_layers
-        ctx.layers("main", 1, layers, ctx.embed("main", ids[:PREFIX], 0), 0)
         hidden, heads = [], []
-        for first in range(PREFIX, PREFIX + positions, size):
-            last = min(first + size, PREFIX + positions)
-            out = ctx.layers("main", 1, layers, ctx.embed("main", ids[first:last], first), first).clone()
-            head = ctx.head("main", "final", out, first)
+        for first in range(prefix, prefix + positions, size):
+            last = min(first + size, prefix + positions)
+            out = through(ctx, path, ctx.embed(MAIN, ids[first:last], first), first).clone()
+            head = ctx.head(MAIN, "final", out, first)
             hidden.append(out)
             heads += zip(head.token, head.prob, head.margin)
         return torch.cat(hidden, 1), heads
 
-    for form in CANDIDATES:
-        reference = results(form, SIZES[0])
-        if all(_same(reference, results(form, size)) for size in SIZES[1:]):
-            return form
-    return None
+    prefill = DecodeContext(backend, cache, timeline, form=AS_IS)  # slots 0..prefix-1, read by every later call
+    prefill.layers(MAIN, 1, layers, prefill.embed(MAIN, ids[:prefix], 0), 0)
+    paths = ["layer graphs"] + (["exit graphs"] if fused_exits else [])
+    before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
+    try:
+        for form in CANDIDATES:
+            reference = results(form, 1, "segments")
+            if not all(_same(reference, results(form, size, "segments")) for size in sizes[1:]):
+                continue
+            if all(_same(reference, results(form, size, path)) for path in paths for size in OTHER_GRAPHS_SIZES):
+                return form
+        return None
+    finally:  # the per-layer and fused exit graphs the probe opened: decoding opens them again where it uses them
+        kinds = ("layer", "layer_exit")
+        backend.close_subgraphs({n for n in backend.open_subgraphs() - before if backend.subgraphs[n].io.kind in kinds})
 
 
 def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:

@@ -10,6 +10,7 @@ Tests that need TensorRT or a GPU carry the `tensorrt` / `gpu` markers and skip 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,14 @@ def tensorrt_missing() -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The tests keep what the runtime caches per user (runtime/row_exactness.py's verdicts) in a folder of their
-    own, so they neither read a user's verdicts nor add to them."""
+    """The tests keep what the runtime caches per user (runtime/row_exactness.py's verdicts, Inductor's compiled
+    graphs) in a folder of their own, removed at the end, so they neither read a user's caches nor add to them."""
     import tempfile
 
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="paradecode-tests-cache-")
+    folder = tempfile.mkdtemp(prefix="paradecode-tests-cache-")
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    os.environ["XDG_CACHE_HOME"] = folder
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")  # compiled graphs too
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

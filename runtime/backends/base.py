@@ -28,11 +28,13 @@ per-call state, such as bindings or CUDA graphs, is keyed by it, so it is bounde
 lanes, not of calling threads); `close()` (or leaving a `with` block) frees what the backend created.
 
 Threading model: the shared part of `run` reads only state set in `__init__` (`calls`, `device`);
-each launch documents the per-lane state it keeps.
+each launch documents the per-lane state it keeps. `row_form` is worked out once, at its first ask (the first
+`allocate_cache`, at load), under a lock of its own.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -98,6 +100,7 @@ class Backend(ABC):
         self._exit_vocab: torch.Tensor | None = None
         self._row_form: row_exactness.RowForm | None = None
         self._row_form_known = False
+        self._row_form_lock = threading.Lock()  # the first ask probes; a second asker waits for its verdict
 
     @property
     def row_form(self) -> row_exactness.RowForm | None:
@@ -105,7 +108,9 @@ class Backend(ABC):
         machine (runtime/row_exactness.py), None where no form does: probed (or read from the cache of verdicts) at
         the first ask, which is the first `allocate_cache`, at load."""
         if not self._row_form_known:
-            self._row_form, self._row_form_known = row_exactness.row_form(self), True
+            with self._row_form_lock:
+                if not self._row_form_known:
+                    self._row_form, self._row_form_known = row_exactness.row_form(self), True
         return self._row_form
 
     @property
@@ -134,6 +139,14 @@ class Backend(ABC):
     # lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:  # noqa: B027 (a hook, not abstract: a backend that creates nothing frees nothing)
         """Free sessions, contexts and buffers this backend created."""
+
+    def open_subgraphs(self) -> set[str]:
+        """The subgraphs holding state of their own (sessions, compiled code) so far: where a backend opens them at
+        their first call. None here: this backend holds nothing per subgraph that it opens late."""
+        return set()
+
+    def close_subgraphs(self, names: Collection[str]) -> None:  # noqa: B027 (a hook: nothing to close here)
+        """Free what the subgraphs `names` hold; a later call opens them again."""
 
     def __enter__(self):
         return self

@@ -222,12 +222,27 @@ class OnnxRuntimeBackend(Backend):
                 f"onnxruntime cannot load {path} ({str(err).splitlines()[0]}); re-export the model."
             ) from err
 
+    def open_subgraphs(self) -> set[str]:
+        return {key.removesuffix(" (prefill)") for key in self.sessions} | {name for name, _ in self._lane_sessions}
+
+    def close_subgraphs(self, names) -> None:
+        """Drop the subgraphs' sessions (the prefill ones too) and bindings; their weights go with them."""
+        names = set(names)
+        with self._creating:
+            for key in [k for k in self.sessions if k.removesuffix(" (prefill)") in names]:
+                del self.sessions[key]
+            for key in [k for k in self._lane_sessions if k[0] in names]:
+                del self._lane_sessions[key]
+            for key in [k for k in self._bound if k[0] in names]:
+                del self._bound[key]
+
     def close(self) -> None:
         self._bound.clear()
         self.sessions.clear()
         self._lane_sessions.clear()
 
     def allocate_cache(self, batch: int = 1) -> KVCache:
+        self.row_form  # noqa: B018 (asked first: the probe's calls bind the probe's own cache)
         self._bound.clear()
         return super().allocate_cache(batch)
 

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from paradecode.graphs.cache_dir import user_cache
 from paradecode.graphs.errors import ManifestError, ParadecodeError, UserInputError
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.quantized import dequantized
@@ -67,8 +68,9 @@ INDUCTOR_CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def default_compile_cache() -> Path:
-    """Where Inductor's caches go unless TORCHINDUCTOR_CACHE_DIR says otherwise: beside the TensorRT engine cache."""
-    return Path.home() / ".cache" / "paradecode" / "inductor"
+    """Where Inductor's caches go unless TORCHINDUCTOR_CACHE_DIR says otherwise: paradecode's user cache
+    (`$XDG_CACHE_HOME/paradecode/inductor`, ~/.cache by default)."""
+    return user_cache("inductor")
 
 
 def use_compile_cache() -> Path:

@@ -6,6 +6,7 @@ and the same promise on an AVX2 CPU without AVX-512, emulated by QEMU where it i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -148,6 +149,64 @@ def test_the_torch_backend_on_a_cpu_is_not_probed_and_says_so(exports, caplog):
     with caplog.at_level(logging.INFO), load(exports["llama"][0], backend="torch") as model:
         assert model.backend.row_form == AS_IS and model.cache.spare == 0
     assert any("not probed for row exactness" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("form", [TWO_ROWS, RowForm(multiple=4), RowForm(multiple=8)], ids=lambda f: f.name)
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_form_decodes_exactly_to_the_caches_last_position(quantized_exports, monkeypatch, form, source):
+    """The padding itself, whatever form this CPU needs: copies written after a call (up to `form.spare` slots past
+    the last position) never reach a position before it writes its own slot, through rollbacks, side lanes and the
+    cache's end (both decoders stop at the last position the cache holds, ParaDecode's tokens and margins ar's)."""
+    monkeypatch.setattr(row_exactness, "row_form", lambda backend: form)
+    with load(quantized_exports["qwen3", source][0]) as model:
+        assert model.cache.capacity == model.manifest.max_seq_len - max(form.spare, model.manifest.padded_attention)
+        prompt = list(range(3, model.cache.capacity - 30))
+        ar = model.generate(prompt_ids=prompt, max_new_tokens=100, mode="ar", ignore_eos=True)
+        assert ar.stats.stop_reason == "max_seq_len" and len(prompt) + len(ar.token_ids) == model.cache.capacity + 1
+        for overlap in ("batched", "streams"):
+            ours = model.generate(
+                prompt_ids=prompt, max_new_tokens=100, thresholds=0.0, overlap=overlap, ignore_eos=True
+            )
+            assert sum(ours.stats.exits_per_layer.values()) > 0 and ours.stats.rollbacks > 0, overlap
+            assert ours.token_ids == ar.token_ids and ours.margins == ar.margins, overlap
+
+
+def test_a_cache_too_small_to_probe_gets_no_form(quantized_exports, monkeypatch):
+    """No verdict from a guess: where the probe cannot compare two positions (and the slots after them), ParaDecode
+    decodes as ar."""
+    with load(quantized_exports["llama", "gguf"][0]) as model:
+        small = dataclasses.replace(model.backend.manifest, max_seq_len=row_exactness.ROOM + 2)
+        monkeypatch.setattr(model.backend, "manifest", small)
+        assert row_exactness.probe(model.backend) is None
+
+
+def test_the_key_changes_with_what_the_verdict_depends_on(quantized_exports, monkeypatch):
+    with load(quantized_exports["llama", "gguf"][0]) as model:
+        backend = model.backend
+        key = row_exactness.verdict_key(backend)
+        monkeypatch.setattr(row_exactness, "PROBE_VERSION", row_exactness.PROBE_VERSION + 1)
+        assert row_exactness.verdict_key(backend) != key
+        monkeypatch.undo()
+        monkeypatch.setattr(backend, "threads", {**backend.threads, "layers": 7})
+        assert row_exactness.verdict_key(backend) != key
+        monkeypatch.undo()
+        monkeypatch.setattr(row_exactness, "kernels_version", lambda: "another onnxruntime")
+        assert row_exactness.verdict_key(backend) != key
+        monkeypatch.undo()
+        assert row_exactness.verdict_key(backend) == key
+
+
+def test_the_probe_keeps_no_sessions_plain_decoding_does_not_open(quantized_exports, monkeypatch, tmp_path):
+    """The fused exit graphs (and per-layer graphs beside segments) that the probe ran are closed after it: their
+    weights are not kept; the graphs plain decoding runs stay open."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with load(quantized_exports["llama", "gguf"][0]) as model:
+        backend = model.backend
+        assert any(sub.io.kind == "layer_exit" for sub in backend.manifest.subgraphs)
+        opened = backend.open_subgraphs()
+        assert {"embed", "final"} <= opened and not any(backend.subgraphs[n].io.kind == "layer_exit" for n in opened)
+        model.generate(prompt_ids=PROMPT, max_new_tokens=3, mode="ar")
+        assert backend.open_subgraphs() == opened  # what plain decoding runs: open already
 
 
 def test_an_unreadable_or_unwritable_cache_only_costs_a_probe(quantized_exports, tmp_path, monkeypatch):

@@ -182,7 +182,7 @@ def test_a_second_process_reuses_what_the_first_compiled(exports, tmp_path):
     ~/.cache/paradecode/inductor, the second finds its graphs there (Inductor's FX graph cache hits) and decodes the
     same tokens."""
     home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME")}
     env["HOME"] = str(home)
     first = compile_in_a_process(exports["llama"][0], env)
     second = compile_in_a_process(exports["llama"][0], env)
@@ -200,6 +200,7 @@ def test_a_cache_folder_the_user_set_is_kept_inductors_own_default_is_not(monkey
 
     ours = tmp_path / ".cache" / "paradecode" / "inductor"
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert torch_backend.use_compile_cache() == tmp_path / "mine"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")

@@ -20,17 +20,22 @@ from paradecode.export.heads.call_costs import (
     measure_call_costs,
 )
 from paradecode.export.heads.cost_model import CostModel
+from paradecode.runtime import row_exactness
 from paradecode.runtime.backends import backend_class
 from paradecode.runtime.loader import open_export
-from paradecode.runtime.row_exactness import AS_IS
+from paradecode.runtime.row_exactness import RowForm
 from tests.export.heads.test_training import spec_of
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "onnxruntime"])
 def test_an_exports_calls_are_timed_through_its_backend(exports, backend_name, monkeypatch):
+    """Each call timed as the runtime makes it on the machine: here a form that pads calls to multiples of 4 rows
+    (whatever this CPU's own form is), so one position is timed as 4 rows and six as 8."""
     folder, _ = exports["llama"]
+    monkeypatch.setattr(row_exactness, "row_form", lambda backend: RowForm(multiple=4))
     with backend_class(backend_name)(open_export(folder)) as backend:
-        rows = (backend.row_form or AS_IS).rows  # asked first: the probe's calls are not the measurement's
+        rows = backend.row_form.rows
+        assert (rows(1), rows(6)) == (4, 8)
         calls = Counter()
         run = backend.run
 
@@ -49,7 +54,7 @@ def test_an_exports_calls_are_timed_through_its_backend(exports, backend_name, m
     assert set(calls) == expected and set(calls.values()) == {WARMUP + 2}, calls
     assert isinstance(costs, CallCosts) and set(costs.layer) == set(costs.final_head) == {1, 6}
     assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
-    assert costs.context == 64 - 6 < CONTEXT and costs.rounds == 2  # the export's cache holds 64 positions
+    assert costs.context == cache.capacity - 6 < CONTEXT and costs.rounds == 2  # 64 slots less 3 spare ones
     assert costs.exit_vocab == backend.manifest.head_vocab
     assert costs.backend == (
         "torch CPU"
