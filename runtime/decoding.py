@@ -50,6 +50,12 @@ class HeadOutput:
     logits: torch.Tensor | None = None  # [T, V] ([T, N] for a reduced-vocabulary exit head), when asked for
 
     @classmethod
+    def joined(cls, outs: list[HeadOutput]) -> HeadOutput:
+        """The outputs of consecutive positions' calls, as one call's."""
+        logits = None if outs[0].logits is None else torch.cat([out.logits for out in outs])
+        return cls(*([x for out in outs for x in getattr(out, f)] for f in ("token", "prob", "margin")), logits)
+
+    @classmethod
     def of(cls, outputs: dict[str, torch.Tensor]) -> HeadOutput:
         """From a head's (or fused layer+exit's) outputs, [1, T] tensors on any device."""
         logits = outputs.get(LOGITS)
@@ -77,6 +83,7 @@ class DecodeContext:
     positions: torch.Tensor = field(init=False)  # [1, capacity + spare]: every call's positions are a slice of it
 
     def __post_init__(self) -> None:
+        self.whole = False  # a prompt's prefill: its calls run whole whatever the form (plain decoding shares it)
         if self.form is None:
             self.form = self.backend.row_form or AS_IS  # no exact form: plain decoding (ParaDecode is refused)
         self.positions = torch.arange(self.cache.shape[2], dtype=torch.int64).unsqueeze(0)
@@ -105,7 +112,7 @@ class DecodeContext:
         """The hidden states a call computes: `hidden`'s positions, then copies of the last at the positions after
         it as far as this machine's form says (`form`); the caller keeps `hidden`'s rows of what comes back."""
         tokens = hidden.shape[1]
-        rows = self.form.rows(tokens)
+        rows = tokens if self.form.alone else self.form.rows(tokens)  # alone: one position a call, or a prefill
         if rows == tokens or hidden.shape[0] != 1:  # a batch's rows (one position each) are never padded
             return hidden
         return torch.cat((hidden, hidden[:, -1:].expand(-1, rows - tokens, -1)), 1)
@@ -114,7 +121,22 @@ class DecodeContext:
         key, value = self.cache.layer(layer)
         return {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1]), PAST_KEY: key, PAST_VALUE: value}
 
+    def alone(self, hidden: torch.Tensor) -> bool:
+        """Whether this call's positions run in calls of their own (a form of `alone`; never a prefill's)."""
+        return self.form.alone and not self.whole and hidden.shape[0] == 1 and hidden.shape[1] > 1
+
+    @contextlib.contextmanager
+    def prompt(self):
+        """The calls inside run whole, whatever the form: a prompt's prefill, which plain decoding shares."""
+        self.whole = True
+        try:
+            yield
+        finally:
+            self.whole = False
+
     def layer(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        if self.alone(hidden):
+            return torch.cat([self.layer(lane, layer, hidden[:, i : i + 1], start + i) for i in _each(hidden)], 1)
         rows = self.rows(hidden)
         feeds = self._layer_feeds(layer, rows, start)
         out = self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)
@@ -135,6 +157,9 @@ class DecodeContext:
         return hidden
 
     def segment(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        if self.alone(hidden):
+            rows = [self.segment(lane, first, last, hidden[:, i : i + 1], start + i) for i in _each(hidden)]
+            return torch.cat(rows, 1)
         rows = self.rows(hidden)
         feeds = {HIDDEN: rows, POSITIONS: self.at(start, rows.shape[1])}
         for layer in range(first, last + 1):
@@ -144,6 +169,9 @@ class DecodeContext:
         return _kept(out, hidden, rows)[HIDDEN_OUT]
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
+        if self.alone(hidden):  # the head reads the last position: the last call's
+            outs = [self.layer_exit(lane, layer, hidden[:, i : i + 1], start + i) for i in _each(hidden)]
+            return torch.cat([out for out, _ in outs], 1), outs[-1][1]
         rows = self.rows(hidden)
         feeds = self._layer_feeds(layer, rows, start)
         name, label = f"layer_exit_{layer}", f"layer {layer} + exit head"
@@ -153,6 +181,10 @@ class DecodeContext:
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
         """A head's top-1 token, probability and margin per position; with `logits`, its logits too (sampling)."""
         outputs = (*HEAD_OUTPUTS, LOGITS) if logits else HEAD_OUTPUTS
+        if self.alone(hidden):
+            return HeadOutput.joined(
+                [self.head(lane, name, hidden[:, i : i + 1], start + i, logits) for i in _each(hidden)]
+            )
         rows = self.rows(hidden)
         out = self._call(lane, name, name, start, start + hidden.shape[1], {HIDDEN: rows}, outputs)
         return HeadOutput.of(_kept(out, hidden, rows))
@@ -189,6 +221,10 @@ class DecodeContext:
         self.timeline.add("phases", name, began, time.perf_counter(), positions)
 
 
+def _each(hidden: torch.Tensor) -> range:
+    return range(hidden.shape[1])
+
+
 def _kept(outputs: dict[str, torch.Tensor], hidden: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """A call's outputs for `hidden`'s positions: the copies' rows (`DecodeContext.rows`) dropped."""
     if rows is hidden:
@@ -209,7 +245,7 @@ def prefill(
     ctx: DecodeContext, prompt: list[int], sampling: SamplingParams | None = None, draws: Draws | None = None
 ) -> tuple[int, float]:
     """The whole prompt in one call per layer; the final head on its last position gives the first token."""
-    with ctx.phase("prefill", (0, len(prompt))):
+    with ctx.phase("prefill", (0, len(prompt))), ctx.prompt():
         hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, prompt, 0), 0)
         for layer in range(1, ctx.num_layers + 1):
             ctx.cache.written(layer, len(prompt))

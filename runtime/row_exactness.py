@@ -16,11 +16,14 @@ with onnxruntime 1.32 on one 576 x 1536 `MatMulNBits` (block 32):
   sums over every key up to the call's highest position, so even calls of equal row counts differ by their length.
 
 So the runtime does not assume. The first time an export is loaded on a machine, `probe` computes the same positions
-of a fixed prompt in calls of 1, 2, 3, 6 and 17 positions (the sizes decoding makes: one position, verifications of
-up to K + 1, a long one) under each candidate `RowForm`, cheapest first, and keeps the first under which every size
+of a fixed prompt in calls of 1 to 17 positions through the segments, and of 1 and 3 through the per-layer and fused
+exit graphs (the calls decoding makes: one position, verifications of up to K + 1, a long one), under each candidate
+`RowForm`, cheapest first for the export (`candidates`), and keeps the first under which every size
 gives every position's layers and final head the same bits. A form pads a call of one sequence's positions with
 copies of its last position at the positions after it, whose outputs are dropped (`DecodeContext.rows`): at least
-`minimum` rows, a multiple of `multiple`. A copy writes later positions' cache slots, which those positions write
+`minimum` rows, a multiple of `multiple`; or, `alone`, every position after a prompt's prefill in a call of its own
+(exact wherever a lone row is computed alike, at the cost of verifications that share no call: `candidates` says
+where it comes first). A copy writes later positions' cache slots, which those positions write
 again before any query reads them (a position's layer runs only after every earlier position's, and a query sees
 slots up to its own); the cache keeps spare slots for copies after its last position (`KVCache.spare`). Plain
 decoding runs in the same form, since it must compute each position as ParaDecode's verifications do.
@@ -59,17 +62,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowForm:
-    """How a call of one sequence's positions is made: padded to at least `minimum` rows, a multiple of `multiple`."""
+    """How a call of one sequence's positions is made: padded to at least `minimum` rows, a multiple of `multiple`;
+    or, `alone`, each position in a call of its own (a prompt's prefill aside)."""
 
     minimum: int = 1
     multiple: int = 1
+    alone: bool = False  # every position in a call of its own (a prompt's prefill aside: plain decoding shares it)
 
     def __post_init__(self) -> None:
-        if self.minimum < 1 or self.multiple < 1:
-            raise ValueError(f"a row form pads to at least 1 row, a multiple of 1 or more; got {self}")
+        if self.minimum < 1 or self.multiple < 1 or (self.alone and (self.minimum, self.multiple) != (1, 1)):
+            raise ValueError(f"a row form pads to at least 1 row, a multiple of 1 or more, or splits; got {self}")
 
     def rows(self, tokens: int) -> int:
-        """The rows a call of `tokens` positions runs as."""
+        """The rows a call of `tokens` positions runs as (a call of its own each: one)."""
+        if self.alone:
+            return 1
         return max(self.minimum, -(-tokens // self.multiple) * self.multiple)
 
     @property
@@ -79,11 +86,17 @@ class RowForm:
 
     @property
     def name(self) -> str:
-        return f"{self.minimum}x{self.multiple}"
+        return "alone" if self.alone else f"{self.minimum}x{self.multiple}"
 
     def describe(self) -> str:
         if self == AS_IS:
             return "calls run as they come: a position's results are the same bits alone and among others"
+        if self.alone:
+            return (
+                "every position after a prompt's prefill runs in a call of its own (this machine's kernels compute a "
+                "lone position otherwise than several, and padding it costs plain decoding more): exact, but "
+                "ParaDecode's verifications gain nothing from sharing a call"
+            )
         padding = [f"at least {self.minimum} rows"] * (self.minimum > 1) + [f"a multiple of {self.multiple} rows"] * (
             self.multiple > 1
         )
@@ -95,7 +108,22 @@ class RowForm:
 
 AS_IS = RowForm()
 TWO_ROWS = RowForm(minimum=2)
-CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm(multiple=8))  # cheapest first
+ALONE = RowForm(alone=True)
+CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm(multiple=8), ALONE)
+
+
+def candidates(backend) -> tuple[RowForm, ...]:
+    """The forms to try, cheapest first for this export. With float activations in quantized layers a call of two
+    positions costs nearly twice one (onnxruntime's float kernel dequantizes the whole matrix for several rows): on
+    SmolLM2's default export two rows made plain decoding 0.61x (35-37 against 59 tokens/s, measured 2026-11-27),
+    so a position alone comes before any padding there. Elsewhere padding is cheap (the int8 kernel's second row
+    costs little) and keeps ParaDecode's verifications in one call."""
+    quantization = backend.manifest.quantization
+    if quantization is not None and quantization.activations_of("layer") == "float":
+        return (AS_IS, ALONE, *(form for form in CANDIDATES if form not in (AS_IS, ALONE)))
+    return CANDIDATES
+
+
 NONE_NAME = "none"
 # Call sizes compared: one position, verifications of up to K + 1 positions (lookup and exits, K 5 by default, up to
 # BOUND_TOKENS in a call of the bound sessions) and one more (a call of more: another session, more threads).
@@ -103,7 +131,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17)
 OTHER_GRAPHS_SIZES = (1, 3)  # the per-layer and fused exit graphs, compared at these sizes
 PREFIX = 64  # positions before the compared ones (at most), in one call: a prompt's prefill
 ROOM = max(form.spare for form in CANDIDATES) + 1  # slots after a call: the widest padding and the attention's copy
-PROBE_VERSION = 2  # in the verdict's key: what the probe compares changed, so verdicts are probed again
+PROBE_VERSION = 3  # in the verdict's key: what the probe compares changed, so verdicts are probed again
 CACHE_FILE = "row-exactness.json"
 CACHE_LIMIT = 256  # verdicts kept in the cache file (the oldest go first)
 CACHE_BYTES = 1 << 20  # a cache file larger than this is not read (256 verdicts take about 25 kB)
@@ -237,10 +265,10 @@ def row_form(backend) -> RowForm | None:
 
 
 def probe(backend) -> RowForm | None:
-    """The first of CANDIDATES under which a fixed prompt's positions get the same bits (their last hidden state and
-    the final head's token, probability and margin) in calls of every size in SIZES through the segments decoding
-    uses, and of OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill of up
-    to PREFIX positions; None if none does, or if the cache is too small to tell (a verification needs two
+    """The first of `candidates(backend)` under which a fixed prompt's positions get the same bits (their last hidden
+    state and the final head's token, probability and margin) in calls of every size in SIZES through the segments
+    decoding uses, and of OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill
+    of up to PREFIX positions; None if none does, or if the cache is too small to tell (a verification needs two
     positions and the slots after them)."""
     from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
     from paradecode.runtime.kvcache import KVCache
@@ -294,7 +322,7 @@ def probe(backend) -> RowForm | None:
     paths = ["layer graphs"] + (["exit graphs"] if fused_exits else [])
     before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
     try:
-        for form in CANDIDATES:
+        for form in candidates(backend):
             reference = results(form, 1, "segments")
             if not all(_same(reference, results(form, size, "segments")) for size in sizes[1:]):
                 continue

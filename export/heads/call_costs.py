@@ -111,7 +111,8 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
     sizes = sorted({1, *tokens})
     # each call as the runtime makes it on this machine: a call of T positions runs as `rows(T)` rows (copies of
     # its last position after it: runtime/row_exactness.py); its cost is what T positions cost
-    rows = (backend.row_form or AS_IS).rows
+    form = backend.row_form or AS_IS
+    rows = form.rows  # a form of positions `alone`: one row a call, T of them for T positions (timed once, times T)
     context = min(CONTEXT, cache.capacity - sizes[-1])
     layers = [(s.io.name, s.io.layer) for s in manifest.subgraphs if s.io.kind == "layer"]
     exit_head = next((s.io.name for s in manifest.subgraphs if s.io.kind == "exit"), "final")
@@ -146,7 +147,7 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
             if settle:
                 settle()
             if round_ >= WARMUP:
-                times[kind, t].append(time.perf_counter() - start)
+                times[kind, t].append((time.perf_counter() - start) * (t if form.alone else 1))
     median = {key: statistics.median(values) for key, values in times.items()}
     return CallCosts(
         layer={t: median["layer", t] for t in sizes},

@@ -22,7 +22,7 @@ import torch
 from paradecode.runtime import load, row_exactness
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.lanes import Timeline
-from paradecode.runtime.row_exactness import AS_IS, TWO_ROWS, RowForm
+from paradecode.runtime.row_exactness import ALONE, AS_IS, TWO_ROWS, RowForm
 from tests.tiny_models import TINY_CONFIGS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,13 +80,14 @@ def test_paradecode_equals_ar_bit_for_bit_in_every_activation_mode(quantized_exp
                 assert ours.margins == ar.margins, (family, source, overlap, model.backend.row_form)
 
 
-def test_float_activations_compute_a_lone_row_otherwise_so_they_run_as_two(quantized_exports):
+def test_float_activations_compute_a_lone_row_otherwise_so_positions_run_alone(quantized_exports):
     """The negative control: onnxruntime's float-activation MatMulNBits gives a lone row other bits than the same
-    row among others on every CPU measured (AVX2 and AVX-512 VNNI), so the probe must see it and pad. If onnxruntime
-    ever computes one row as it does several, this fails and says so: the form would then be AS_IS."""
+    row among others on every CPU measured (AVX2 and AVX-512 VNNI), so the probe must see it: with float activations
+    in the layers every position then runs in a call of its own (padding costs plain decoding more there). If
+    onnxruntime ever computes one row as it does several, this fails and says so: the form would then be AS_IS."""
     with load(quantized_exports["llama", "gguf"][0]) as model:
-        assert row_exactness.probe(model.backend) == TWO_ROWS
-        assert model.backend.row_form == TWO_ROWS and model.cache.spare == 1
+        assert row_exactness.probe(model.backend) == ALONE
+        assert model.backend.row_form == ALONE and model.cache.spare == 0
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(1), Timeline(), form=AS_IS)
         hidden = ctx.embed(MAIN, PROMPT, 0)
         together = ctx.layers(MAIN, 1, ctx.num_layers, hidden, 0).clone()
@@ -138,6 +139,9 @@ def test_the_verdict_is_cached_per_machine_and_export(quantized_exports, tmp_pat
 
 def test_a_form_pads_a_call_with_copies_of_its_last_position():
     assert [AS_IS.rows(t) for t in (1, 2, 3)] == [1, 2, 3] and AS_IS.spare == 0
+    assert [ALONE.rows(t) for t in (1, 2, 3)] == [1, 1, 1] and ALONE.spare == 0
+    with pytest.raises(ValueError):
+        RowForm(minimum=2, alone=True)
     assert [TWO_ROWS.rows(t) for t in (1, 2, 3)] == [2, 2, 3] and TWO_ROWS.spare == 1
     fours = RowForm(multiple=4)
     assert [fours.rows(t) for t in (1, 4, 5, 17)] == [4, 4, 8, 20] and fours.spare == 3
@@ -151,7 +155,7 @@ def test_the_torch_backend_on_a_cpu_is_not_probed_and_says_so(exports, caplog):
     assert any("not probed for row exactness" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("form", [TWO_ROWS, RowForm(multiple=4), RowForm(multiple=8)], ids=lambda f: f.name)
+@pytest.mark.parametrize("form", [TWO_ROWS, RowForm(multiple=4), RowForm(multiple=8), ALONE], ids=lambda f: f.name)
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_form_decodes_exactly_to_the_caches_last_position(quantized_exports, monkeypatch, form, source):
     """The padding itself, whatever form this CPU needs: copies written after a call (up to `form.spare` slots past
