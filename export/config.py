@@ -18,7 +18,7 @@ OPS = ("auto", "fused", "portable")
 MIN_OPSET = 24  # TensorScatter, the in-place KV-cache write, is an opset-24 operator
 MAX_OPSET = 24  # the highest opset the exporter and onnxruntime are tested with here
 DEFAULT_MAX_SEQ_LEN = 2048
-DEFAULT_THRESHOLD = 0.75  # the paper's main setting (DESIGN.md §2); calibration replaces it per layer
+DEFAULT_THRESHOLD = 0.75  # the paper's main setting (docs/design.md §2); calibration replaces it per layer
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 ParaDecode verifies several positions in one call where plain decoding computes one position a call, so its
 output equals plain decoding's only as far as a position's result does not depend on how many positions its
-call carries (DESIGN.md §3). onnxruntime's CPU GroupQueryAttention computes a one-token call with a
+call carries (docs/design.md §3). onnxruntime's CPU GroupQueryAttention computes a one-token call with a
 matrix-vector kernel (MLAS' M = 1 path) that sums in another order than the matrix kernel of a call of several
 tokens: rows differ in the last bits (~1e-7). With float activations that stays a near-tie matter. With int8
 activations it does not: every MatMulNBits rounds its input to 8 bits, a last-bit difference moves a value across
@@ -16,7 +16,7 @@ handle (runtime/row_exactness.py: a lone position then runs as two rows).
 So the layer graphs of an int8-activation export give the kernel at least two query rows: a call of one row
 (B = 1) appends a copy of its last token, whose keys and values go to the slot after the call's last position
 and whose output is dropped. That slot is the next position's, written again (with its own values) before any
-query reads it: a position's layer runs only after every earlier position's (DESIGN.md §3), and a query sees
+query reads it: a position's layer runs only after every earlier position's (docs/design.md §3), and a query sees
 only slots up to its own. A call of several rows (B > 1: batched requests, one token each; the kernel refuses
 more) is left as it is: those rows keep the one-token kernel's results, so a batch on such an export decodes each
 row in calls of its own (runtime/batching.py). The runtime keeps the cache's last slot for the copy (KVCache.spare);

@@ -305,7 +305,7 @@ def default_thresholds(exit_layers: tuple[int, ...], heads_metadata: dict, train
 
     A layer the calibration did not select gets NEVER_EXIT, and so does every layer without trained heads:
     the model's own head at an intermediate layer rarely agrees with the final one, so exiting by default
-    would make decoding slower than plain decoding (DESIGN.md §2). Heads without a calibration (an old or
+    would make decoding slower than plain decoding (docs/design.md §2). Heads without a calibration (an old or
     hand-made heads file) get DEFAULT_THRESHOLD.
     """
     if not trained:

@@ -5,7 +5,7 @@ layers, head kind, default thresholds), every subgraph with its tensor contract 
 the sha256 and size of every file in the folder. Readers refuse a manifest of another format
 version with a message that says how to re-export.
 
-A manifest is untrusted input (DESIGN.md §7): reading one checks every field's type, checks the
+A manifest is untrusted input (docs/design.md §7): reading one checks every field's type, checks the
 subgraphs against the contract `graphs.tensors.export_plan` gives for the recorded settings, checks
 that each subgraph's files are at their canonical paths, and that every path it names is a
 relative path listed in `files` (so every file the runtime opens is hash-checked). Errors name the
@@ -69,7 +69,7 @@ WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external d
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
 OPS = ("fused", "portable")
-NEVER_EXIT = math.inf  # no token ever exits (the overhead test of DESIGN.md §3); stored as null in JSON
+NEVER_EXIT = math.inf  # no token ever exits (the overhead test of docs/design.md §3); stored as null in JSON
 
 
 def onnx_path(name: str) -> str:
@@ -302,7 +302,7 @@ class Manifest:
         return manifest
 
     def check_contract(self) -> None:
-        """Check the settings, the subgraph list and the named files against the contract (DESIGN.md §4)."""
+        """Check the settings, the subgraph list and the named files against the contract (docs/design.md §4)."""
         spec, last = self.spec, self.spec.num_layers
         if self.max_seq_len > spec.max_position_embeddings:
             raise ManifestError(

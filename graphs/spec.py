@@ -24,7 +24,7 @@ POSITIONS = ("rope", "learned")
 class ModelSpec:
     """Shapes and features of a decoder-only transformer, as the subgraph modules use them.
 
-    Layers are numbered 1..num_layers, as in DESIGN.md §3. `sliding_windows` holds one entry per
+    Layers are numbered 1..num_layers, as in docs/design.md §3. `sliding_windows` holds one entry per
     layer (None: full attention); an empty tuple means every layer attends to the full cache.
     """
 

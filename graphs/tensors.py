@@ -1,6 +1,6 @@
 """The one place that names every subgraph and every tensor crossing a subgraph boundary.
 
-Subgraphs (DESIGN.md §4), with layers numbered 1..L:
+Subgraphs (docs/design.md §4), with layers numbered 1..L:
 
 - ``embed``: ``input_ids`` [B, T] int64 (+ ``positions`` [B, T] for learned positions)
   -> ``hidden`` [B, T, D]

@@ -1,4 +1,4 @@
-"""Reading an export folder as untrusted input (DESIGN.md §7, STYLE.md rule 15).
+"""Reading an export folder as untrusted input (docs/design.md §7).
 
 JSON values are read through typed accessors whose errors name the field, what arrived and what
 was expected. A path a manifest names is a relative POSIX path (no absolute path, no `..`, no

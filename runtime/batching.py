@@ -30,7 +30,7 @@ A joining request is prefilled alone in its row (batch 1, its whole prompt at on
 sequence's output stops by the same rules as a request decoded alone (its `Stops`, decided by the batch for its
 rows and by its ParaDecoder while alone, and its `Completion`'s stop strings); greedy outputs equal the
 request decoded alone up to near ties of the final head's logits (a batched call's products may round otherwise
-than a batch-1 call's: the same contract as ParaDecode's, DESIGN.md §3).
+than a batch-1 call's: the same contract as ParaDecode's, docs/design.md §3).
 
 Threading: a `Batch` is used by one thread at a time (a server's batch worker). It shares the model's backend,
 weights and speculation estimates but not its cache: the model must not decode other requests meanwhile.

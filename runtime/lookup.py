@@ -6,7 +6,7 @@ source). This is Hugging Face's `prompt_lookup_num_tokens`, vLLM's and TensorRT-
 with the longest match and its continuations counted, SuffixDecoding's per-request suffix tree. In
 ParaDecode's terms a looked-up token is a proposal pending at depth 0: the scheduler computes it in the
 frontier's batched calls and the final layer verifies it like an early exit, so the output stays exactly
-that of plain decoding (DESIGN.md §3).
+that of plain decoding (docs/design.md §3).
 
 A proposer answers one question, `propose(tokens, end, count) -> list[int]`: up to `count` tokens to follow
 tokens[:end]. Its answer is a pure function of its inputs (and, for `SharedSuffixIndex`, of what earlier

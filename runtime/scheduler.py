@@ -1,4 +1,4 @@
-"""The ParaDecode scheduler (DESIGN.md §3), over lanes.
+"""The ParaDecode scheduler (docs/design.md §3), over lanes.
 
 State. The unverified positions form *groups*: contiguous runs of positions at the same depth
 (layers computed), holding their hidden state. Depth strictly decreases along positions, so a

@@ -1,6 +1,6 @@
 """Token-for-token comparison of a decoded sequence with a reference, over the whole sequence.
 
-DESIGN.md §3: outputs may differ only where a batched product rounds differently from a single-token
+docs/design.md §3: outputs may differ only where a batched product rounds differently from a single-token
 one at a near tie of the top two logits. Such a divergence is reported (printed and warned), never
 hidden, and the comparison does not stop there: every token of ours is checked against the reference
 model's greedy choice *after ours' own prefix* (teacher forcing), so a wrong token anywhere, before

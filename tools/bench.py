@@ -404,7 +404,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     logger.info("measured call costs: %s", costs.as_dict())
 
     def bound(mode, accepted: dict, tokens: int) -> float | None:
-        """DESIGN.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
+        """docs/design.md §6's bound for exits alone in `batched` (no lookup, greedy), at the measured acceptance."""
         settings = mode.settings
         if settings.get("overlap") != "batched" or settings.get("lookup_tokens") or args.temperature:
             return None

@@ -314,7 +314,7 @@ def samples_as_dicts(samples: list[Sample]) -> list[dict[str, Any]]:
 
 
 def exit_bound(costs: CallCosts, accepted: dict[str, int], tokens: int, num_layers: int, active: list[int]) -> float:
-    """The speedup bound of DESIGN.md §6 for `batched` at the measured acceptance, by the cost model
+    """The speedup bound of docs/design.md §6 for `batched` at the measured acceptance, by the cost model
     (`cost_model.CostModel`) of the measured calls: every accepted early token costs its layers up to its exit,
     the heads it passed and, for each remaining layer, one more position in a later token's call (what it adds
     to the largest batched layer call measured); every other token costs every layer and every active head;

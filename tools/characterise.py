@@ -6,7 +6,7 @@ the token exits, with the reference (ar) token, for a fixed pseudo-random share 
 the same positions in every mode; other tokens go on. Every exit is correct, so this measures the
 scheduler, not the heads. ar and each ParaDecode overlap run interleaved, R times.
 
-The bound (DESIGN.md §6), in layer-times per token, with a the share of tokens that exit at depth e
+The bound (docs/design.md §6), in layer-times per token, with a the share of tokens that exit at depth e
 of L layers and k = K + 1 positions sharing a batched call:
     streams (two lanes, perfect overlap):  a * max(e, L - e)        + (1 - a) * L
     batched (one lane):                    a * (e + (L - e) / k)    + (1 - a) * L
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bounds(a: float, e: int, layers: int, k: int) -> dict[str, float]:
-    """The speedup bound per overlap: the cost model of DESIGN.md §6's idealised costs (`CostModel.bound`)."""
+    """The speedup bound per overlap: the cost model of docs/design.md §6's idealised costs (`CostModel.bound`)."""
     return {overlap: CostModel.bound(layers, k, overlap).speedup({e: a}, [e]) for overlap in BOUNDED_OVERLAPS}
 
 
@@ -315,7 +315,7 @@ def figure(payload: dict):
         axis.set_xlabel("share of tokens exiting early (all correct)")
         axis.set_ylabel("speedup over ar")
         axis.legend(fontsize=8)
-    fig.suptitle(f"ParaDecode vs the bound of DESIGN.md §6; random Llama {payload['shape']}")
+    fig.suptitle(f"ParaDecode vs the bound of docs/design.md §6; random Llama {payload['shape']}")
     return fig
 
 

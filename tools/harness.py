@@ -2,7 +2,7 @@
 
 A mode is a named way to decode one prompt: `run(prompt_ids, max_new_tokens) -> Sample`. `measure`
 warms every mode up, then runs every mode on a prompt before the next prompt, and every prompt
-`repeat` times (A B C A B C ...), in one process, so drift and heat touch every mode alike (DESIGN.md
+`repeat` times (A B C A B C ...), in one process, so drift and heat touch every mode alike (docs/design.md
 §6). `Results` holds the samples and computes what the tools report: per-mode medians with min and
 max, the baseline (the fastest mode of kind `ar`: plain decoding in its best thread setting),
 speedup ratios against it, latency percentiles, exits and output matches.

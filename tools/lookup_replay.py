@@ -9,7 +9,7 @@ accepted proposals and one token more. The ratio to plain decoding is the output
 the replay's total. That is a bound of the kind `paradecode-bench` prints (its scheduler overhead, exits and
 the adaptive cut are left out), and the way to compare proposers on many prompts in seconds.
 
-A *tree* replays what verifying several candidates in one call would give (the design in README, *The next
+A *tree* replays what verifying several candidates in one call would give (the design in docs/export.md, *The next
 layer contract*; not built): at each depth the `width` continuations the longest match's occurrences agree
 on most, each branch followed on; the step costs one position per distinct node and accepts the longest
 branch the output follows.

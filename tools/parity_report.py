@@ -3,7 +3,7 @@
 For a device and backend (the GPU run of tools/gpu_measure.sh uses torch on CUDA), decodes every prompt
 with `ar` and with ParaDecode at several thresholds in each overlap mode, and reports where the two
 differ: the first differing position and ar's top-1/top-2 logit margin there (teacher-forced on ar's own
-prefix through the export's graphs). DESIGN.md §3 allows a difference only at a near tie, where a batched
+prefix through the export's graphs). docs/design.md §3 allows a difference only at a near tie, where a batched
 product rounds differently from a single-token one; in bfloat16 such ties are wider, and the margin says
 how near each one was. Writes JSON (--json) and prints a Markdown table.
 """

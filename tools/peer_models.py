@@ -3,7 +3,7 @@
 - onnxruntime-genai runs what its model builder writes (`python -m onnxruntime_genai.models.builder -i DIR
   -o OUT -p int4|fp32 -e cpu`) from a Hugging Face folder: the source folder itself, or, for a GGUF file, a
   float folder written from the model transformers dequantizes. A GGUF-loaded model refuses
-  `save_pretrained` (DESIGN.md §8), so its weights go into a fresh model of the same config without the
+  `save_pretrained` (docs/design.md §8), so its weights go into a fresh model of the same config without the
   `quantization_config`. (The builder reads float GGUF files only, not quantized ones.) Each build is kept
   under the cache folder, one per source weights, builder version and precision:
   `CACHE/<weights sha256>/ort-genai-<version>/<precision>/`, with `build.json` saying how it was made; it is

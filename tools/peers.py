@@ -1,7 +1,7 @@
 """The ecosystem's runtimes as benchmark modes: onnxruntime-genai (plain and n-gram) and llama.cpp.
 
 `paradecode-bench --peers ort-genai,llama.cpp` measures what a user would pick instead of paradecode
-beside `ar` and ParaDecode, in the same rounds (DESIGN.md §6): the same prompt token ids, greedy, the
+beside `ar` and ParaDecode, in the same rounds (docs/design.md §6): the same prompt token ids, greedy, the
 same new-token budget and stop tokens, every core.
 
 - `ort-genai`: onnxruntime-genai on the model its own model builder makes from the export's source

@@ -1,13 +1,13 @@
 """What a token costs under ParaDecode and under plain decoding: the one cost model of the project.
 
 The speed calibration of `paradecode-train-heads` (`calibration.py`), `paradecode-bench`'s bound
-(`tools/benchmarking.py`, `exit_bound`) and `paradecode-characterise`'s bound (DESIGN.md §6) are this model with
-different costs: measured call costs (`call_costs.CallCosts`), the idealised ones of DESIGN.md §6
+(`tools/benchmarking.py`, `exit_bound`) and `paradecode-characterise`'s bound (docs/design.md §6) are this model with
+different costs: measured call costs (`call_costs.CallCosts`), the idealised ones of docs/design.md §6
 (`CostModel.bound`), or parameter counts (`CostModel.estimate`).
 
 Units: one decoder layer call at T = 1 (one position). A token calls the head of every active exit layer
 it reaches and exits at the first whose threshold its top-1 probability reaches; the next token then
-starts at layer 1. What happens to the early token's upper layers depends on the overlap (DESIGN.md §3;
+starts at layer 1. What happens to the early token's upper layers depends on the overlap (docs/design.md §3;
 runtime/scheduler.py):
 
 - `batched` (one lane, the default on a CPU): when the next token reaches the early token's depth the two
@@ -111,9 +111,9 @@ class CostModel:
 
     @classmethod
     def bound(cls, num_layers: int, positions: int, overlap: str) -> CostModel:
-        """DESIGN.md §6's idealised costs: heads, embedding and final head free, and a merged position costing
+        """docs/design.md §6's idealised costs: heads, embedding and final head free, and a merged position costing
         1/`positions` of a layer (a batched call of k positions costs one layer call)."""
-        return cls(num_layers, head=0.0, merge=1 / positions, final=0.0, overlap=overlap, source="DESIGN.md §6")
+        return cls(num_layers, head=0.0, merge=1 / positions, final=0.0, overlap=overlap, source="docs/design.md §6")
 
     @property
     def final_head(self) -> float:

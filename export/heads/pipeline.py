@@ -34,7 +34,7 @@ COSTS = ("measured", "parameters")
 @dataclass(frozen=True)
 class HeadsConfig:
     """What `paradecode-train-heads` is asked to do; the defaults keep a SmolLM2-135M run on a 2-core CPU
-    within 10 minutes (see README.md)."""
+    within 10 minutes (see docs/export.md, *Train exit heads*)."""
 
     model: str
     output: Path

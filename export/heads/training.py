@@ -1,4 +1,4 @@
-"""Distillation of exit heads over a reduced vocabulary (DESIGN.md §2, §6).
+"""Distillation of exit heads over a reduced vocabulary (docs/design.md §2, §6).
 
 A head after layer e computes logits = E_V · norm(T_e · h_e), with E_V the frozen LM head's rows
 for the reduced vocabulary V (`vocab`; None: the whole vocabulary) and norm the frozen final norm,

@@ -1,7 +1,7 @@
 """The exit heads' reduced vocabulary: the tokens the final layer predicts most often, as many as a budget allows.
 
 A head over the whole vocabulary reads V x D unembedding weights per call: on SmolLM2-135M that is
-about 8 of its decoder layers (DESIGN.md §6), paid by every token at every exit layer it passes.
+about 8 of its decoder layers (docs/design.md §6), paid by every token at every exit layer it passes.
 A head over N tokens costs N x D + D x D (its rows of the unembedding and its transform); the budget
 says how many decoder layers' worth of parameters that may be, which fixes N. The tokens are the
 final layer's top-1 predictions in the training part of the distillation data, ranked by frequency

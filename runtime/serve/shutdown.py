@@ -1,6 +1,6 @@
 """Shutdown that answers every open request: `GracefulServer` (uvicorn's Server) and `ShutdownGuard` (ASGI).
 
-What the README promises on SIGTERM, Ctrl-C, or uvicorn's `should_exit`: new connections are
+What docs/serving.md promises on SIGTERM, Ctrl-C, or uvicorn's `should_exit`: new connections are
 refused, in-flight requests get `--shutdown-timeout` seconds to finish, and whatever is still open
 then gets an answer: a request whose response has not started gets 503 JSON (`shutting_down`), a
 stream gets a last `data: {"error": ...}` event and `data: [DONE]`.

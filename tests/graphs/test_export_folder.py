@@ -1,4 +1,4 @@
-"""An export folder is untrusted input (DESIGN.md §7): paths stay inside, files are listed and
+"""An export folder is untrusted input (docs/design.md §7): paths stay inside, files are listed and
 hash-checked with bounded reads, and the manifest's structure matches the subgraph contract.
 
 Every refusal is a ManifestError whose message names the field and the path or value, and never

@@ -769,7 +769,7 @@ def whole_request(url: str, into: list) -> None:
 )
 def test_shutdown_answers_what_outlasts_the_shutdown_timeout(served_export, tmp_path, signals, code):
     """A running stream gets an error event and [DONE], a running and a queued whole request get 503 JSON, as
-    the README promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
+    docs/serving.md promises, and the log holds no traceback (uvicorn alone sent a plain 500 and cut the stream)."""
     flags = ("--shutdown-timeout", "0.5", "--replicas", "2", "--max-batch", "1")  # one running request per replica
     process, url = start_cli(served_export, tmp_path / "log", 0.5, *flags)
     try:
