@@ -150,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cache-dir", type=Path, help="TensorRT engine and timing caches (default ~/.cache/paradecode)"
     )
-    parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace DIR if it exists and is an export (or an empty folder); any other folder is refused, not deleted",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors and the result only")
     parser.add_argument("-v", "--verbose", action="store_true", help="print debugging detail")
     return parser

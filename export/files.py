@@ -8,17 +8,19 @@ becomes an `OutOfSpaceError` that says how much the export needs, wherever in th
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain, raise_if_interrupted
-from paradecode.graphs.manifest import MANIFEST_NAME, FileRecord
+from paradecode.graphs.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileRecord
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.quantized import QuantizedWeight
 
@@ -57,6 +59,100 @@ def check_folder_writable(output: Path) -> None:
         ) from err
 
 
+def check_output_folder(output: Path, force: bool) -> None:
+    """Refuse early an output folder that the export could not publish, or whose replacing would lose what is not
+    an export: a path that is not UTF-8 (ONNX stores file names as UTF-8), a symbolic link on the way that leads
+    nowhere or loops, a link as the folder itself (publishing renames onto the path, which would replace the link),
+    the root, home or current folder or one above it, a file, an existing folder without --force, a folder that is
+    neither empty nor a paradecode export (--force replaces only those), one that cannot be moved aside."""
+    try:
+        os.fsencode(output.absolute()).decode("utf-8")
+    except UnicodeDecodeError:
+        shown = os.fsencode(output).decode("utf-8", "backslashreplace")
+        raise UserInputError(
+            f"the output path {shown} is not valid UTF-8 text, and ONNX stores the names of the files it writes as "
+            "UTF-8. Choose an -o path whose folder names are UTF-8."
+        ) from None
+    for path in (output, *output.parents):
+        if path.is_symlink() and not path.exists():
+            why = "loops back on itself" if stat_errno(path) == errno.ELOOP else "does not exist"
+            raise UserInputError(
+                f"cannot create the output folder {output}: {path} is a symbolic link to {os.readlink(path)}, which "
+                f"{why}. Remove or repair the link, or choose another -o path."
+            )
+    if output.is_symlink():
+        raise UserInputError(
+            f"output {output} is a symbolic link (to {os.readlink(output)}): an export is published by renaming a "
+            f"finished folder onto its path, which would replace the link, not what it points to. Pass "
+            f"-o {output.resolve()} to export there, or choose another -o path."
+        )
+    resolved, cwd = output.resolve(), Path.cwd()
+    protected = {
+        Path(resolved.anchor): "the root folder",
+        cwd: "the current folder",
+        Path.home().resolve(): "your home folder",
+    }
+    what = protected.get(resolved) or ("a parent of the current folder" if resolved in cwd.parents else None)
+    if what is not None:
+        raise UserInputError(
+            f"output {output} is {what} ({resolved}): an export replaces its output folder as a whole. "
+            f"Choose a new folder for it, e.g. -o {output / 'export'}."
+        )
+    if output.exists() and not output.is_dir():
+        raise UserInputError(f"output {output} exists and is a file, not a folder. Choose another -o path.")
+    if output.exists():
+        if not replaceable(output):
+            raise UserInputError(
+                f"output folder {output} exists and is not a paradecode export (it has no {MANIFEST_NAME} written by "
+                "paradecode-export) and not empty: --force replaces only an export or an empty folder, so that "
+                "nothing else is deleted. Choose another -o path, or empty or remove the folder yourself."
+            )
+        if not force:
+            raise UserInputError(
+                f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
+            )
+        for folder in (output, *(p for p in output.rglob("*") if p.is_dir() and not p.is_symlink())):
+            try:
+                probe_writable(folder, output.name)
+            except OSError as err:
+                raise UserInputError(
+                    f"cannot replace the output folder {output}: {folder} cannot be changed ({err.strerror}), so it "
+                    "could not be moved aside and removed. Make it writable (`chattr -i` for an immutable "
+                    "folder), or choose another -o path."
+                ) from err
+    check_folder_writable(output)
+
+
+def stat_errno(path: Path) -> int | None:
+    """The errno of stat(2) following `path`'s links (ENOENT, ELOOP, ...), or None when it succeeds."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno
+    return None
+
+
+def is_export(folder: Path) -> bool:
+    """Whether `folder` holds a manifest paradecode-export wrote: a JSON object with its `format_version` (an
+    integer: any version, so an old export can be replaced) and `subgraphs`. Reads at most the manifest's limit."""
+    path = folder / MANIFEST_NAME
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_MANIFEST_BYTES:
+            return False
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):  # unreadable or not JSON (UnicodeDecodeError is a ValueError)
+        return False
+    return isinstance(data, dict) and type(data.get("format_version")) is int and "subgraphs" in data
+
+
+def replaceable(folder: Path) -> bool:
+    """What --force may replace: a paradecode export, or an empty folder (not one that cannot be listed)."""
+    try:
+        return is_export(folder) or not any(folder.iterdir())
+    except OSError:
+        return False
+
+
 def check_file_writable(path: Path, option: str) -> None:
     """Refuse at once an output file that the end of a long run could not write: a folder, a path under a file, a
     folder that cannot be made or written in (the writers make missing folders)."""
@@ -76,11 +172,15 @@ def check_file_writable(path: Path, option: str) -> None:
 
 
 @contextmanager
-def staged_folder(output: Path, force: bool, needed_bytes: int = 0):
+def staged_folder(
+    output: Path, force: bool, needed_bytes: int = 0, *, may_replace: Callable[[Path], bool] | None = None
+):
     """Yield a temporary folder beside `output`; rename it to `output` only if the block succeeds.
 
     On any failure or interrupt the temporary folder and the parents created for it are removed, and
     a replaced `output` is put back. `needed_bytes` (an estimate) goes into the out-of-space message.
+    With `may_replace`, an existing `output` is replaced only where it says so (checked again at the end: the
+    folder may have appeared or changed while the block ran).
     """
     created = [p for p in reversed(output.parents) if not p.exists()]
     tmp = old = None
@@ -93,6 +193,11 @@ def staged_folder(output: Path, force: bool, needed_bytes: int = 0):
         if output.exists():
             if not force:
                 raise UserInputError(f"output folder {output} appeared during the export; pass --force to replace it.")
+            if may_replace is not None and not may_replace(output):
+                raise UserInputError(
+                    f"output {output} is neither a paradecode export nor an empty folder (it appeared or changed "
+                    "during the export), so it was left as it is and nothing was written. Choose another -o path."
+                )
             old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
             output.rename(old / output.name)
             tmp.rename(output)

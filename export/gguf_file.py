@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import MissingDependencyError, UnsupportedModelError, UserInputError
+from paradecode.graphs.untrusted import show
 
 MAGIC = b"GGUF"
 GGUF_PACKAGES = ("gguf", "accelerate")  # what transformers needs to read a GGUF file
@@ -25,6 +27,17 @@ GGUF_PACKAGES = ("gguf", "accelerate")  # what transformers needs to read a GGUF
 READ_ERRORS = (ValueError, OSError, struct.error, KeyError, IndexError, OverflowError, EOFError)
 # Config entries that depend on where and with what the file was read, not on the file.
 UNSTABLE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+# The metadata sizes transformers builds a model from (under the architecture's prefix, `llama.block_count`):
+# each must be a positive integer. A per-layer list (some architectures write one) is left to transformers.
+SIZE_KEYS = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "context_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+)
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")  # llama.cpp's name of a layer's tensor: blk.3.attn_q.weight
 
 
 def check_gguf_file(path: Path, reference: str) -> None:
@@ -55,18 +68,80 @@ def require_gguf_support() -> None:
         )
 
 
-def read_error(reference: str, what: str, err: BaseException) -> UserInputError:
+def read_error(reference: str, what: str, err: BaseException, reader: str = "transformers") -> UserInputError:
     first = str(err).splitlines()[0] if str(err) else ""
     return UserInputError(
-        f"transformers could not read the {what} of the GGUF file {reference} ({type(err).__name__}: {first}). "
+        f"{reader} could not read the {what} of the GGUF file {reference} ({type(err).__name__}: {first}). "
         "If the file is truncated or corrupt (an interrupted download or copy), download it again; otherwise "
         "its architecture may be one transformers cannot read from GGUF."
     )
 
 
+def check_gguf_sizes(path: Path, reference: str) -> None:
+    """Refuse metadata sizes that cannot be right (not positive, not dividing, not what the tensors hold) before
+    transformers builds anything from them.
+
+    transformers takes the sizes on trust: a `block_count` of 1,000,000 over the 4 blocks a file holds had it build
+    layer after layer for minutes (100% CPU, memory growing), a `head_count` of 0 divided by zero. So each size must
+    be a positive integer, `block_count` must be the number of blocks the tensors are named for (`blk.N.*`), the
+    attention heads must divide the embedding (and the key/value heads the heads), and `embedding_length` must be
+    the row length of `token_embd.weight`. Reading the header and tensor table costs no per-layer work.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        arch = metadata_value(reader, "general.architecture")
+        if not isinstance(arch, str):
+            return  # transformers refuses a file without an architecture with its own message
+        sizes = {f"{arch}.{key}": metadata_value(reader, f"{arch}.{key}") for key in SIZE_KEYS}
+        blocks = {int(m.group(1)) for t in reader.tensors if (m := BLOCK_TENSOR.match(t.name))}
+        embed_rows = next((int(t.shape[0]) for t in reader.tensors if t.name == "token_embd.weight"), None)
+    except READ_ERRORS as err:  # UnicodeDecodeError (a ValueError) for a string that is not UTF-8
+        raise read_error(reference, "metadata", err, reader="the gguf package") from err
+    problems = [
+        f"{key} is {show(value)}, expected a positive integer"
+        for key, value in sizes.items()
+        if value is not None and not isinstance(value, list) and not is_positive_int(value)
+    ]
+    block_count = sizes[f"{arch}.block_count"]
+    if is_positive_int(block_count) and block_count != len(blocks):
+        problems.append(
+            f"{arch}.block_count is {block_count}, but the file holds the tensors of {len(blocks)} blocks"
+            + (f" (blk.{min(blocks)} to blk.{max(blocks)})" if blocks else "")
+        )
+    embedding, heads = sizes[f"{arch}.embedding_length"], sizes[f"{arch}.attention.head_count"]
+    kv_heads = sizes[f"{arch}.attention.head_count_kv"]
+    if is_positive_int(embedding) and is_positive_int(heads) and embedding % heads:
+        problems.append(f"{arch}.embedding_length {embedding} is not a multiple of {arch}.attention.head_count {heads}")
+    if is_positive_int(heads) and is_positive_int(kv_heads) and heads % kv_heads:
+        problems.append(
+            f"{arch}.attention.head_count {heads} is not a multiple of {arch}.attention.head_count_kv {kv_heads}"
+        )
+    if is_positive_int(embedding) and embed_rows is not None and embed_rows != embedding:
+        problems.append(f"{arch}.embedding_length is {embedding}, but token_embd.weight holds rows of {embed_rows}")
+    if problems:
+        raise UserInputError(
+            f"the GGUF file {reference} has sizes in its metadata that cannot be right: {'; '.join(problems)}. "
+            "Its metadata was damaged or edited: download the model again, or convert it again with llama.cpp's "
+            "convert_hf_to_gguf.py, which writes the sizes from the model's config."
+        )
+
+
+def metadata_value(reader, key: str) -> Any:
+    """A metadata field's value (a list for an array), or None when the file has no such key."""
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def config_from_gguf(path: Path, reference: str):
-    """The transformers config derived from the file's metadata."""
+    """The transformers config derived from the file's metadata, once its sizes are checked."""
     require_gguf_support()
+    check_gguf_sizes(path, reference)
     from transformers import AutoConfig
 
     try:

@@ -21,10 +21,11 @@ from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.families import family_for
 from paradecode.export.files import (
-    check_folder_writable,
+    check_output_folder,
     export_bytes,
     file_hashes,
     package_version,
+    replaceable,
     save_weights,
     staged_folder,
 )
@@ -65,7 +66,7 @@ class ExportResult:
 
 def export_model(config: ExportConfig) -> ExportResult:
     started = time.perf_counter()
-    check_output(config)
+    check_output_folder(config.output, config.force)
     target = None
     if config.engine == "tensorrt":
         from paradecode.export.tensorrt import require_tensorrt
@@ -123,7 +124,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     )
 
     needed = export_bytes(weights, quantized, config.dtype)
-    with staged_folder(config.output, config.force, needed) as folder:
+    with staged_folder(config.output, config.force, needed, may_replace=replaceable) as folder:
         tokenizer_files = save_tokenizer(source, folder / TOKENIZER_DIR)
         (folder / WEIGHTS_NAME).parent.mkdir(parents=True, exist_ok=True)
         save_weights(folder / WEIGHTS_NAME, weights, config.dtype, quantized)  # first: the graphs point into it
@@ -184,17 +185,6 @@ def export_model(config: ExportConfig) -> ExportResult:
 
 
 # --- checks before anything is written ---------------------------------------------------------
-
-
-def check_output(config: ExportConfig) -> None:
-    output = config.output
-    if output.exists() and not output.is_dir():
-        raise UserInputError(f"output {output} exists and is a file, not a folder. Choose another -o path.")
-    if output.exists() and not config.force:
-        raise UserInputError(
-            f"output folder {output} already exists. Pass --force to replace it, or choose another -o path."
-        )
-    check_folder_writable(output)
 
 
 def check_output_is_not_source(output: Path, source: ModelSource) -> None:

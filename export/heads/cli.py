@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--generation-batch", type=positive_int, help=f"prompts generated at once ({default('generation_batch')})"
     )
     parser.add_argument("--window", type=positive_int, help=f"tokens per --text window ({default('window')})")
-    parser.add_argument("--steps", type=int, help=f"distillation steps ({default('steps')})")
+    parser.add_argument("--steps", type=positive_int, help=f"distillation steps, at least 1 ({default('steps')})")
     parser.add_argument("--lr", type=float, help=f"Adam learning rate ({default('lr')})")
     parser.add_argument("--batch", type=positive_int, help=f"positions per step ({default('batch')})")
     parser.add_argument("--held-out", type=float, help=f"share of sequences held out ({default('held_out')})")

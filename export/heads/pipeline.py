@@ -63,8 +63,11 @@ class HeadsConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise UserInputError(f"{name} must be a positive integer, got {value!r}.")
-        if not (isinstance(self.steps, int) and self.steps >= 0):
-            raise UserInputError(f"steps must be an integer >= 0, got {self.steps!r}.")
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise UserInputError(
+                f"steps must be a positive integer, got {self.steps!r}: without a training step the heads file would "
+                "hold untrained heads. Pass --steps 1 or more."
+            )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserInputError(f"--lr must be a positive number, got {self.lr}.")
         if not 0 < self.held_out < 1:

@@ -1,6 +1,7 @@
 """paradecode-export's command line: every refusal exits 2 with a clear message and writes nothing."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from paradecode.export import cli
 from paradecode.export.heads.file import save_heads
+from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.manifest import read_manifest
 
 
@@ -127,23 +129,166 @@ def test_unsupported_opset(model_dirs, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_existing_output_needs_force(model_dirs, tmp_path, capsys):
+@pytest.mark.timeout(300)
+def test_force_replaces_an_export_or_an_empty_folder_only(model_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
+    for force in ([], ["--force"]):
+        code, message = run([model_dirs["gpt2"], "-o", out, "--max-seq-len", "16", *force], capsys)
+        assert code == 2 and "is not a paradecode export" in message and "nothing else is deleted" in message
+        assert (out / "mine.txt").read_text() == "keep me"
+    (out / "mine.txt").unlink()
     code, message = run([model_dirs["gpt2"], "-o", out, "--max-seq-len", "16"], capsys)
-    assert code == 2 and "--force" in message
-    assert (out / "mine.txt").read_text() == "keep me"
+    assert code == 2 and "already exists. Pass --force to replace it" in message
     code, message = run([model_dirs["gpt2"], "-o", out, "--max-seq-len", "16", "--force", "-q"], capsys)
     assert code == 0, message
-    assert not (out / "mine.txt").exists() and read_manifest(out).max_seq_len == 16
+    assert read_manifest(out).max_seq_len == 16
+    code, message = run([model_dirs["gpt2"], "-o", out, "--max-seq-len", "8", "--force", "-q"], capsys)
+    assert code == 0, message
+    assert read_manifest(out).max_seq_len == 8 and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+# --- -o paths that cannot be published, or whose replacing would delete what is not an export ---------------------
+
+
+def refuse_model_work(monkeypatch):
+    """Each refusal comes before any work on the model."""
+    from paradecode.export import pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model was touched before -o was checked")
+
+    monkeypatch.setattr(pipeline, "resolve_model", too_late)
+    monkeypatch.setattr(pipeline, "load_hf_model", too_late)
+
+
+def link(tmp, name, target):
+    (tmp / name).symlink_to(target)
+    return tmp / name
+
+
+def folder_with(tmp, name, files):
+    (tmp / name).mkdir()
+    for file, text in files.items():
+        (tmp / name / file).write_text(text)
+    return tmp / name
+
+
+def inside(tmp, name, monkeypatch, files=None):
+    """A folder `name` holding `files`, made the current folder."""
+    folder = folder_with(tmp, name, files or {"keep.txt": "mine"})
+    monkeypatch.chdir(folder)
+    return folder
+
+
+# (what -o is, made in a scratch folder: (tmp, monkeypatch) -> the -o argument), --force, what the message says
+OUTPUT_PATHS = [
+    pytest.param(lambda t, m: link(t, "out", t / "nowhere"), True, "which does not exist", id="dangling-symlink"),
+    pytest.param(lambda t, m: link(t, "d", t / "nowhere") / "out", False, "which does not exist", id="under-dangling"),
+    pytest.param(lambda t, m: link(t, "out", "out"), True, "which loops back on itself", id="symlink-loop"),
+    pytest.param(lambda t, m: link(t, "l", "l") / "out", False, "which loops back on itself", id="under-a-loop"),
+    pytest.param(
+        lambda t, m: link(t, "out", folder_with(t, "real", {})),
+        True,
+        "is a symbolic link (to ",
+        id="symlink-to-a-folder",
+    ),
+    pytest.param(lambda t, m: t / os.fsdecode(b"bad\xff"), False, "is not valid UTF-8 text", id="non-utf8-name"),
+    pytest.param(lambda t, m: inside(t, "work", m) and Path("."), True, "is the current folder", id="dot"),
+    pytest.param(lambda t, m: inside(t, "work", m) and Path(".."), True, "is a parent of the current folder", id="up"),
+    pytest.param(lambda t, m: Path("/"), True, "is the root folder (/)", id="root"),
+    pytest.param(
+        lambda t, m: m.setenv("HOME", str(folder_with(t, "home", {"keep.txt": "mine"}))) or t / "home",
+        True,
+        "is your home folder",
+        id="home",
+    ),
+    pytest.param(
+        lambda t, m: folder_with(t, "out", {"keep.txt": "mine"}),
+        True,
+        "exists and is not a paradecode export",
+        id="not-an-export",
+    ),
+    pytest.param(
+        lambda t, m: folder_with(t, "out", {"manifest.json": '{"name": "a web app"}'}),
+        True,
+        "exists and is not a paradecode export",
+        id="another-manifest",
+    ),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("make", "force", "message"), OUTPUT_PATHS)
+def test_output_paths_that_cannot_be_published_are_refused_and_nothing_is_touched(
+    model_dirs, tmp_path, monkeypatch, capsys, make, force, message
+):
+    model = model_dirs["gpt2"]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    refuse_model_work(monkeypatch)
+    output = make(scratch, monkeypatch)
+    before = sorted(str(p) for p in scratch.rglob("*"))
+    code, out = run([model, "-o", output, *(["--force"] if force else [])], capsys)
+    assert code == 2, out
+    assert "paradecode-export: error: " in out and message in out and "Traceback" not in out, out
+    assert "-o" in out, "the message names the option to change"
+    assert sorted(str(p) for p in scratch.rglob("*")) == before, "something was created or deleted"
+    assert all(p.read_text() == "mine" for p in scratch.rglob("keep.txt"))
+
+
+@pytest.fixture
+def unchangeable_folder(tmp_path):
+    """An empty folder nothing can be created in or moved out of: immutable (chattr +i, which root cannot
+    bypass), else read-only by its mode (which only root bypasses)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    immutable = shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True)
+    if not (immutable and immutable.returncode == 0):
+        immutable = None
+        folder.chmod(0o555)
+        if os.access(folder, os.W_OK):
+            folder.chmod(0o755)
+            pytest.skip("chattr +i is not permitted here and this process bypasses file modes (root)")
+    yield folder
+    if immutable:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o755)
+
+
+@pytest.mark.timeout(60)
+def test_an_unchangeable_output_folder_is_refused_before_any_work(model_dirs, unchangeable_folder, monkeypatch, capsys):
+    """--force on a folder that cannot be moved aside failed with a traceback after the whole export."""
+    refuse_model_work(monkeypatch)
+    code, out = run([model_dirs["gpt2"], "-o", unchangeable_folder, "--force"], capsys)
+    assert code == 2, out
+    assert f"cannot replace the output folder {unchangeable_folder}: {unchangeable_folder} cannot be changed" in out
+    assert "choose another -o path" in out and "Traceback" not in out
+    assert unchangeable_folder.is_dir() and list(unchangeable_folder.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_folder_that_appears_during_the_export_is_not_replaced(tmp_path):
+    """--force was checked against the folder at the start; what appears at the end is checked again."""
+    from paradecode.export.files import replaceable, staged_folder
+
+    out = tmp_path / "out"
+    with (
+        pytest.raises(UserInputError, match="neither a paradecode export nor an empty folder"),
+        staged_folder(out, force=True, may_replace=replaceable) as folder,
+    ):
+        (folder / "manifest.json").write_text("{}")
+        folder_with(tmp_path, "out", {"keep.txt": "mine"})
+    assert (out / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"], "the staged folder was left behind"
 
 
 def test_output_may_not_replace_the_model(model_dirs, tmp_path, capsys):
     model = tmp_path / "model"
     shutil.copytree(model_dirs["gpt2"], model)
     code, out = run([model, "-o", model, "--force"], capsys)
-    assert code == 2 and "would replace the model folder" in out
+    assert code == 2 and "is not a paradecode export" in out
     assert (model / "config.json").is_file()
 
 

@@ -586,6 +586,33 @@ def test_train_heads_refuses_a_broken_model_folder(model_dirs, tmp_path, capsys,
     assert not (tmp_path / "heads.safetensors").exists()
 
 
+@pytest.mark.timeout(60)  # a regression records data and writes untrained heads
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_train_heads_refuses_fewer_than_one_step_before_any_work(model_dirs, tmp_path, capsys, monkeypatch, steps):
+    """--steps 0 wrote untrained heads and exited 0."""
+    from paradecode.export.heads import cli as train_heads
+    from paradecode.export.heads import pipeline as heads_pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("training started with fewer than one step")
+
+    monkeypatch.setattr(heads_pipeline, "train_exit_heads", too_late)
+    heads = tmp_path / "heads.safetensors"
+    with pytest.raises(SystemExit) as exited:
+        train_heads.main([str(model_dirs["llama"]), "-o", str(heads), "--steps", steps])
+    assert exited.value.code == 2
+    assert f"argument --steps: expected a positive integer, got {steps}" in capsys.readouterr().err
+    assert not heads.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(30)
+def test_heads_config_refuses_fewer_than_one_step(tmp_path):
+    from paradecode.export.heads.pipeline import HeadsConfig
+
+    with pytest.raises(UserInputError, match=r"steps must be a positive integer, got 0: .* Pass --steps 1 or more"):
+        HeadsConfig(model="m", output=tmp_path / "heads.safetensors", steps=0)
+
+
 @pytest.mark.timeout(60)
 def test_an_interrupt_a_library_swallowed_still_stops_the_export_before_it_is_published(tmp_path):
     """A signal whose exception a library caught (transformers' imports turn some into ImportError and go

@@ -303,6 +303,76 @@ def test_truncated_gguf_file(tiny, tmp_path, keep):
     assert_nothing_written(tmp_path)
 
 
+def metadata_sizes(**sizes) -> TinyLlama:
+    """The tiny llama's sizes with `sizes` changed, for the metadata only (the tensors keep theirs); the head
+    size stays 16, which the llama layout writes as key_length."""
+    shape = TinyLlama()
+    return replace(shape, key_length=shape.head_dim, **sizes)
+
+
+# What a damaged or hostile header may claim, and the refusal: each before transformers builds anything from it.
+IMPOSSIBLE_SIZES = [
+    pytest.param(
+        {"layers": 1_000_000},
+        "llama.block_count is 1000000, but the file holds the tensors of 4 blocks (blk.0 to blk.3)",
+        id="block-count-1e6",  # transformers built layer after layer for minutes
+    ),
+    pytest.param({"layers": 3}, "llama.block_count is 3, but the file holds the tensors of 4 blocks", id="block-3"),
+    pytest.param({"layers": 0}, "llama.block_count is 0, expected a positive integer", id="block-count-0"),
+    pytest.param({"heads": 0}, "llama.attention.head_count is 0, expected a positive integer", id="head-count-0"),
+    pytest.param({"kv_heads": 0}, "llama.attention.head_count_kv is 0, expected a positive integer", id="kv-heads-0"),
+    pytest.param(
+        {"heads": 3, "kv_heads": 1},
+        "llama.embedding_length 64 is not a multiple of llama.attention.head_count 3",
+        id="heads-not-dividing-the-embedding",
+    ),
+    pytest.param(
+        {"kv_heads": 3},
+        "llama.attention.head_count 4 is not a multiple of llama.attention.head_count_kv 3",
+        id="kv-heads-not-dividing-the-heads",
+    ),
+    pytest.param({"hidden": 0}, "llama.embedding_length is 0, expected a positive integer", id="embedding-0"),
+    pytest.param(
+        {"hidden": 1 << 20},
+        "llama.embedding_length is 1048576, but token_embd.weight holds rows of 64",
+        id="embedding-1M",
+    ),
+    pytest.param({"intermediate": 0}, "llama.feed_forward_length is 0, expected a positive integer", id="ffn-0"),
+    pytest.param({"context": 0}, "llama.context_length is 0, expected a positive integer", id="context-0"),
+]
+
+
+@pytest.mark.timeout(60)  # a regression builds 1,000,000 layers (it spun for minutes) or divides by zero
+@pytest.mark.parametrize(("sizes", "expected"), IMPOSSIBLE_SIZES)
+def test_impossible_metadata_sizes_are_refused_before_the_model_is_built(tmp_path, monkeypatch, sizes, expected):
+    from paradecode.export import pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model was loaded before the GGUF file's sizes were checked")
+
+    monkeypatch.setattr(pipeline, "load_hf_model", too_late)
+    path = tmp_path / "lying.gguf"
+    write_tiny_gguf(path, TinyLlama(), metadata_shape=metadata_sizes(**sizes))
+    code, printed = run_cli([path, "-o", tmp_path / "out"])
+    assert code == 2, printed
+    assert f"paradecode-export: error: the GGUF file {path} has sizes in its metadata that cannot be right:" in printed
+    assert expected in printed and "download the model again, or convert it again" in printed, printed
+    assert "Traceback" not in printed
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_train_heads_refuses_a_block_count_the_file_does_not_hold(tmp_path, capsys):
+    from paradecode.export.heads import cli as train_heads
+
+    path = tmp_path / "lying.gguf"
+    write_tiny_gguf(path, TinyLlama(), metadata_shape=metadata_sizes(layers=1_000_000))
+    heads = tmp_path / "heads.safetensors"
+    assert train_heads.main([str(path), "-o", str(heads), "--steps", "1", "--costs", "parameters"]) == 2
+    assert "llama.block_count is 1000000, but the file holds the tensors of 4 blocks" in capsys.readouterr().err
+    assert not heads.exists()
+
+
 @pytest.mark.parametrize(
     ("name", "content", "expected"),
     [

@@ -143,13 +143,15 @@ def write_tiny_gguf(
     with_tokenizer: bool = True,
     add_bos: bool = False,
     tied: bool = True,
+    metadata_shape: TinyShape | None = None,
 ) -> TinyGGUF:
     """Write a tiny random `family` model as llama.cpp would; return what transformers should read back.
 
     `shape` defaults to `shape_for(family, block_types)`. `block_types` is one type for every matrix
     ("Q4_K") or a mapping from "default", a kind ("token_embd", "attn_v", ...) or a tensor
     ("blk.1.ffn_down") to a type; norms, biases and GPT-2's positions are F32. `tied` leaves out
-    output.weight (transformers then ties lm_head to the embedding).
+    output.weight (transformers then ties lm_head to the embedding). `metadata_shape` writes other sizes
+    into the metadata than the tensors have (a damaged or hostile file: `block_count` 1,000,000 over 4 blocks).
     """
     layout: Layout = layout_for(family)
     shape = shape or shape_for(family, block_types)
@@ -167,7 +169,7 @@ def write_tiny_gguf(
 
     writer = GGUFWriter(str(path), layout.arch)
     writer.add_name(f"paradecode tiny {family}")
-    layout.write_metadata(writer, shape, VOCAB_SIZE)
+    layout.write_metadata(writer, metadata_shape or shape, VOCAB_SIZE)
     writer.add_file_type(FILE_TYPES[block_type(as_mapping(block_types)["default"])])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     if with_tokenizer:
