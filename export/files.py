@@ -155,13 +155,21 @@ def replaceable(folder: Path) -> bool:
 
 def check_file_writable(path: Path, option: str) -> None:
     """Refuse at once an output file that the end of a long run could not write: a folder, a path under a file, a
-    folder that cannot be made or written in (the writers make missing folders)."""
+    folder that cannot be made or written in (the writers make missing folders), and a device, pipe or socket (the
+    writers rename a finished file onto the path, which would replace it: /dev/null, as root)."""
     path = Path(path)
     if path.is_dir():
         raise UserInputError(f"{option} {path} is a folder; give a file name, e.g. {path / 'out'}.")
+    if path.exists() and not path.is_file():
+        raise UserInputError(
+            f"{option} {path} is not a regular file (a device, a pipe or a socket): the output is written beside it "
+            "and renamed onto it, which would replace it. Give a file name."
+        )
     folder = nearest_folder(path)
     if not folder.is_dir():
-        raise UserInputError(f"{option} {path}: {folder} is not a folder, so nothing can be written under it.")
+        raise UserInputError(
+            f"{option} {path}: {folder} is not a folder, so nothing can be written under it. Choose another path."
+        )
     try:
         probe_writable(folder, path.name)
     except OSError as err:

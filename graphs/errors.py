@@ -70,6 +70,11 @@ class OutOfSpaceError(ParadecodeError):
     """The disk filled up (ENOSPC) or a quota was reached (EDQUOT) while writing; nothing was left behind."""
 
 
+class OutputNotWrittenError(ParadecodeError):
+    """A command's output could not be written at the end of its run, although it was checked before the run began
+    (its folder was removed or made read-only since, or the disk filled up). Exit code 1."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived while a command ran.
 
@@ -97,18 +102,18 @@ def run_command(prog: str, work: Callable[[], object], interrupted: str = "inter
         except BaseException as err:
             signum = interrupt_signal(err, received)
             if signum is not None:
-                return _interrupted(prog, interrupted, signum), None
+                return report_interrupt(prog, interrupted, signum), None
             if isinstance(err, ParadecodeError):
                 print(f"{prog}: error: {err}", file=sys.stderr)
                 return err.exit_code, None
             raise
     if received:  # a signal deferred past the work's end (it arrived during the work's last import)
-        return _interrupted(prog, interrupted, received[0]), None
+        return report_interrupt(prog, interrupted, received[0]), None
     return 0, result
 
 
-def _interrupted(prog: str, interrupted: str, signum: int) -> int:
-    """Say that the command was interrupted; its exit code."""
+def report_interrupt(prog: str, interrupted: str, signum: int) -> int:
+    """Say on stderr that the command was interrupted ("PROG: INTERRUPTED"); its exit code, 128 + the signal number."""
     note = "" if signum == signal.SIGINT else f" (received {signal.Signals(signum).name})"
     print(f"{prog}: {interrupted}{note}", file=sys.stderr)
     return 128 + signum

@@ -158,10 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    code, table = run_command("paradecode-bench", lambda: run(args), "interrupted; nothing was written")
-    if code == 0:
-        print(table)
-    return code
+    code, outcome = run_command("paradecode-bench", lambda: run(args), "interrupted; nothing was written")
+    if code != 0:
+        return code
+    table, unwritten = outcome
+    print(table)
+    for message in unwritten:
+        print(f"paradecode-bench: error: {message}", file=sys.stderr)
+    return 1 if unwritten else 0
 
 
 def parse_lookups(text: str) -> list[int]:
@@ -217,17 +221,15 @@ def parse_thresholds(text: str) -> list[float | None]:
     return values
 
 
-def run(args) -> str:
-    from paradecode.export.files import check_file_writable
+def run(args) -> tuple[str, list[str]]:
+    """(the Markdown report, what could not be written at the end: --json, --plot)."""
     from paradecode.export.prompt_sets import load_prompts
     from paradecode.tools.benchmarking import opened_with_ar_baselines
-    from paradecode.tools.reporting import check_plotting
+    from paradecode.tools.reporting import check_outputs, check_plotting
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            check_file_writable(path, option)  # before the run: its results are written at the end
+    check_outputs({"--json": args.json, "--plot": args.plot})  # before the run: they are written at its end
     if args.plot is not None:
         check_plotting()
     thresholds = parse_thresholds(args.thresholds)
@@ -346,12 +348,13 @@ def prompt_ids_of(model, prompts: list) -> list[list[int]]:
     return ids
 
 
-def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes=()) -> str:
-    """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report."""
+def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes=()) -> tuple[str, list[str]]:
+    """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report: (the Markdown
+    report, what could not be written)."""
     from paradecode.export.heads.call_costs import measure_call_costs
     from paradecode.tools import benchmarking as bm
     from paradecode.tools import harness
-    from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json
+    from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json, save_outputs
 
     manifest = main_model.manifest
     texts = [p.prompt for p in labelled]
@@ -438,28 +441,26 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     table = markdown_report(summary, by_category)
     if compiling is not None:
         table = f"{bm.compile_line(compiling)}\n\n{table}"
+    outputs = []
     if args.json:
-        save_json(
-            args.json,
-            {
-                "export": str(Path(args.export).resolve()),
-                "model": manifest.model,
-                "machine": bm.machine(),
-                "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
-                "prompts": texts,
-                "call_costs": costs.as_dict(),
-                "memory_bound": memory_bound,
-                "compile": compiling,
-                "summary": summary,
-                "categories": by_category,
-                "samples": bm.samples_as_dicts(results.samples),
-            },
-        )
-        logger.info("wrote %s", args.json)
+        report = {
+            "export": str(Path(args.export).resolve()),
+            "model": manifest.model,
+            "machine": bm.machine(),
+            "settings": {k: ",".join(v) if isinstance(v, tuple) else str(v) for k, v in vars(args).items()},
+            "prompts": texts,
+            "call_costs": costs.as_dict(),
+            "memory_bound": memory_bound,
+            "compile": compiling,
+            "summary": summary,
+            "categories": by_category,
+            "samples": bm.samples_as_dicts(results.samples),
+        }
+        outputs.append(("--json", args.json, lambda path: save_json(path, report)))
     if args.plot:
-        save_figure(args.plot, benchmark_figure(summary, f"{Path(args.export).name}: {args.backend} on {args.device}"))
-        logger.info("wrote %s", args.plot)
-    return table
+        title = f"{Path(args.export).name}: {args.backend} on {args.device}"
+        outputs.append(("--plot", args.plot, lambda path: save_figure(path, benchmark_figure(summary, title))))
+    return table, save_outputs(outputs)
 
 
 def local_source(manifest) -> str | None:

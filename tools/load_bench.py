@@ -107,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     code, outcome = run_command(PROG, lambda: run(args, command), "interrupted; the servers were stopped")
     if code != 0:
         return code
-    table, failed, total = outcome
+    table, failed, total, unwritten = outcome
     print(table)
+    for message in unwritten:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
     if failed:
         print(f"{PROG}: {len(failed)} of {total} requests failed; the first: {failed[0].error}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed or unwritten else 0
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], LoadSettings]:
@@ -230,17 +231,18 @@ def prompts_of(args: argparse.Namespace) -> list:
     return prompts
 
 
-def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int]:
-    """(the Markdown table, the failed records, the requests sent)."""
+def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int, list[str]]:
+    """(the Markdown table, the failed records, the requests sent, what could not be written: --json, --plot)."""
+    from paradecode.tools.reporting import check_outputs, check_plotting, save_figure, save_json, save_outputs
+
     try:
         import openai  # noqa: F401
     except ImportError as err:
         raise MissingDependencyError(f"{PROG} needs the openai client: `pip install openai` ({err}).") from err
     names, settings = check_args(args)
     levels = concurrency_levels(args.concurrency) or [settings.concurrency]
+    check_outputs({"--json": args.json, "--plot": args.plot})  # before the run: they are written at its end
     if args.plot is not None:
-        from paradecode.tools.reporting import check_plotting
-
         check_plotting()
     prompts = prompts_of(args)
     with ExitStack() as stack:
@@ -283,34 +285,29 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int]
     summary = levels_summary[levels[-1]]
     ratio = speedup(summary)
     table = markdown(levels_summary, settings)
+    outputs = []
     if args.json:
         from paradecode.tools.benchmarking import machine
-        from paradecode.tools.reporting import save_json
 
-        save_json(
-            args.json,
-            {
-                "command": command,
-                "export": str(Path(args.export).resolve()) if args.export else None,
-                "url": args.url,
-                "machine": machine(),
-                "settings": asdict(settings),
-                "flags": {k: None if v is None else str(v) for k, v in vars(args).items()},
-                "servers": {name: {"url": s.url, "command": shlex.join(s.command)} for name, s in servers.items()},
-                "prompts": prompts,
-                "summary": summary,  # at the highest concurrency
-                "levels": {str(level): rows for level, rows in levels_summary.items()},
-                "paradecode_vs_ar": ratio,
-                "records": [asdict(r) for r in records],
-            },
-        )
-        logger.info("wrote %s", args.json)
+        report = {
+            "command": command,
+            "export": str(Path(args.export).resolve()) if args.export else None,
+            "url": args.url,
+            "machine": machine(),
+            "settings": asdict(settings),
+            "flags": {k: None if v is None else str(v) for k, v in vars(args).items()},
+            "servers": {name: {"url": s.url, "command": shlex.join(s.command)} for name, s in servers.items()},
+            "prompts": prompts,
+            "summary": summary,  # at the highest concurrency
+            "levels": {str(level): rows for level, rows in levels_summary.items()},
+            "paradecode_vs_ar": ratio,
+            "records": [asdict(r) for r in records],
+        }
+        outputs.append(("--json", args.json, lambda path: save_json(path, report)))
     if args.plot is not None:
-        from paradecode.tools.reporting import save_figure
-
-        save_figure(args.plot, load_figure(levels_summary, settings))
-        logger.info("wrote %s", args.plot)
-    return table, [r for r in records if r.error is not None], len(records)
+        outputs.append(("--plot", args.plot, lambda path: save_figure(path, load_figure(levels_summary, settings))))
+    unwritten = save_outputs(outputs)
+    return table, [r for r in records if r.error is not None], len(records), unwritten
 
 
 def summarize(records: list[Record], target: Target) -> dict[str, Any]:
@@ -371,7 +368,9 @@ def load_figure(levels: dict[int, dict[str, dict[str, Any]]], settings: LoadSett
         axis.legend(fontsize=8)
     left.set_ylabel("aggregate completion tokens/s")
     left.set_title(f"throughput ({settings.max_tokens} tokens per request)")
-    right.set_yscale("log")
+    times = [row[key] for level in levels.values() for row in level.values() for key in ("ttft_ms_p50", "itl_ms_p50")]
+    if any(t is not None and t > 0 for t in times):  # no request brought text: nothing to scale (matplotlib refuses)
+        right.set_yscale("log")
     right.set_ylabel("ms (p50; TTFT p95 dotted)")
     right.set_title("time to first token and between tokens")
     return figure

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import MissingDependencyError
+
+logger = logging.getLogger(__name__)
 
 
 def write_atomically(path: Path, data: bytes | str) -> Path:
@@ -25,6 +29,37 @@ def write_atomically(path: Path, data: bytes | str) -> Path:
 
 def save_json(path: Path, payload: dict[str, Any]) -> Path:
     return write_atomically(path, json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def check_outputs(outputs: dict[str, Path | None]) -> None:
+    """Refuse before a long run the output files (by option: {"--json": path}; None where not given) that its end
+    could not write: a folder, a path under a file, an unwritable folder, a device (`check_file_writable`)."""
+    from paradecode.export.files import check_file_writable
+
+    for option, path in outputs.items():
+        if path is not None:
+            check_file_writable(path, option)
+
+
+def save_outputs(outputs: list[tuple[str, Path, Callable[[Path], object]]]) -> list[str]:
+    """Write a run's output files at its end, each (option, path, save) as save(path); returns a message for each
+    that could not be written, so that the caller prints the run's summary all the same and then says what was lost.
+
+    The paths were checked before the run (`check_outputs`); what fails here changed since (its folder was removed
+    or became read-only) or ran out of space. One failure does not stop the next output.
+    """
+    unwritten = []
+    for option, path, save in outputs:
+        try:
+            save(path)
+        except OSError as err:
+            unwritten.append(
+                f"{option} {path} could not be written ({err.strerror or err}); the summary above is the run's "
+                "result. Check the folder and the free space before the next run."
+            )
+        else:
+            logger.info("wrote %s", path)
+    return unwritten
 
 
 def check_plotting() -> None:

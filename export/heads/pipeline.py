@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -393,5 +393,11 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
         "calibration": calibration,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
     }
-    save_heads(config.output, transforms, metadata, vocab=vocab)
+    try:
+        save_heads(config.output, transforms, metadata, vocab=vocab)
+    except OSError as err:  # -o was checked before the run: its folder changed since, or the disk filled
+        raise OutputNotWrittenError(
+            f"-o {config.output} could not be written after training ({err.strerror or err}), so the heads are lost. "
+            "Check the folder and the free space, then train again."
+        ) from err
     return HeadsTraining(transforms, vocab, metadata, history)

@@ -1,12 +1,13 @@
 """paradecode-loadtest: a small load run against real servers in subprocesses, and its argument checks."""
 
 import json
+import os
 
 import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.tools import load_bench
-from paradecode.tools.load_client import LoadSettings, request_of
+from paradecode.tools.load_client import LoadSettings, Record, request_of
 
 
 @pytest.mark.slow
@@ -108,3 +109,81 @@ def test_targets_settings_and_requests_from_the_flags(capsys):
 def test_percentiles_are_measured_values():
     assert load_bench.percentiles_ms([]) == (None, None)
     assert load_bench.percentiles_ms([0.001 * i for i in range(1, 21)]) == pytest.approx((11.0, 19.0))
+
+
+# --- output files: refused before the load, and a write that fails at the end costs the file, not the summary ------
+
+URL = "http://127.0.0.1:9"  # --url: no server is started; `load` is replaced, so nothing is sent
+
+
+@pytest.mark.timeout(60)  # refused before the load: a regression would run it first
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (lambda tmp: ["--json", str(tmp)], "--json {tmp} is a folder; give a file name"),
+        (lambda tmp: ["--plot", str(tmp / "f.txt" / "plot.png")], "--plot {tmp}/f.txt/plot.png: {tmp}/f.txt is not a"),
+        (lambda tmp: ["--json", "/proc/x.json"], "--json /proc/x.json cannot be written: /proc refuses new files"),
+        (lambda tmp: ["--json", str(tmp / "fifo")], "--json {tmp}/fifo is not a regular file"),  # /dev/null, safely
+    ],
+    ids=["json-folder", "plot-under-a-file", "json-in-proc", "json-device"],
+)
+def test_loadtest_refuses_outputs_it_could_not_write_before_the_load(monkeypatch, tmp_path, capsys, flags, message):
+    (tmp_path / "f.txt").write_text("a file")
+    os.mkfifo(tmp_path / "fifo")
+    loads = []
+
+    async def no_load(*args):
+        loads.append(args)
+        raise AssertionError("the load ran although an output could not be written")
+
+    monkeypatch.setattr(load_bench, "load", no_load)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert load_bench.main(["--url", URL, "--requests", "2", *flags(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"paradecode-loadtest: error: {message.format(tmp=tmp_path)}" in err and "Traceback" not in err, err
+    assert not loads and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lost", ["--json", "--plot"])
+def test_loadtest_prints_its_summary_when_an_output_cannot_be_written_at_the_end(monkeypatch, tmp_path, capsys, lost):
+    """The output's folder is missing when the load starts (the writers make it) and a file takes its name during the
+    load: the write fails at the end; the table is printed all the same, the other output is written, exit code 1."""
+    paths = {"--json": tmp_path / "json" / "load.json", "--plot": tmp_path / "plot" / "load.png"}
+
+    async def load(targets, prompts, settings):
+        paths[lost].parent.write_text("took the folder's name during the load")
+        for target in targets:
+            target.wall_seconds = 0.5
+        return [
+            Record(
+                target=t.name,
+                round=0,
+                index=0,
+                endpoint="completions",
+                first_token_seconds=0.05,
+                latency_seconds=0.2,
+                completion_tokens=4,
+            )
+            for t in targets
+        ]
+
+    monkeypatch.setattr(load_bench, "load", load)
+    flags = [text for option, path in paths.items() for text in (option, str(path))]
+    assert load_bench.main(["--url", URL, "--requests", "1", "--warmup", "0", *flags]) == 1
+    out, err = capsys.readouterr()
+    assert "| 8 | server | 1 | 0 |" in out, out  # the summary: concurrency 8 (the default), one request, no error
+    assert f"paradecode-loadtest: error: {lost} {paths[lost]} could not be written (" in err, err
+    assert "Traceback" not in err
+    kept = next(option for option in paths if option != lost)
+    assert paths[kept].stat().st_size > 0 and not paths[lost].parent.is_dir()
+
+
+def test_the_plot_is_drawn_when_no_request_brought_text():
+    """Every request failed or came back empty: no TTFT or ITL to put on a log scale, and the figure still draws (it
+    raised at the end of the run, after the load)."""
+    import io
+
+    empty = {"tokens_per_second": None, **{f"{k}_ms_{p}": None for k in ("ttft", "itl") for p in ("p50", "p95")}}
+    figure = load_bench.load_figure({1: {"ar": empty}, 4: {"ar": empty}}, LoadSettings())
+    figure.savefig(io.BytesIO(), format="png")

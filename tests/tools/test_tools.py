@@ -4,6 +4,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import typing
 
 import pytest
@@ -110,19 +111,53 @@ def test_bench_refuses_bad_input(exports, tmp_path, capsys):
         (lambda tmp: ["--json", str(tmp)], "--json {tmp} is a folder"),
         (lambda tmp: ["--plot", str(tmp / "f.txt" / "plot.png")], "f.txt is not a folder"),
         (lambda tmp: ["--json", "/sys/bench.json"], "--json /sys/bench.json cannot be written"),
+        (lambda tmp: ["--json", "/proc/x.json"], "--json /proc/x.json cannot be written: /proc refuses new files"),
+        (lambda tmp: ["--json", str(tmp / "fifo")], "--json {tmp}/fifo is not a regular file"),  # /dev/null, safely
         (lambda tmp: ["--temperature", "inf"], "--temperature: expected a number in [0, 2]"),
     ],
-    ids=["json-folder", "plot-under-a-file", "json-unwritable", "temperature-inf"],
+    ids=["json-folder", "plot-under-a-file", "json-unwritable", "json-in-proc", "json-device", "temperature-inf"],
 )
 def test_bench_refuses_outputs_it_could_not_write_before_the_run(exports, tmp_path, capsys, make, message):
     folder, _ = exports["gpt2"]
     (tmp_path / "f.txt").write_text("a file")
+    os.mkfifo(tmp_path / "fifo")
     try:
         code = bench.main([str(folder), *make(tmp_path)])
     except SystemExit as exit_:  # argparse
         code = exit_.code
     err = capsys.readouterr().err
     assert code == 2 and message.format(tmp=tmp_path) in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("lost", ["--json", "--plot"])
+def test_bench_prints_its_table_when_an_output_cannot_be_written_at_the_end(
+    stories_export, tmp_path, capsys, monkeypatch, lost
+):
+    """The output's folder is missing when the run starts (the writers make it) and a file takes its name while the
+    modes are measured: that write fails at the end; the table is printed all the same, the other output is
+    written, and the exit code is 1."""
+    paths = {"--json": tmp_path / "json" / "bench.json", "--plot": tmp_path / "plot" / "bench.png"}
+    measure = harness.measure
+
+    def measure_then_take_the_folder(*args, **kwargs):
+        results = measure(*args, **kwargs)
+        paths[lost].parent.write_text("took the folder's name during the run")
+        return results
+
+    monkeypatch.setattr(harness, "measure", measure_then_take_the_folder)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    argv = [str(stories_export[0]), "--no-hf", "--prompts", str(prompts), "--max-new-tokens", "2", "--repeat", "1"]
+    argv += ["--overlaps", "batched", "--thresholds", "default"]
+    assert bench.main([*argv, *(text for option, path in paths.items() for text in (option, str(path)))]) == 1
+    out, err = capsys.readouterr()
+    assert "| mode | tok/s |" in out and "| paradecode batched default" in out, out
+    assert f"paradecode-bench: error: {lost} {paths[lost]} could not be written (" in err, err
+    assert "Traceback" not in err
+    kept = next(option for option in paths if option != lost)
+    assert paths[kept].stat().st_size > 0 and not paths[lost].parent.is_dir()
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import time
 from collections import Counter
 
@@ -448,22 +449,49 @@ def test_heads_cli_errors(model_dirs, tmp_path, capsys):
         (lambda tmp: ["-o", str(tmp), "--force"], "is a folder; give a file name"),
         (lambda tmp: ["-o", "/sys/heads.safetensors"], "cannot be written: /sys refuses new files"),
         (lambda tmp: ["-o", str(tmp / "f.txt" / "heads.safetensors")], "f.txt is not a folder"),
+        (lambda tmp: ["-o", str(tmp / "fifo"), "--force"], "fifo is not a regular file"),  # /dev/null, safely
         (lambda tmp: ["-o", str(tmp / "h"), "--text", str(tmp / "binary.bin")], "is not UTF-8 text"),
         (lambda tmp: ["-o", str(tmp / "h"), "--text", str(tmp)], "is a folder; expected a text file"),
     ],
-    ids=["folder", "folder-force", "unwritable", "under-a-file", "binary-text", "text-folder"],
+    ids=["folder", "folder-force", "unwritable", "under-a-file", "device-force", "binary-text", "text-folder"],
 )
 def test_heads_refuse_what_would_lose_the_results_before_training(model_dirs, tmp_path, capsys, make, message):
     (tmp_path / "f.txt").write_text("a file")
+    os.mkfifo(tmp_path / "fifo")
     (tmp_path / "binary.bin").write_bytes(bytes(range(256)) * 4)
+    model = str(model_dirs["llama"])  # built on first use, beside tmp_path: before the listing
     before = sorted(p.name for p in tmp_path.parent.iterdir())
     started = time.monotonic()
-    assert train_heads.main([str(model_dirs["llama"]), *make(tmp_path)]) == 2
+    assert train_heads.main([model, *make(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert time.monotonic() - started < 10
     assert sorted(p.name for p in tmp_path.parent.iterdir()) == before, "a stray file (DIR.tmp?) was left"
     assert not (tmp_path / "h").exists()
+
+
+@pytest.mark.timeout(120)
+def test_heads_that_cannot_be_written_after_training_are_an_error_without_a_traceback(
+    model_dirs, tmp_path, capsys, monkeypatch
+):
+    """-o's folder is missing when training starts (the writer makes it) and a file takes its name during the run:
+    the write fails at the end, said in one line, exit code 1, nothing left half-written."""
+    from paradecode.export.heads import file
+
+    out = tmp_path / "heads" / "heads.safetensors"
+    save_heads = file.save_heads
+
+    def take_the_folder_then_save(*args, **kwargs):
+        out.parent.write_text("took the folder's name during training")
+        return save_heads(*args, **kwargs)
+
+    monkeypatch.setattr(file, "save_heads", take_the_folder_then_save)
+    args = ["--exit-layers", "1,2", "--steps", "2", "--new-tokens", "8", "--max-prompts", "2", "--costs", "parameters"]
+    assert train_heads.main([str(model_dirs["llama"]), "-o", str(out), *args]) == 1
+    err = capsys.readouterr().err
+    assert f"paradecode-train-heads: error: -o {out} could not be written after training (" in err, err
+    assert "the heads are lost" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"] and out.parent.is_file()
 
 
 def test_saving_heads_leaves_no_temporary_file_when_it_fails(tmp_path):

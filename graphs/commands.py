@@ -1,0 +1,84 @@
+"""The console scripts (pyproject.toml's [project.scripts]): each imports its command's module and runs its `main`
+with Ctrl-C covered from the script's first line.
+
+A command's module takes seconds to import (torch, onnxruntime, transformers). Ctrl-C during those imports used to
+print a `KeyboardInterrupt` traceback, or an `ImportError` or `RecursionError` where a half-imported module was
+imported again, and an exception raised inside an import that native code runs can abort the process. So a script
+imports and runs its command under `interrupts_exit_at_once`: a signal there ends the process at once with
+"PROG: interrupted" and 128 + the signal number (130 for Ctrl-C), which is safe because nothing has been written or
+started yet (or, after the work, everything was cleaned up). While the work runs, the command's `run_command` handles
+the signals its own way (it unwinds the work, so that every cleanup runs), then puts this handling back.
+
+This module imports nothing heavy: only `paradecode.graphs`, whose package imports the standard library alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+
+from paradecode.graphs.errors import INTERRUPT_SIGNALS, report_interrupt
+
+
+@dataclass(frozen=True)
+class Command:
+    """A console script: the command `prog`, whose `main(argv=None) -> int` is in `module`."""
+
+    prog: str
+    module: str
+
+    def __call__(self) -> int:
+        with interrupts_exit_at_once(self.prog):
+            return importlib.import_module(self.module).main()
+
+
+export = Command("paradecode-export", "paradecode.export.cli")
+generate = Command("paradecode-generate", "paradecode.runtime.cli")
+train_heads = Command("paradecode-train-heads", "paradecode.export.heads.cli")
+bench = Command("paradecode-bench", "paradecode.tools.bench")
+profile = Command("paradecode-profile", "paradecode.tools.profiler")
+characterise = Command("paradecode-characterise", "paradecode.tools.characterise")
+demo = Command("paradecode-demo", "paradecode.tools.demo")
+footprint = Command("paradecode-footprint", "paradecode.tools.footprint")
+serve = Command("paradecode-serve", "paradecode.runtime.serve.cli")
+loadtest = Command("paradecode-loadtest", "paradecode.tools.load_bench")
+
+
+@contextmanager
+def interrupts_exit_at_once(prog: str) -> Iterator[None]:
+    """While the block runs, SIGINT and SIGTERM end the process at once: "PROG: interrupted" on stderr and exit code
+    128 + the signal number, without a traceback, whatever Python was doing (an import included).
+
+    Only for code with nothing to unwind. What was printed before the signal is flushed first. A handler set inside
+    the block (`run_command`'s) takes over until it puts this one back. Handlers can only be set in the main thread;
+    elsewhere, and for a signal the process was told to ignore (a shell's background job ignores SIGINT), the current
+    handling is left alone. The previous handlers come back afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        try:
+            with suppress(OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
+                sys.stdout.flush()
+            report_interrupt(prog, "interrupted", signum)
+        finally:
+            os._exit(128 + signum)
+
+    previous = {s: signal.getsignal(s) for s in INTERRUPT_SIGNALS}
+    for s, old in previous.items():
+        if old is not signal.SIG_IGN:
+            signal.signal(s, exit_now)
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            if old is not signal.SIG_IGN:
+                signal.signal(s, signal.SIG_DFL if old is None else old)
