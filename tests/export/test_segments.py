@@ -124,7 +124,8 @@ def test_segments_that_do_not_fit_the_contract_are_refused(edit, message, segmen
     folder = tmp_path / "export"
     shutil.copytree(segmented[0], folder)
     data = json.loads((folder / "manifest.json").read_text())
-    assert [(s["kind"], s["layer"], s["last"]) for s in data["subgraphs"][-2:]] == [("segment", 1, 3), ("segment", 1, 4)]
+    segments = [(s["kind"], s["layer"], s["last"]) for s in data["subgraphs"][-2:]]
+    assert segments == [("segment", 1, 3), ("segment", 1, 4)]
     edit(data["subgraphs"])
     (folder / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=message):
