@@ -50,3 +50,26 @@ def temperature(text: str) -> float:
             f"cap is {MAX_TEMPERATURE:g}), got {text}"
         )
     return value
+
+
+# OpenAI's seed is a signed 64-bit integer; paradecode-serve takes unsigned 64-bit ones too. The sampler's seed is the
+# unsigned one: a negative seed wraps as two's complement does (-1 is 2**64 - 1), in the server and the CLI alike.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def seed_of(value: int) -> int:
+    """The sampler's seed (0 to 2**64 - 1) of a seed in SEED_RANGE."""
+    return value % 2**64
+
+
+def seed(text: str) -> int:
+    """A sampling seed in SEED_RANGE (paradecode-serve's bounds), as the sampler's seed (`seed_of`)."""
+    low, high = SEED_RANGE
+    expected = f"an integer from {low} to {high} (-2**63 to 2**64 - 1, the seeds paradecode-serve takes)"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+    return seed_of(value)

@@ -51,7 +51,7 @@ class ManifestError(ParadecodeError):
 
 
 class ExportChangedError(ManifestError):
-    """An export's file changed on disk after it was loaded (written in place while memory-mapped)."""
+    """An export folder no longer holds the files a model was loaded from (compared by content: runtime/watched.py)."""
 
 
 class ValidationError(ParadecodeError):

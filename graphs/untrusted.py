@@ -205,15 +205,48 @@ def check_files(folder: Path, files: dict[str, FileRecord], *, hashed: bool = Tr
         check_file(path, str(Path(folder) / name), files[name], hashed=hashed)
 
 
-def listed_file(folder: Path, files: dict[str, FileRecord], relative: str) -> Path:
-    """The resolved path of `relative`, a file the manifest lists, checked to be inside `folder`,
-    regular and of its recorded size (its sha256 is checked when the export is opened)."""
+def read_file(path: Path, shown: str, record: FileRecord) -> tuple[bytes, os.stat_result]:
+    """The bytes of `path`, a regular file of the recorded size and sha256, and its stat from before they were read.
+
+    Read through one descriptor: what is measured is what is hashed and returned.
+    """
+    with _open_regular(path, shown) as f:
+        status = os.fstat(f.fileno())
+        if status.st_size != record.bytes:
+            raise ManifestError(f"{shown} has {status.st_size} bytes, the manifest records {record.bytes}. {REEXPORT}")
+        data = f.read(record.bytes)
+        grew = f.read(1)
+    if len(data) != record.bytes or grew:
+        raise ManifestError(f"{shown} changed size while it was read: the manifest records {record.bytes} bytes.")
+    if hashlib.sha256(data).hexdigest() != record.sha256:
+        raise ManifestError(
+            f"{shown} is corrupt: sha256 of its {len(data)} bytes does not match the manifest's sha256. {REEXPORT}"
+        )
+    return data, status
+
+
+def _listed_record(files: dict[str, FileRecord], relative: str) -> FileRecord:
     record = files.get(relative) if isinstance(relative, str) else None
     if record is None:
         raise ManifestError(
             f"{show(relative)} is not among the files the manifest lists with their sha256: the runtime opens "
             f"only those. {REEXPORT}"
         )
+    return record
+
+
+def read_listed(folder: Path, files: dict[str, FileRecord], relative: str) -> tuple[bytes, os.stat_result]:
+    """The bytes of `relative`, a file the manifest lists, resolved inside `folder` and checked against its record
+    (size and sha256: see `read_file`), with its stat from before they were read."""
+    record = _listed_record(files, relative)
+    path = resolve_inside(Path(folder).resolve(), relative, f"files[{relative!r}]")
+    return read_file(path, str(Path(folder) / relative), record)
+
+
+def listed_file(folder: Path, files: dict[str, FileRecord], relative: str) -> Path:
+    """The resolved path of `relative`, a file the manifest lists, checked to be inside `folder`,
+    regular and of its recorded size (its sha256 is checked when the export is opened)."""
+    record = _listed_record(files, relative)
     path = resolve_inside(Path(folder).resolve(), relative, f"files[{relative!r}]")
     check_file(path, str(Path(folder) / relative), record, hashed=False)
     return path

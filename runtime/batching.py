@@ -142,7 +142,7 @@ class Batch:
         request = sequence.request
         row = self.size
         try:
-            self.model.files.check()  # before the prefill reads the weights (runtime/watched.py)
+            self.model.files.check()  # not started once the export's folder changed (runtime/watched.py)
             self._start(sequence)
             self.sequences.append(sequence)
             ctx = self._alone_context(row)
@@ -179,11 +179,6 @@ class Batch:
         for sequence in [s for s in self.sequences if s.cancelled()]:
             self._leave(sequence, "cancelled")
         if not self.sequences:
-            return
-        try:
-            self.model.files.check()  # before the weights are read again (runtime/watched.py)
-        except Exception as err:
-            self.close(err)
             return
         if self.size == 1 and not waiting and self.sequences[0].speculates:
             self._step_alone(self.sequences[0])

@@ -16,11 +16,11 @@ tokenizer's ids of the text *without* added special tokens (transformers encodes
 `add_special_tokens=False`).
 
 The template is code from the model's authors and the messages come from users: the sandbox refuses
-attribute escapes (`''.__class__...`) and `chat_sandbox` bounds the work of compiling (nothing is
-evaluated) and rendering. A template's own refusal (`raise_exception`, on a role it does not know,
-say) is the user's error (UserInputError); every other failure is the export's (ManifestError): an
-unsafe template, one that does not compile, uses `{% include %}`, goes past a bound, fails on checked
-messages or renders nothing.
+attribute escapes (`''.__class__...`) and `chat_sandbox` bounds the work of parsing and compiling (a
+template's bytes and tokens; nothing is evaluated) and rendering. A template's own refusal
+(`raise_exception`, on a role it does not know, say) is the user's error (UserInputError); every
+other failure is the export's (ManifestError): an unsafe template, one that does not compile, uses
+`{% include %}`, goes past a bound, fails on checked messages or renders nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ import jinja2.utils
 
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import TOKENIZER_DIR
-from paradecode.runtime.chat_sandbox import BoundedSandbox, refused_statements, render
+from paradecode.runtime.chat_sandbox import (
+    MAX_TEMPLATE_BYTES,
+    BoundedSandbox,
+    TemplateBoundError,
+    refused_statements,
+    render,
+)
 
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
@@ -89,7 +95,7 @@ class ChatTemplate:
         present = lambda name: (names is None or name in names) and (folder / name).is_file()
         config = _read_json(folder / CONFIG_FILE) if present(CONFIG_FILE) else {}
         if present(TEMPLATE_FILE):
-            source, origin = _read_text(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE)
+            source, origin = _read_text(folder / TEMPLATE_FILE, MAX_TEMPLATE_BYTES), str(folder / TEMPLATE_FILE)
         else:
             source, origin = _template_of_config(config, folder / CONFIG_FILE), f"{folder / CONFIG_FILE} chat_template"
         if source is None:
@@ -278,6 +284,8 @@ def _compiled(source: str, origin: str) -> jinja2.Template:
         return env.from_string(ast)
     except jinja2.TemplateSyntaxError as err:
         raise ManifestError(f"{origin} does not compile (line {err.lineno}: {err.message}). {fix}") from err
+    except TemplateBoundError as err:  # refused before the work that grows with it (chat_sandbox)
+        raise ManifestError(f"{origin} is refused before compiling: {err}. {fix}") from err
     except RENDER_ERRORS as err:  # e.g. an integer literal too long to read, a nesting too deep to parse
         raise ManifestError(f"{origin} does not compile ({type(err).__name__}: {_reason(err)}). {fix}") from err
 
@@ -305,10 +313,13 @@ def _template_of_config(config: dict, path: Path) -> str | None:
     )
 
 
-def _read_text(path: Path) -> str:
+def _read_text(path: Path, limit: int = MAX_FILE_BYTES) -> str:
     size = path.stat().st_size
-    if size > MAX_FILE_BYTES:
-        raise ManifestError(f"{path} has {size} bytes, more than the {MAX_FILE_BYTES >> 20} MiB allowed for it.")
+    if size > limit:
+        raise ManifestError(
+            f"{path} has {size:,} bytes, more than the {limit >> 20} MiB allowed for it: the file is broken or not "
+            "what its name says. Fix it and re-export."
+        )
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -2,6 +2,11 @@
 
 jinja2's sandbox refuses unsafe attributes, but not unbounded work:
 
+- parsing and compiling cost time and memory in proportion to a template's tokens (names, literals, operators,
+  tags), about 15 us and 650 bytes each: a 4 MB template of folded constants took 86 s and 2.9 GB. So a template
+  may have at most MAX_TEMPLATE_BYTES bytes and MAX_TEMPLATE_TOKENS tokens, counted as jinja lexes it and before
+  it parses (`BoundedSandbox.parse`): real chat templates have tens of KB at most (gpt-oss's and Gemma's about
+  16 KB: a few thousand tokens), and one at the bounds loads in about 1 s.
 - compiling evaluates constants: the optimizer folds `{{ 9**(9**9) }}` even inside `{% if false %}`
   (a load that never ends), and `{{ 10**5000 }}` then fails to print (a bare ValueError). Here the
   optimizer is off and the code generator folds nothing (`_NoFolding`), so compiling only translates;
@@ -37,6 +42,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.utils import _PassArg
 
+MAX_TEMPLATE_BYTES = 1 << 20  # a template's UTF-8 source
+MAX_TEMPLATE_TOKENS = 50_000  # jinja's lexer tokens of a template (text between tags is one)
 MAX_INT_BITS = 4096  # about 1,233 decimal digits (Python prints at most 4,300)
 MAX_ITEMS = 1 << 25  # characters of a string, items of a list (32 Mi)
 MAX_WIDTH = 10_000  # a format field's width or precision
@@ -170,6 +177,25 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options):
         super().__init__(optimized=False, **options)
         self.globals["range"] = self._range
+
+    def parse(self, source, name=None, filename=None):
+        """jinja's parse, once `source` is known to be within MAX_TEMPLATE_BYTES and MAX_TEMPLATE_TOKENS (lexing
+        stops at the first token past the bound, so a huge template is refused in a fraction of a second)."""
+        if not isinstance(source, str):
+            raise TypeError(f"a template's source is a string, got {type(source).__name__}")
+        size = len(source.encode("utf-8", "surrogatepass"))
+        if size > MAX_TEMPLATE_BYTES:
+            raise TemplateBoundError(
+                f"the template has {size:,} bytes, more than the {MAX_TEMPLATE_BYTES >> 20} MiB a chat template may "
+                "have (real ones have tens of KB at most)"
+            )
+        for count, _ in enumerate(self.lex(source, name, filename), 1):
+            if count > MAX_TEMPLATE_TOKENS:
+                raise TemplateBoundError(
+                    f"the template has more than {MAX_TEMPLATE_TOKENS:,} tokens (names, literals, operators and "
+                    "tags), more than a chat template may have (real ones have a few thousand)"
+                )
+        return super().parse(source, name, filename)
 
     def wrap_filters(self) -> None:
         """Bound every filter (call after the last filter is added)."""

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.arguments import positive_float, positive_int, temperature
+from paradecode.graphs.arguments import positive_float, positive_int, seed, temperature
 from paradecode.graphs.errors import UserInputError, run_command
 
 MAX_PROMPT_FILE_BYTES = 16 << 20  # a prompt or chat file; far more text than any export's context holds
@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most probable tokens (0: all)")
     parser.add_argument("--top-p", type=float, metavar="P", help="sample among the most probable tokens of mass P")
-    parser.add_argument("--seed", type=int, help="seed of the sampling draws (default: a random one, reported)")
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        help="seed of the sampling draws, -2**63 to 2**64 - 1 as paradecode-serve takes it (a negative one wraps to "
+        "2**64 + seed; default: a random one, reported)",
+    )
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(

@@ -16,9 +16,10 @@ because they share the KV cache and the lanes. For parallel requests over one co
   current token if another thread is computing it), waits for `_lock`, and frees the lanes and the
   backend. Every later call raises `ModelClosedError`.
 
-A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable. A
-change of the export's memory-mapped weights file on disk makes every call refuse with
-`ExportChangedError` (checked before each call and each token: runtime/watched.py).
+A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable. The model
+computes with the export as it read it at load, whatever happens to its folder later; once the folder no longer
+holds those files (compared by content), every call refuses with `ExportChangedError` before it starts, and
+a stream already decoding finishes (runtime/watched.py).
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
 from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.decoding import DecodeContext, decode_ar
 from paradecode.runtime.lanes import Lane, Timeline
-from paradecode.runtime.loader import open_export
+from paradecode.runtime.loader import ExportFolder, open_export
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextTokenizer
-from paradecode.runtime.watched import WatchedFiles
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class GenerationStream:
 class ParaDecodeModel:
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | ExportFolder,
         *,
         backend: str = "onnxruntime",
         device: str = "cpu",
@@ -117,7 +117,8 @@ class ParaDecodeModel:
             raise UserInputError(f"lanes must be a positive integer (the calling thread counts as one), got {lanes!r}.")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise UserInputError(f"threads must be a positive integer (threads per onnxruntime call), got {threads!r}.")
-        self.export = open_export(path, verify=verify)
+        # An opened export is shared (a server's replicas): `verify` is how it was opened.
+        self.export = path if isinstance(path, ExportFolder) else open_export(path, verify=verify)
         # Text first: a broken tokenizer or chat template is refused before the sessions load.
         self.tokenizer = TextTokenizer(self.export.tokenizer_path) if self.export.tokenizer_path else None
         self.chat_template = ChatTemplate.from_export(self.export)
@@ -141,7 +142,7 @@ class ParaDecodeModel:
         self.speculation = Speculation(self.backend.spec.num_layers)
         # What its requests' outputs continued with, for lookup proposals across requests (runtime/lookup.py).
         self.shared_index = SharedSuffixIndex()
-        self.files = WatchedFiles([self.export.file(self.manifest.weights)])  # memory-mapped: see watched.py
+        self.files = self.export.files  # what the model was loaded from, compared with its folder (watched.py)
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._state = threading.Lock()
@@ -185,7 +186,6 @@ class ParaDecodeModel:
                 lane.close()
             self.side_lanes = []
             self.backend.close()
-            self.files.close()
         finally:
             self._lock.release()
 
@@ -534,7 +534,6 @@ class ParaDecodeModel:
                 stats.stop_reason = stop or ("closed" if self._closed else None)
                 if stats.stop_reason:
                     break
-                self.files.check()  # before the next token reads the weights again
         except GeneratorExit:
             stats.stop_reason = stats.stop_reason or ("closed" if self._closed else "cancelled")
             raise
@@ -554,6 +553,7 @@ class ParaDecodeModel:
             )
 
 
-def load(path: str | Path, **options) -> ParaDecodeModel:
-    """Load an export folder for decoding: `load("out/model", backend="onnxruntime", device="cpu")`."""
+def load(path: str | Path | ExportFolder, **options) -> ParaDecodeModel:
+    """Load an export folder for decoding: `load("out/model", backend="onnxruntime", device="cpu")`; or an export
+    already opened (`runtime.loader.open_export`), which several models then share with its checks."""
     return ParaDecodeModel(path, **options)

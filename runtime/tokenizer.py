@@ -40,8 +40,10 @@ class TextTokenizer:
         """Token ids of `text`, with the special tokens the tokenizer adds (a BOS for Llama models).
 
         A rendered chat holds its special tokens already: encode it with `add_special_tokens=False`.
+        Encoded as a batch of one: `encode_batch` releases the GIL while it works and `encode` does not (tokenizers
+        0.23), which would stop every other Python thread, a server's event loop included, for a long prompt's time.
         """
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

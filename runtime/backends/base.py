@@ -48,6 +48,7 @@ from paradecode.graphs.tensors import SubgraphIO
 from paradecode.runtime import row_exactness
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
+from paradecode.runtime.safetensors_bytes import tensor_from_safetensors
 
 Launched = tuple[Mapping[str, torch.Tensor], bool]  # a launch's outputs, and whether it reuses their buffers
 
@@ -119,15 +120,12 @@ class Backend(ABC):
 
     def exit_vocab(self) -> torch.Tensor | None:
         """The token ids of the exit heads' reduced vocabulary (int64 [N]), None when they use the whole
-        vocabulary. Read from the export's weights file the first time it is asked for (sampling needs it to
+        vocabulary. Taken from the export's weights the first time it is asked for (sampling needs it to
         map an exit head's logits to tokens)."""
         if self.manifest.head_vocab is None:
             return None
         if self._exit_vocab is None:
-            from safetensors import safe_open
-
-            with safe_open(str(self.export.file(self.manifest.weights)), framework="pt") as f:
-                vocab = f.get_tensor("exits.vocab")
+            vocab = self.weights_tensor("exits.vocab")
             if tuple(vocab.shape) != (self.manifest.head_vocab,) or vocab.dtype != torch.int64:
                 raise ManifestError(
                     f"exits.vocab in {self.manifest.weights} is {vocab.dtype} {list(vocab.shape)}; the manifest "
@@ -135,6 +133,11 @@ class Backend(ABC):
                 )
             self._exit_vocab = vocab
         return self._exit_vocab
+
+    def weights_tensor(self, name: str) -> torch.Tensor:
+        """The tensor `name` of the export's weights file as this model loaded it. Here, for a backend that keeps no
+        copy of the file: read again, its sha256 checked against the manifest's (the one it was loaded with)."""
+        return tensor_from_safetensors(self.export.read(self.manifest.weights), name, self.manifest.weights)
 
     # lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:  # noqa: B027 (a hook, not abstract: a backend that creates nothing frees nothing)

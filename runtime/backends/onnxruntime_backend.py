@@ -7,6 +7,10 @@ lanes (threads) compute in parallel without a second copy of the weights. Inputs
 bound with IOBinding; a layer's `present_*` outputs are bound to the very buffers fed as `past_*`,
 so the KV cache is written in place (TensorScatter skips its copy when the two share memory).
 
+Sessions are made from the export's files as read into memory at load (the graphs and the weights file, which
+`weights` holds for the model's life: a session made later, at a subgraph's first call, is made from them too);
+onnxruntime copies each session's initializers from those bytes and maps no file (runtime/watched.py says why).
+
 On a CPU, small calls (up to BOUND_TOKENS tokens, which is every decode step) reuse a binding made
 once per (subgraph, token count, lane): rebinding costs more than a small layer's compute. On a GPU
 (onnxruntime-gpu), tensors are bound by CUDA address and each lane gets its own session on its own
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
+from pathlib import PurePosixPath
 
 import numpy as np
 import torch
@@ -29,6 +34,7 @@ from paradecode.graphs.tensors import HEAD_SUBGRAPHS
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
+from paradecode.runtime.safetensors_bytes import tensor_from_safetensors
 
 try:
     import onnxruntime as ort
@@ -138,6 +144,13 @@ class OnnxRuntimeBackend(Backend):
                 "type to bind): use --backend torch or tensorrt, or export float32/float16."
             )
         return_freed_weights_to_the_system()
+        # The export's files in this process's memory, never mapped: sessions are made from these bytes, at load or
+        # at a subgraph's first call, whatever the folder holds by then (runtime/watched.py). No weights file where the
+        # graphs hold their initializers (export/heads/call_costs.py's): then no graph may read any from a file.
+        weights = self.manifest.weights if self.manifest.weights in self.manifest.files else None
+        self.weights = export.read(weights) if weights else None
+        self.graphs = {sub.onnx: export.read(sub.onnx) for sub in self.manifest.subgraphs}
+        self._weights_names = {PurePosixPath(weights).name} if weights else set()  # the graphs' external data location
         cores = max(1, os.cpu_count() or 1)
         if threads is None:  # per subgraph (see HEAD_SUBGRAPHS)
             quantization = self.manifest.quantization
@@ -153,18 +166,21 @@ class OnnxRuntimeBackend(Backend):
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
 
-    @staticmethod
-    def _options(threads: int):
+    def _options(self, threads: int):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.log_severity_level = 3
         # Idle pool threads must not spin: they would take the cores other lanes (or models) compute on.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.weights is not None:  # from memory: onnxruntime copies a session's initializers as it creates it
+            names, weights = list(self._weights_names), [self.weights]
+            options.add_external_initializers_from_files_in_memory(names, weights, [len(self.weights)])
         return options
 
     def _check_graph(self, sub) -> None:
-        """The ONNX file's graph name, inputs and outputs against the manifest (its nodes read, not its weights).
+        """The ONNX file's graph name, inputs, outputs and external data against the manifest (its nodes read, not
+        its weights): every initializer kept outside the graph must be in the export's weights file.
 
         Sessions are created at a subgraph's first call, so only the graphs a decoding mode uses hold weights
         in memory: plain decoding and `batched` ParaDecode run the segments (graphs/tensors.py), not the layer
@@ -172,11 +188,24 @@ class OnnxRuntimeBackend(Backend):
         """
         import onnx
 
-        path = self.export.file(sub.onnx)
         try:
-            graph = onnx.load(str(path), load_external_data=False).graph
+            graph = onnx.load_model_from_string(self.graphs[sub.onnx]).graph
         except Exception as err:  # onnx raises protobuf's DecodeError and its own errors
-            raise ManifestError(f"onnx cannot read {path} ({str(err).splitlines()[0]}); re-export the model.") from err
+            raise ManifestError(
+                f"onnx cannot read {sub.onnx} ({str(err).splitlines()[0]}); re-export the model."
+            ) from err
+        outside = {
+            entry.value
+            for tensor in graph.initializer
+            if tensor.data_location == onnx.TensorProto.EXTERNAL
+            for entry in tensor.external_data
+            if entry.key == "location"
+        }
+        if outside - self._weights_names:
+            raise ManifestError(
+                f"{sub.onnx} reads initializers from {sorted(outside)}; an export's graphs read them from its weights "
+                f"file {self.manifest.weights} alone. The export is inconsistent: re-export the model."
+            )
         self.check_names(
             sub, [i.name for i in graph.input], [o.name for o in graph.output], f"the ONNX graph {sub.onnx}"
         )
@@ -208,7 +237,6 @@ class OnnxRuntimeBackend(Backend):
         return session
 
     def _create_session(self, relative: str, stream: int | None = None, options=None):
-        path = self.export.file(relative)
         providers: list = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
             cuda = {"device_id": self.device.index or 0}
@@ -216,11 +244,16 @@ class OnnxRuntimeBackend(Backend):
                 cuda["user_compute_stream"] = str(stream)
             providers.insert(0, ("CUDAExecutionProvider", cuda))
         try:
-            return ort.InferenceSession(str(path), options or self.options["layers"], providers=providers)
+            return ort.InferenceSession(self.graphs[relative], options or self.options["layers"], providers=providers)
         except Exception as err:  # onnxruntime raises its own exception types
             raise ManifestError(
-                f"onnxruntime cannot load {path} ({str(err).splitlines()[0]}); re-export the model."
+                f"onnxruntime cannot load {relative} ({str(err).splitlines()[0]}); re-export the model."
             ) from err
+
+    def weights_tensor(self, name: str) -> torch.Tensor:
+        if self.weights is None:
+            return super().weights_tensor(name)
+        return tensor_from_safetensors(self.weights, name, self.manifest.weights)
 
     def open_subgraphs(self) -> set[str]:
         return {key.removesuffix(" (prefill)") for key in self.sessions} | {name for name, _ in self._lane_sessions}

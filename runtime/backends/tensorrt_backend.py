@@ -45,7 +45,7 @@ class TensorRTBackend(Backend):
         self.runtime = trt.Runtime(self.logger)
         self.engines = {}
         for sub in self.manifest.subgraphs:
-            engine = self.runtime.deserialize_cuda_engine(export.file(sub.engine).read_bytes())
+            engine = self.runtime.deserialize_cuda_engine(export.read(sub.engine))
             if engine is None:
                 raise ManifestError(f"TensorRT could not deserialize {sub.engine}; re-export with --engine tensorrt.")
             names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]

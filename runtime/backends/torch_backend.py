@@ -195,13 +195,13 @@ class TorchBackend(Backend):
         super().__init__(export, device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UserInputError("device 'cuda' was asked for, but torch sees no CUDA GPU. Use --device cpu.")
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        path = export.file(self.manifest.weights)
-        try:
-            weights = load_file(str(path), device=str(self.device))
+        try:  # read into memory, never mapped (runtime/watched.py)
+            weights = {k: v.to(self.device) for k, v in load(export.read(self.manifest.weights)).items()}
         except Exception as err:  # safetensors raises its own error type for a damaged file
-            raise ManifestError(f"cannot read {path} ({err}); re-export the model.") from err
+            raise ManifestError(f"cannot read {self.manifest.weights} ({err}); re-export the model.") from err
+        self._exit_vocab_weights = weights.get("exits.vocab")  # the one tensor decoding asks for (`weights_tensor`)
         manifest = self.manifest
         # Quantized weights run dequantized (to float32, then the export's dtype): the reference their
         # onnxruntime graphs were validated against.
@@ -234,6 +234,11 @@ class TorchBackend(Backend):
         self.graphs: dict[tuple, GraphedCall] = {}
         self.pools: dict[str, object] = {}  # lane -> CUDA graph memory pool
         self._capture = threading.Lock()
+
+    def weights_tensor(self, name: str) -> torch.Tensor:
+        if name == "exits.vocab" and self._exit_vocab_weights is not None:
+            return self._exit_vocab_weights.cpu()
+        return super().weights_tensor(name)
 
     def close(self) -> None:
         self.graphs.clear()

@@ -25,7 +25,14 @@ from starlette.requests import ClientDisconnect
 
 from paradecode.graphs.errors import ExportChangedError, ManifestError
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.errors import BodyTimeout, BodyTooLarge, HTTPError, RequestError
+from paradecode.runtime.serve.errors import (
+    BodyTimeout,
+    BodyTooLarge,
+    HTTPError,
+    RequestError,
+    public_text,
+    without_export_path,
+)
 from paradecode.runtime.serve.generation import (
     ClientGone,
     Follower,
@@ -113,15 +120,16 @@ async def models(request: Request) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 with the queue's state once the replicas are loaded, until the server stops; 503 once the served
-    export's weights changed on disk (the replicas refuse to decode: restart the server)."""
+    """200 with the queue's state once the replicas are loaded, until the server stops; 503 `export_changed` while
+    the served folder does not hold the export the replicas loaded (they start no request: restart the server)."""
     service = service_of(request)
     waiting, running = service.pool.counts()
     state = {"replicas": service.config.replicas, "waiting": waiting, "running": running}
     try:
         service.check_export()
     except ExportChangedError as err:
-        return JSONResponse({"status": "export_changed", "message": str(err), **state}, status_code=503)
+        message = public_text(str(err), service.config.export)  # never the export's path on this disk
+        return JSONResponse({"status": "export_changed", "message": message, **state}, status_code=503)
     return JSONResponse({"status": "ok", **state})
 
 
@@ -222,5 +230,6 @@ async def route_error(request: Request, err: StarletteHTTPException) -> JSONResp
 
 async def internal_error(request: Request, err: Exception) -> JSONResponse:
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
-    error = http_error_of(err)
+    service = getattr(request.app.state, "service", None)
+    error = http_error_of(err if service is None else without_export_path(err, service.config.export))
     return JSONResponse(error.body(), status_code=error.status)

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"largest request body (default {serve_default('max_body_bytes')})",
     )
+    load.add_argument(
+        "--max-preparing-bytes",
+        type=positive_int,
+        metavar="N",
+        help="bytes of request bodies being parsed and tokenized or waiting for it, all requests together: of those "
+        "over 64 KiB, and as many of smaller ones; a body past it gets 429 with Retry-After; at least "
+        f"--max-body-bytes (default {serve_default('max_preparing_bytes')})",
+    )
     load.add_argument("--backend", choices=tuple(BACKENDS), help=f"default {serve_default('backend')}")
     load.add_argument("--device", choices=("cpu", "cuda"), help=f"default {serve_default('device')}")
     load.add_argument("--lanes", type=positive_int, help=f"lanes per replica (default {serve_default('lanes')})")
@@ -200,6 +208,7 @@ def configs_of(args: argparse.Namespace):
             read_timeout=args.read_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
+            max_preparing_bytes=args.max_preparing_bytes,
             backend=args.backend,
             device=args.device,
             lanes=args.lanes,

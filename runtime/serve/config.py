@@ -61,6 +61,10 @@ class ServeConfig:
     read_timeout: float = 15.0  # seconds a client has to send a request's headers, and then its body
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     prepare_threads: int = 2  # requests parsed and tokenized at once (off the event loop)
+    # bytes of request bodies over 64 KiB being parsed and tokenized or waiting for a thread, all requests together,
+    # and as many of smaller ones: one more gets 429 (a flood of large prompts queues a few seconds of tokenizing at
+    # most, and refuses no small request; runtime/serve/preparing.py)
+    max_preparing_bytes: int = 8 << 20
     retry_after: int = 1  # seconds, the Retry-After header of a 429
     max_body_bytes: int = 4 << 20  # a larger request body gets 413
     completion_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
@@ -97,6 +101,13 @@ class ServeConfig:
         positive_integer(self.prepare_threads, "prepare_threads")
         positive_integer(self.retry_after, "retry_after", " (seconds)")
         positive_integer(self.max_body_bytes, "max_body_bytes")
+        positive_integer(self.max_preparing_bytes, "max_preparing_bytes")
+        if self.max_preparing_bytes < self.max_body_bytes:
+            raise UserInputError(
+                f"max_preparing_bytes {self.max_preparing_bytes} is less than max_body_bytes {self.max_body_bytes}: "
+                "a body of the largest size accepted could never be prepared. Raise max_preparing_bytes "
+                "(--max-preparing-bytes) or lower max_body_bytes (--max-body-bytes)."
+            )
         positive_integer(self.completion_max_tokens, "completion_max_tokens")
         if self.backend not in BACKENDS:
             raise UserInputError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}.")

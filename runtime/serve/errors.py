@@ -3,10 +3,16 @@
 A refused request is answered with OpenAI's error object, `{"error": {"message", "type", "param",
 "code"}}`: `type` is OpenAI's category ("invalid_request_error", ...), `param` names the request
 field at fault (None where none is), `code` is a short machine-readable reason or None.
+
+A response never shows where the export lies on the server's disk: `without_export_path` rewrites an error
+from the runtime (which names files by their paths, for the operator's log) before it becomes an answer.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import ParadecodeError, UserInputError
@@ -60,7 +66,8 @@ class BodyTooLarge(RequestError):
 
 
 class QueueFull(HTTPError):
-    """Every replica is busy and the queue is full (429, with Retry-After)."""
+    """The server holds all the work it admits: every replica busy and the queue full, or the request bodies waiting
+    to be parsed and tokenized at their bound (429, with Retry-After)."""
 
     status = 429
     type = "requests"
@@ -86,3 +93,30 @@ class ServiceUnavailable(HTTPError):
 
     status = 503
     code = "shutting_down"
+
+
+def public_text(text: str, export: Path) -> str:
+    """`text` with every path into `export` made relative to it ("onnx/weights.safetensors"), and the folder's own
+    path replaced by its name: as given, absolute, and with its links resolved."""
+    paths = {os.path.abspath(export), str(Path(export).resolve())}
+    if Path(export).is_absolute():
+        paths.add(str(export))
+    for path in sorted(paths, key=len, reverse=True):  # a longer spelling first: one may hold another
+        text = text.replace(path + os.sep, "").replace(path, Path(path).name or "the export")
+    return text
+
+
+def without_export_path(err: BaseException, export: Path) -> BaseException:
+    """`err`, or where its message names `export`'s path, a copy of it that does not (`public_text`): a paradecode
+    error of the same class (the same answer), any other as a paradecode error that says what it was."""
+    text = str(err)
+    public = public_text(text, export)
+    if public == text:
+        return err
+    if isinstance(err, ParadecodeError):
+        hidden = copy.copy(err)
+        hidden.args = (public,)
+    else:
+        hidden = ParadecodeError(f"internal error ({type(err).__name__}): {public}")
+    hidden.__cause__ = err  # the log keeps the original, with its traceback
+    return hidden

@@ -60,7 +60,7 @@ def http_error_of(err: BaseException) -> HTTPError:
     if isinstance(err, ModelClosedError):
         return ServiceUnavailable(f"the replica was closed while serving this request: {err}")
     if isinstance(err, ExportChangedError):
-        return ServiceUnavailable(f"this server cannot decode safely any more: {err}", code="export_changed")
+        return ServiceUnavailable(f"this server no longer serves its folder's export: {err}", code="export_changed")
     if isinstance(err, UserInputError):
         return RequestError(str(err))
     if isinstance(err, ManifestError):

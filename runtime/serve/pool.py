@@ -28,7 +28,9 @@ waiting decodes with ParaDecode; with others, plain decoding in one batched call
 replica of one row decodes one job at a time, as `model.stream`.
 
 Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
-subgraph), its own KV caches and its own lanes; a batch's rows are one more KV cache of `max_batch` rows.
+subgraph, and the export's weights file as read at load), its own KV caches and its own lanes; a batch's rows are
+one more KV cache of `max_batch` rows. The replicas share one opened export (its manifest, and the check of its
+folder: runtime/watched.py), so they load the same files.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from dataclasses import dataclass, field
 from paradecode.graphs.errors import ParadecodeError
 from paradecode.runtime.batching import ALONE, Batch, Sequence
 from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.loader import open_export
 from paradecode.runtime.model import ParaDecodeModel, StreamedToken, load
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable
+from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable, without_export_path
+from paradecode.runtime.serve.memory import check_batches_fit
 from paradecode.runtime.stats import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -116,10 +120,13 @@ class ReplicaPool:
         self._threads_joined = False  # close() ran
         self._threads: list[threading.Thread] = []
         try:
+            export = open_export(config.export, verify=config.verify)  # one export: the replicas load the same files
             for i in range(config.replicas):
                 logger.info("loading replica %d/%d of %s", i + 1, config.replicas, config.export)
-                self.models.append(load(config.export, **config.model_options()))
+                self.models.append(load(export, **config.model_options()))
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
+            if self.rows > 1:  # refused before allocating what the machine does not have
+                check_batches_fit(self.models[0], self.rows, config.replicas, given=config.max_batch is not None)
             # each replica's batch (its KV-cache rows), made here so that a failure stops the start, not a worker
             self.batches = [Batch(model, self.rows) for model in self.models] if self.rows > 1 else []
             if config.torch_compile:  # compile before listening, not in the first requests
@@ -295,7 +302,7 @@ class ReplicaPool:
             else:
                 if not isinstance(event, ParadecodeError):
                     logger.error("decoding a request failed", exc_info=event)
-                job.emit(Failed(event))
+                job.emit(self._failed(event))
             with self._lock:
                 job.state = DONE
                 self._running.discard(job)
@@ -318,7 +325,11 @@ class ReplicaPool:
             self.metrics.finished(stream.result)
             job.emit(Finished(stream.result))
         except ParadecodeError as err:
-            job.emit(Failed(err))
+            job.emit(self._failed(err))
         except Exception as err:
             logger.exception("decoding a request failed")
-            job.emit(Failed(err))
+            job.emit(self._failed(err))
+
+    def _failed(self, err: BaseException) -> Failed:
+        """A job's end by `err`, as its client reads it: without the export's path on this disk."""
+        return Failed(without_export_path(err, self.config.export))

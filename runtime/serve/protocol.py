@@ -70,9 +70,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on (host, port), or a UserInputError that says which of the two is wrong."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as err:
+    except (socket.gaierror, UnicodeError) as err:  # UnicodeError: not a host name at all ("a..b", a label > 63)
+        reason = err.strerror if isinstance(err, socket.gaierror) else f"not a valid host name: {err.__cause__ or err}"
         raise UserInputError(
-            f"--host {host!r} is not an address or a host name this machine can resolve ({err.strerror}): give one "
+            f"--host {host!r} is not an address or a host name this machine can resolve ({reason}): give one "
             "of this machine's addresses, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)."
         ) from None
     family, _, _, _, address = infos[0]

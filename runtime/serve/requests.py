@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from paradecode.graphs.arguments import SEED_RANGE, seed_of
 from paradecode.runtime.serve.errors import InvalidRequest, RequestError
 
 # Request field -> GenerationConfig field.
@@ -31,7 +32,7 @@ CONFIG_FIELDS = {
     "seed": "seed",
 }
 # Request field -> how its value becomes the GenerationConfig field's.
-CONVERT = {"top_k": lambda k: 0 if k == -1 else k, "seed": lambda seed: seed % 2**64}
+CONVERT = {"top_k": lambda k: 0 if k == -1 else k, "seed": seed_of}
 # OpenAI fields this server does not implement: accepted only at their "off" values.
 UNSUPPORTED_UNLESS = {
     "n": (1,),
@@ -50,7 +51,6 @@ UNSUPPORTED_UNLESS = {
     "response_format": (None, {"type": "text"}),
 }
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-SEED_RANGE = (-(2**63), 2**64 - 1)
 # Union fields: pydantic puts the member's type name after them in an error's location; these say what is expected.
 UNION_EXPECTED = {
     "prompt": "a string, a list of token ids, or a list holding one string or one list of token ids",

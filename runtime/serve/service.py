@@ -2,10 +2,10 @@
 
 `prepare` turns a parsed request into prompt ids and a `GenerationConfig` (it renders chats and
 tokenizes); `prepare_body` parses a body and prepares it in the service's own preparation threads
-(`prepare_threads` at once, whatever the number of requests: a flood of large prompts waits there,
-never on the event loop, and never takes more than those threads' share of the CPU); `submit` queues
-the job. Preparing reads only the tokenizer, chat template and manifest of a replica, which decoding
-never changes, so it may run while that replica decodes.
+(`prepare_threads` at once, whatever the number of requests, never on the event loop; runtime/serve/preparing.py:
+the smallest body first, at most `max_preparing_bytes` of large bodies waiting or in work and as many of small
+ones, 429 beyond); `submit` queues the job. Preparing reads only the tokenizer, chat template and manifest
+of a replica, which decoding never changes, so it may run while that replica decodes.
 
 A prompt's text is measured in bytes before it is tokenized: more than `max_prompt_bytes` cannot fit
 the context (a token stands for at most the bytes of its longest vocabulary entry), so it gets its
@@ -17,16 +17,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.model import ParaDecodeModel
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.errors import ModelNotFound, PromptTooLong, RequestError, RequestTimeout
+from paradecode.runtime.serve.errors import (
+    ModelNotFound,
+    PromptTooLong,
+    RequestError,
+    RequestTimeout,
+    without_export_path,
+)
 from paradecode.runtime.serve.metrics import Metrics
 from paradecode.runtime.serve.pool import Job, ReplicaPool
+from paradecode.runtime.serve.preparing import Preparer
 from paradecode.runtime.serve.requests import GenerationRequest, parse_request
 
 logger = logging.getLogger(__name__)
@@ -56,7 +63,7 @@ class Service:
         self.max_prompt_bytes = (
             self.max_model_len * tokenizer.longest_token_bytes() * NORMALIZER_ROOM if tokenizer is not None else None
         )
-        self._preparing = ThreadPoolExecutor(config.prepare_threads, thread_name_prefix="paradecode-prepare")
+        self.preparer = Preparer(config.prepare_threads, config.max_preparing_bytes, config.retry_after)
 
     @property
     def reference(self) -> ParaDecodeModel:
@@ -69,17 +76,18 @@ class Service:
 
     def close(self) -> None:
         self.pool.close()
-        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self.preparer.close()
 
     def check_export(self) -> None:
-        """Raise ExportChangedError once the served weights changed on disk (every replica maps the same file)."""
+        """Raise ExportChangedError while the served folder does not hold the export the replicas loaded (compared by
+        content: runtime/watched.py; the replicas share one opened export)."""
         self.reference.files.check()
 
     async def prepare_body(self, kind: type[GenerationRequest], body: bytes, deadline: float):
-        """(the parsed request, its Prepared) from a body, in the preparation threads; 504 past `deadline`
-        (a time.monotonic()). A request that times out while waiting for a thread is dropped from their queue."""
-        loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self._preparing, self._parse_and_prepare, kind, body)
+        """(the parsed request, its Prepared) from a body, in the preparation threads; 429 where the bodies waiting
+        for them are too many bytes already, 504 past `deadline` (a time.monotonic()). A request that times out while
+        waiting for a thread is dropped from their queue."""
+        work = self.preparer.run(len(body), partial(self._parse_and_prepare, kind, body))
         try:
             return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -88,6 +96,11 @@ class Service:
                 "timeout, reading and tokenizing the prompt included) and was dropped. Retry when the server is less "
                 "busy."
             ) from None
+        except Exception as err:  # the runtime's errors name the export's files by their paths on this disk
+            public = without_export_path(err, self.config.export)
+            if public is err:
+                raise
+            raise public from err
 
     def _parse_and_prepare(self, kind: type[GenerationRequest], body: bytes):
         parsed = parse_request(kind, body)

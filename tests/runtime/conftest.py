@@ -14,6 +14,17 @@ from tests.serving import SEQ_LEN, Server, config_of
 def served_export(tmp_path_factory) -> Path:
     """A tiny random Llama whose export carries a byte-level BPE tokenizer and a Llama 3 style chat template
     (max_seq_len SEQ_LEN). Tests only read it; one that changes it copies it first."""
+    return chat_export(tmp_path_factory, seed=0)
+
+
+@pytest.fixture(scope="session")
+def reweighted_export(tmp_path_factory) -> Path:
+    """`served_export`'s architecture, tokenizer and settings with other random weights (what re-exporting a
+    fine-tuned model writes): its weights file has the same size, and only it and the manifest differ."""
+    return chat_export(tmp_path_factory, seed=1)
+
+
+def chat_export(tmp_path_factory, seed: int) -> Path:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.runtime.test_chat import CHAT_MODEL_TOKENS, LLAMA3, LLAMA3_SPECIALS, bpe_tokenizer, save_tokenizer
@@ -28,7 +39,7 @@ def served_export(tmp_path_factory) -> Path:
         bos_token_id=tok.token_to_id("<|begin_of_text|>"),
         eos_token_id=tok.token_to_id("<|eot_id|>"),
     )
-    tiny_model("llama", configs={"llama": config}).save_pretrained(model_dir)
+    tiny_model("llama", seed, configs={"llama": config}).save_pretrained(model_dir)
     out = tmp_path_factory.mktemp("serve-export") / "export"
     export_model(ExportConfig(model=str(model_dir), output=out, max_seq_len=SEQ_LEN))
     return out

@@ -285,7 +285,7 @@ def test_a_batch_remembers_outputs_for_shared_lookup(loaded):
 
 
 def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(loaded, monkeypatch):
-    """A truncated memory-mapped weights file would kill the process (SIGBUS) on the prefill's first read."""
+    """A request joining after the export's folder changed (runtime/watched.py) is refused before its prefill."""
     from paradecode.graphs.errors import ExportChangedError
 
     model = loaded["llama", "onnxruntime"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -528,6 +529,48 @@ def test_cli_chat_needs_text(chat_export, capsys):
     assert "--chat renders the text of --prompt or --prompt-file" in capsys.readouterr().err
 
 
+def folded(constants: int) -> str:
+    """`constants` constants that jinja's optimizer folds while compiling, inside `{% if false %}` (11 bytes each)."""
+    return "{% if false %}" + "{{ 1 + 2 }}" * constants + "{% endif %}"
+
+
+def huge_template_file(folder: Path, target: Path, template: str) -> Path:
+    return with_file(folder, target, "tokenizer/chat_template.jinja", template.encode())
+
+
+def huge_config_entry(folder: Path, target: Path, template: str) -> Path:
+    plain = without_template(folder, target.with_name(target.name + "-plain"))
+    config = json.loads((plain / "tokenizer" / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    return with_file(plain, target, "tokenizer/tokenizer_config.json", json.dumps(config).encode())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("where", "template", "message"),
+    [  # the issue's: 4 MB of folded constants took 86 s and 2.9 GB to load
+        (huge_template_file, folded(363_000), "chat_template.jinja has 3,993,025 bytes, more than the 1 MiB allowed"),
+        (  # 660 KB: under the bytes' bound, past the tokens'
+            huge_template_file,
+            folded(60_000),
+            "chat_template.jinja is refused before compiling: the template has more than 50,000 tokens",
+        ),
+        (
+            huge_config_entry,
+            "{# #}" + " " * (1 << 20),
+            "chat_template is refused before compiling: the template has 1,048,581 bytes, more than the 1 MiB",
+        ),
+    ],
+    ids=["file, 4 MB", "file, tokens", "config entry, bytes"],
+)
+def test_cli_refuses_a_huge_chat_template_at_once(chat_export, tmp_path, capsys, where, template, message):
+    folder = where(chat_export[0], tmp_path / "huge", template)
+    started = time.monotonic()
+    code, _, err = run_cli([str(folder), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--json"], capsys)
+    assert code == 2 and "paradecode-generate: error: " in err and message in err, err
+    assert time.monotonic() - started < 10
+
+
 # --- prompt files in the tools ------------------------------------------------------------------------------------
 
 
@@ -592,7 +635,8 @@ ONE_TURN = [{"role": "user", "content": "hi"}]
         ("{{ 9**(9**9) }}", "render", r"9 \*\* 387420489 has more than 4096 bits"),
         ("{{ 10**5000 }}", "render", "more than 4096 bits"),  # was a bare ValueError (too long to print)
         ("{{ " + "1" * 5000 + " }}", "load", "does not compile \\(ValueError: Exceeds the limit"),
-        ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "load", "does not compile \\(RecursionError"),
+        ("{{ " + "(" * 20_000 + "1" + ")" * 20_000 + " }}", "load", "does not compile \\(RecursionError"),
+        ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "load", "refused before compiling: .* 50,000 tokens"),
         ("{% include 'other.jinja' %}", "load", r"uses \{% include %\} \(line 1\)"),
         ("x{% import 'macros' as m %}", "load", r"uses \{% import %\}"),
         ("{% extends 'base' %}", "load", r"uses \{% extends %\}"),

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, ModelClosedError, UserInputError
-from paradecode.runtime import NEVER, GenerationConfig, load
+from paradecode.runtime import NEVER, GenerationConfig, cli, load
 from paradecode.runtime.backends import backend_class
 
 
@@ -221,3 +221,32 @@ def test_bindings_follow_the_cache_they_are_given(exports):
             )
             assert out["present_key"] is key and out["present_value"] is value
         assert torch.count_nonzero(second.keys[0]) > 0, "the second cache was not written"
+
+
+SEEDS = "an integer from -9223372036854775808 to 18446744073709551615 (-2**63 to 2**64 - 1, the seeds paradecode-serve"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("seed", [str(2**64), str(2**80), str(-(2**63) - 1), "1e3"])
+def test_generate_refuses_a_seed_the_server_refuses(exports, capsys, seed):
+    folder, _ = exports["llama"]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(
+            [str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--temperature", "0.8", f"--seed={seed}"]
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --seed: expected {SEEDS}" in err and seed in err, err
+
+
+@pytest.mark.timeout(60)
+def test_generate_wraps_a_negative_seed_as_the_server_does(exports, capsys):
+    """-1 is 2**64 - 1 (two's complement), in paradecode-serve's requests and here."""
+    folder, _ = exports["llama"]
+    outputs = []
+    for seed in ("-1", str(2**64 - 1)):
+        argv = [str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--temperature", "0.8", "--json"]
+        assert cli.main([*argv, f"--seed={seed}"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"]
+    assert outputs[0]["stats"]["seed"] == outputs[1]["stats"]["seed"] == 2**64 - 1

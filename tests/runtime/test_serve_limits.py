@@ -6,6 +6,7 @@ Every wait is bounded; raw sockets go to 127.0.0.1 only. The export is `served_e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from paradecode.graphs.errors import ExportChangedError, ManifestError
 from tests.conftest import REPO
+from tests.runtime.test_chat import with_file
 from tests.runtime.test_serve import PROMPT, start_cli
 from tests.serving import NAME, Server, SlowStreams, config_of, sse_events, wait_until
 
@@ -154,7 +158,9 @@ def test_a_client_leaving_mid_upload_is_cancelled_without_a_traceback(serve, ser
 
 
 def test_a_flood_of_huge_prompts_is_refused_before_tokenizing_and_stalls_nobody(serve, served_export, monkeypatch):
-    running = serve(served_export, replicas=1)
+    # room for every body of the flood: here each gets its 413 by the prompt's bytes (the bound on the bodies waiting
+    # to be prepared, which would refuse most of them with 429, has a test of its own below)
+    running = serve(served_export, replicas=1, max_preparing_bytes=64 << 20)
     tokenizer = running.pool.models[0].tokenizer
     lengths = []
     real_encode = tokenizer.encode
@@ -188,6 +194,109 @@ def test_a_flood_of_huge_prompts_is_refused_before_tokenizing_and_stalls_nobody(
     assert "bytes of text" in message and "--max-seq-len" in message
 
 
+@pytest.mark.timeout(60)
+def test_bodies_past_the_preparing_bound_get_429_and_stall_nobody(serve, served_export, monkeypatch):
+    """Large bodies, each under --max-body-bytes, that together hold --max-preparing-bytes: the next large one gets 429
+    with Retry-After at once, /health answers at once, and a small request is prepared on the thread kept for small
+    ones while the large ones hold theirs."""
+    running = serve(served_export, replicas=1, max_body_bytes=200_000, max_preparing_bytes=400_000, retry_after=2)
+    release = threading.Event()
+    real = running.service._parse_and_prepare
+
+    def held(kind, body):  # a large prompt's tokenizing, for as long as the test wants
+        if len(body) > 100_000:
+            release.wait(30)
+        return real(kind, body)
+
+    monkeypatch.setattr(running.service, "_parse_and_prepare", held)
+    large = {"model": NAME, "prompt": "Once upon a time " * 9_000}  # 153 KB: two fit in the bound, three do not
+    seconds = {}
+
+    def timed(name, send):
+        started = time.monotonic()
+        response = send()
+        seconds[name] = time.monotonic() - started
+        return response
+
+    try:
+        with ThreadPoolExecutor(2) as executor:
+            flood = [executor.submit(running.post, "/v1/completions", large) for _ in range(2)]
+            wait_until(lambda: running.service.preparer.waiting_bytes > 300_000, 10, "two large bodies admitted")
+            refused = timed("refused", lambda: running.post("/v1/completions", large))
+            health = timed("health", lambda: running.http.get("/health"))
+            small = timed("small", lambda: running.post("/v1/completions", {"model": NAME, "prompt": PROMPT}))
+            release.set()
+            answers = [future.result(timeout=30) for future in flood]
+    finally:
+        release.set()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "2", refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "requests" and error["code"] == "rate_limit_exceeded", error
+    assert "--max-preparing-bytes 400,000" in error["message"] and "retry after 2 s" in error["message"]
+    assert health.status_code == 200 and small.status_code == 200, (health.text, small.text)
+    assert max(seconds.values()) < 2, seconds
+    assert [a.json()["error"]["code"] for a in answers] == ["context_length_exceeded"] * 2  # prepared once released
+    assert running.service.preparer.waiting_bytes == 0
+    assert counted(running, "completions", "rejected") == 1
+
+
+@pytest.mark.timeout(30)
+def test_the_preparer_takes_the_smallest_body_first_and_forgets_one_that_gave_up():
+    from paradecode.runtime.serve.errors import QueueFull
+    from paradecode.runtime.serve.preparing import Preparer
+
+    async def scenario():
+        preparer = Preparer(threads=1, max_bytes=10_000, retry_after=1)
+        gate, order = threading.Event(), []
+        run = lambda size: asyncio.create_task(preparer.run(size, lambda: order.append(size)))
+        first = asyncio.create_task(preparer.run(100, lambda: gate.wait(10) and order.append(100)))  # the thread
+        await asyncio.sleep(0.05)
+        big, gone, small = run(5_000), run(3_000), run(200)
+        await asyncio.sleep(0.05)
+        assert preparer.waiting_bytes == 8_300
+        gone.cancel()  # its request gave up while waiting: out of the queue, its bytes free
+        await asyncio.sleep(0.05)
+        assert preparer.waiting_bytes == 5_300
+        with pytest.raises(QueueFull, match="hold 5,300 bytes, and this one's 5,000"):
+            await preparer.run(5_000, lambda: None)
+        gate.set()
+        await asyncio.gather(first, big, small)
+        assert order == [100, 200, 5_000] and preparer.waiting_bytes == 0
+        preparer.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_health_answers_while_a_long_prompt_is_tokenized(serve, served_export, monkeypatch):
+    """Tokenizing runs in a preparation thread and lets go of the GIL: the event loop (and this test's thread) run
+    meanwhile. Timed from the tokenizer's start: while a thread holds the GIL, no other starts even its clock."""
+    running = serve(served_export, replicas=1)
+    monkeypatch.setattr(running.service, "max_prompt_bytes", 4 << 20)  # a long text reaches the tokenizer
+    tokenizer = running.pool.models[0].tokenizer
+    entered, spans = [], []
+    real = tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        entered.append(time.monotonic())
+        try:
+            return real(text, *args, **kwargs)
+        finally:
+            spans.append(time.monotonic() - entered[-1])
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    text = " ".join(f"w{i * 7919 % 100_003}x{i % 97}" for i in range(120_000))  # 1.5 MB, few repeated words
+    with ThreadPoolExecutor(1) as executor:
+        long = executor.submit(running.post, "/v1/completions", {"model": NAME, "prompt": text})
+        wait_until(lambda: bool(entered), 20, "the long prompt reaching the tokenizer")
+        health = running.http.get("/health")
+        health_seconds = time.monotonic() - entered[0]
+        answer = long.result(timeout=40)
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "context_length_exceeded"
+    assert spans[0] > 0.5, f"tokenizing took {spans[0]:.2f} s: too short for this test to tell anything"
+    assert health.status_code == 200 and health_seconds < spans[0] / 4, (health_seconds, spans)
+
+
 # --- a served export changed on disk --------------------------------------------------------------------------------
 
 
@@ -204,7 +313,7 @@ def overwrite_in_place(weights: Path) -> None:
 
 def replace_by_rename(weights: Path) -> None:
     shutil.copyfile(weights, weights.with_name("new"))
-    os.replace(weights.with_name("new"), weights)  # what re-exporting with --force does: the old file stays mapped
+    os.replace(weights.with_name("new"), weights)  # another file with the same content: the same export
 
 
 @pytest.mark.slow
@@ -214,7 +323,7 @@ def replace_by_rename(weights: Path) -> None:
 )
 def test_changed_weights_get_503_not_sigbus(served_export, tmp_path, change, status):
     """In a subprocess: a SIGBUS would kill it (exit 135). A weights file written in place makes every request and
-    /health answer 503 with a log line, and the server stays up; a file replaced by a rename keeps being served."""
+    /health answer 503 with a log line, and the server stays up; an identical copy renamed in keeps being served."""
     export = tmp_path / "export"
     shutil.copytree(served_export, export)
     process, url = start_cli(export, tmp_path / "log", 0.0)
@@ -258,6 +367,87 @@ def test_the_runtime_refuses_changed_weights(served_export, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, cwd=REPO)
     assert done.returncode == 0, done.stderr  # 135 would be a SIGBUS
     assert "refused: the export's files changed on disk" in done.stdout and "-> 100 bytes" in done.stdout
+
+
+# --- no path of the server's disk in a response ---------------------------------------------------------------------
+
+
+class BreakingStream:
+    """A replica's stream that fails with `error` after its first token (a file of the export going bad mid-way)."""
+
+    def __init__(self, real, error: Exception):
+        self.real = real
+        self.error = error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.real.close()
+
+    def __iter__(self):
+        for i, piece in enumerate(self.real):
+            if i:
+                raise self.error
+            yield piece
+
+
+def export_changed(running, export: Path, monkeypatch) -> list:
+    """The replicas' check of their folder fails, as the runtime words it: every request and /health get 503."""
+
+    def check():
+        raise ExportChangedError(
+            f"the export's files changed on disk while this model serves them ({export}/onnx/weights.safetensors: "
+            "1800 -> 900 bytes)."
+        )
+
+    monkeypatch.setattr(running.service, "check_export", check)
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2}
+    return [
+        ("/v1/completions", body, 503, "(onnx/weights.safetensors: 1800 -> 900 bytes)"),
+        ("/v1/completions", {**body, "stream": True}, 503, "(onnx/weights.safetensors: 1800 -> 900 bytes)"),
+        ("/health", None, 503, "(onnx/weights.safetensors: 1800 -> 900 bytes)"),
+    ]
+
+
+def broken_template(running, export: Path, monkeypatch) -> list:
+    """The chat template fails while rendering: 500, naming the template's file."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    return [("/v1/chat/completions", body, 500, "tokenizer/chat_template.jinja failed while rendering a chat")]
+
+
+def broken_while_decoding(running, export: Path, monkeypatch) -> list:
+    """A replica's stream fails after its first token: 500, or an error event in a stream."""
+    model = running.pool.models[0]
+    real = model.stream
+    error = ManifestError(f"{export / 'onnx' / 'embed.onnx'} has 1942 bytes, the manifest records 1800.")
+    monkeypatch.setattr(model, "stream", lambda *args, **kwargs: BreakingStream(real(*args, **kwargs), error))
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
+    return [
+        ("/v1/completions", body, 500, "onnx/embed.onnx has 1942 bytes"),
+        ("/v1/completions", {**body, "stream": True}, 200, "onnx/embed.onnx has 1942 bytes"),
+    ]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "case", [export_changed, broken_template, broken_while_decoding], ids=lambda case: case.__name__
+)
+def test_no_response_holds_the_exports_path(serve, served_export, tmp_path, monkeypatch, case):
+    """500 and 503 bodies, streamed error events and /health's 503 name the export's files relative to it."""
+    template = b"{{ messages[3].content }}" if case is broken_template else None
+    export = tmp_path / "export"
+    if template is None:
+        shutil.copytree(served_export, export)
+    else:
+        with_file(served_export, export, "tokenizer/chat_template.jinja", template)
+    running = serve(export, replicas=1, max_batch=1)
+    for path, body, status, expected in case(running, export, monkeypatch):
+        response = running.http.get(path) if body is None else running.post(path, body)
+        assert response.status_code == status, response.text
+        assert expected in response.text, response.text
+        for hidden in {str(tmp_path), str(tmp_path.resolve()), str(export.resolve())}:
+            assert hidden not in response.text, response.text
 
 
 # --- shutdown, in process -------------------------------------------------------------------------------------------
@@ -349,3 +539,69 @@ def test_ctrl_c_in_the_first_second_prints_no_traceback(served_export, module, d
         return
     assert process.returncode == 130 and "Traceback" not in err, err
     assert re.search(r": (stopped|interrupted)$", err.strip()), err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (  # 660 KB of folded constants
+            "{% if false %}" + "{{ 1 + 2 }}" * 60_000 + "{% endif %}",
+            "chat_template.jinja is refused before compiling: the template has more than 50,000 tokens",
+        ),
+        ("{# #}" + " " * (1 << 20), "chat_template.jinja has 1,048,581 bytes, more than the 1 MiB allowed for it"),
+    ],
+    ids=["tokens", "bytes"],
+)
+def test_a_huge_chat_template_stops_the_server_at_once_with_exit_2(served_export, tmp_path, template, message):
+    """Refused before the work that grows with it (86 s and 2.9 GB for 4 MB of folded constants), with a message."""
+    folder = with_file(served_export, tmp_path / "huge", "tokenizer/chat_template.jinja", template.encode())
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "paradecode.runtime.serve.cli", str(folder), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        _, err = process.communicate(timeout=40)
+    finally:
+        process.kill()
+    assert process.returncode == 2, err
+    assert "paradecode-serve: error: " in err and message in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "source"),
+    [
+        ((), "(the export's limits.max_batch; --max-batch serves fewer)"),
+        (("--max-batch", "999999999"), "(--max-batch)"),
+    ],
+    ids=["the export's", "--max-batch"],
+)
+def test_a_batch_the_memory_cannot_hold_is_refused_before_allocating(served_export, tmp_path, capsys, flags, source):
+    from paradecode.runtime.serve import cli
+
+    export = tmp_path / "export"
+    shutil.copytree(served_export, export)
+    manifest = json.loads((export / "manifest.json").read_text())
+    manifest["limits"]["max_batch"] = 1_000_000_000  # KV-cache rows of 48 KiB each: 46 TiB, more than any machine's
+    (export / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main([str(export), "--port", "0", "--log-level", "error", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"requests together {source} need " in err, err
+    assert re.search(r"need [\d.]+ GiB \([\d,]+ bytes\) of KV cache", err), err
+    assert re.search(r"memory has [\d.]+ [GMK]iB \([\d,]+ bytes\) available: serve with --max-batch \d+ or less", err)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", ["not_a_host..x", "a" * 64 + ".example", ".."])
+def test_a_host_that_is_not_a_host_name_exits_2(served_export, capsys, host):
+    from paradecode.runtime.serve import cli
+
+    assert cli.main([str(served_export), "--host", host, "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert f"--host {host!r} is not an address or a host name" in err and "not a valid host name" in err, err
