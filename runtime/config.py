@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.manifest import NEVER_EXIT as NEVER  # the documented "never exit" threshold (math.inf)
+from paradecode.runtime import policy
 from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.sampling import SamplingParams
 
@@ -103,21 +104,9 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     # Adaptive speculation (runtime/speculation.py): call exit heads and propose lookup tokens only while the
-    # measured acceptance and call costs say they pay. None: on for greedy decoding with the export's thresholds
-    # on a CPU in the batched overlap with lookup off (explicit thresholds are used as given; on a GPU a call's
-    # host time is not its cost; its cost model is batched's). Elsewhere None decides once, by measurement
-    # (`skips_exits`): with the export's thresholds in the batched overlap, no exit heads (lookup alone, as
-    # measured: not adapting) on a GPU, and on a CPU when sampling or when lookup is on. On a CPU with lookup on
-    # (SmolLM2, `eval`, six interleaved runs of 2026-11-26 on the exact int8 export, tools/results/cpu-2core/
-    # bench-smollm2-int8-exact-{s6-peers,s7-*,suffix-lookup-peers}.md): exits + lookup within 2% of lookup alone,
-    # with a worse worst category in five (0.97x-1.08x against 1.00x-1.12x; the sixth 1.06x against 1.03x) and a
-    # worse p95 token latency in each; on the default export 0.97x against 1.00x (bench-smollm2-default-export-
-    # s7.md); with lookup off the exits are the speculation (exits alone 1.03x with the shipped heads). On an H100
-    # (SmolLM2's real weights and shipped heads, the torch backend compiled) exits + lookup ran at 0.87x of ar and
-    # lookup alone at 1.03x, exits lost in every category (eager: 0.95x and 1.10x, five of six)
-    # (tools/results/NVIDIA-H100-80GB-HBM3/); sampling on a CPU (SmolLM2's exact int8 export, T = 0.7): exits +
-    # lookup 0.97x of ar sampling, lookup alone 1.06x (tools/results/cpu-2core/, bench-smollm2-int8-exact-
-    # sampling-suffix-t0.7.md). True / False: on / off (False: the export's thresholds as they are).
+    # measured acceptance and call costs say they pay. True / False: on / off (False: the export's thresholds as
+    # they are). None: the machine's default for the request (`adapts`, `skips_exits`: runtime/policy.py's rows,
+    # with the measurements that chose them); explicit thresholds are used as given.
     adaptive: bool | None = None
 
     def __post_init__(self) -> None:
@@ -194,17 +183,14 @@ class GenerationConfig:
         is the resolved one (its cost model is `batched`'s)."""
         if self.adaptive is not None:
             return self.adaptive
-        greedy_cpu = self.thresholds is None and self.temperature == 0 and device == "cpu" and overlap == "batched"
-        return greedy_cpu and not self.skips_exits(device, overlap)  # lookup alone, as measured, does not adapt
+        return self.thresholds is None and policy.adapts(device, overlap, self.temperature, self.lookup_tokens)
 
     def skips_exits(self, device: str, overlap: str) -> bool:
         """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's
-        thresholds in the batched overlap: on a GPU, and on a CPU when sampling or when lookup is on, where they
-        were measured not to pay (see `adaptive`; on a GPU measured with the torch backend). `overlap` is the
-        resolved one."""
-        if self.adaptive is not None or self.thresholds is not None or overlap != "batched":
+        thresholds: where runtime/policy.py measured them not to pay. `overlap` is the resolved one."""
+        if self.adaptive is not None or self.thresholds is not None:
             return False
-        return device == "cuda" or self.temperature != 0 or self.lookup_tokens > 0
+        return policy.skips_exits(device, overlap, self.temperature, self.lookup_tokens)
 
     def resolve_thresholds(self, defaults: Mapping[int, float], device: str, overlap: str) -> dict[int, float]:
         """Thresholds per exit layer: the export's defaults, overridden by this config; none where the defaults

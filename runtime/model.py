@@ -35,6 +35,7 @@ from pathlib import Path
 
 from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInputError
 from paradecode.graphs.manifest import TOKENIZER_DIR
+from paradecode.runtime import policy
 from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
 from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
@@ -49,13 +50,6 @@ from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
-
-# Which overlap `auto` means per device. CPU: batched was fastest in `paradecode-bench` on the demo model
-# (tools/results/cpu-2core/bench-demo.md). CUDA: batched too: the controlled characterisations (an H100's and an
-# H200's, tools/results/) found it ahead of streams and both at every acceptance; the one uncontrolled SmolLM2
-# bench (H100, 2026-11-23, repeat 1, no trained heads) had both and streams ahead, unexplained; SmolLM2's real
-# weights with its heads were measured in batched only (2026-11-26), where the defaults now run lookup alone.
-AUTO_OVERLAP = {"cpu": "batched", "cuda": "batched"}
 
 
 @dataclass(frozen=True)
@@ -370,7 +364,7 @@ class ParaDecodeModel:
 
     def overlap_of(self, config: GenerationConfig) -> str:
         """The request's overlap with `auto` resolved for this model's device."""
-        return config.overlap if config.overlap != "auto" else AUTO_OVERLAP[self.backend.device.type]
+        return config.overlap if config.overlap != "auto" else policy.auto_overlap(self.backend.device.type)
 
     # --- internals --------------------------------------------------------------------------
     def _warn_untrained(self) -> None:

@@ -31,6 +31,7 @@ from paradecode.graphs.errors import ManifestError, MissingDependencyError, User
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.tensors import HEAD_SUBGRAPHS
+from paradecode.runtime import policy
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
@@ -44,24 +45,13 @@ except ImportError as err:  # backend_class turns this into an install hint
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
-# THREADS. `threads=None`: the layer graphs of an export with int8 activations run on one thread, except a call of
-# more than BOUND_TOKENS positions (in practice a prompt's prefill: a verification carries max_unverified + 1
-# positions, 6 by default), which runs on every core through a second session of the graph. That session pre-packs a
-# second copy of the graph's weights (SmolLM2's exact int8 export: 638 MB resident instead of 514) and is made at the
-# first such call; `threads=N` keeps one session per graph. Other graphs run on every core. Measured on this project's
-# 2-core CPU with SmolLM2's exact int8 export (tools/results/cpu-2core/prefill-threads.md, 36 interleaved runs each
-# way, twice): a prefill of an eval prompt took 0.165 s and 0.160 s against 0.299 s and 0.304 s (medians); decoding's
-# speed did not change. Decoding's calls of a few positions (ParaDecode's verifications) gained nothing from a second
-# thread in a prototype that ran them on two (tools/results/cpu-2core/position-costs.md: a segment of 7-8 layers at 6
-# positions took 5.7-6.9 ms inside decoding on two threads, 6.0-6.8 ms on one), though back-to-back calls outside
-# decoding took 23.7 ms a pass at 6 positions on two threads against 30.5 on one; why was not measured (a guess:
-# waking a pool thread that slept since the last such call costs what the core gives). Letting the pool threads spin
-# made ParaDecode 0.63x as fast (55.0 against 87.3 tokens/s, one run): they took the cores from the other calls. One
-# position each, SmolLM2, plain decoding (tools/results/cpu-2core/bench-smollm2-peers.md): int8 activations 138.4
-# tokens/s with layers on 1 thread and the heads on 2, 130.8 all on 1, 122.8 all on 2 (the int8 kernels are fast
-# enough that waking a second thread for each of a layer's operators costs more than the core gives); float
-# activations 97.2 all on 2 against 92.5 with layers on 1; float weights 60.9 all on 2 against 55.9. A head's one
-# large product splits well everywhere.
+# THREADS. `threads=None`: threads per call by graph part, as runtime/policy.py's "onnxruntime threads per call"
+# rows say and cite (`policy.onnxruntime_threads`). Where a layer graph's prefills (calls of more than BOUND_TOKENS
+# positions; a verification carries max_unverified + 1, 6 by default) run on more threads than its decoding calls,
+# they run through a second session of the graph, made at the first such call, which pre-packs a second copy of the
+# graph's weights (SmolLM2's exact int8 export: 638 MB resident instead of 514). `threads=N` keeps one session per
+# graph. Idle pool threads never spin (`_options`): spinning made ParaDecode 0.63x as fast (55.0 against 87.3
+# tokens/s, tools/results/cpu-2core/position-costs.md), the threads taking the cores from the other calls.
 
 
 def return_freed_weights_to_the_system() -> None:
@@ -155,7 +145,7 @@ class OnnxRuntimeBackend(Backend):
         if threads is None:  # per subgraph (see HEAD_SUBGRAPHS)
             quantization = self.manifest.quantization
             int8 = quantization is not None and quantization.activations == "int8"
-            self.threads = {"layers": 1 if int8 else cores, "prefill": cores, "heads": cores}
+            self.threads = policy.onnxruntime_threads(int8, cores)
         else:
             self.threads = {"layers": threads, "prefill": threads, "heads": threads}
         self.options = {part: self._options(count) for part, count in self.threads.items()}
