@@ -109,7 +109,6 @@ def export_model(config: ExportConfig) -> ExportResult:
         head_vocab=None if vocab is None else len(vocab),
         fused_exits=config.fused_exits and bool(transforms),
         segments=config.segments,
-        stack=config.segments,
     )
     logger.info(
         "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",

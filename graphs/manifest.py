@@ -224,12 +224,6 @@ class Manifest:
         """Whether the export has segment graphs (layers between its exit layers in one call each)."""
         return any(s.io.kind == "segment" for s in self.subgraphs)
 
-    @property
-    def stack(self) -> bool:
-        """Whether the export has the stack, every layer in one segment graph (exports before it have none)."""
-        last = self.spec.num_layers
-        return any(s.io.kind == "segment" and (s.io.layer, s.io.last) == (1, last) for s in self.subgraphs)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
@@ -364,7 +358,6 @@ class Manifest:
             head_vocab=self.head_vocab,
             fused_exits=self.fused_exits,
             segments=self.segments,
-            stack=self.stack,
         )
         plan = export_plan(self.spec, self.exit_layers, **settings)
         contract = (

@@ -20,8 +20,7 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
   contract's unit): ``hidden``, ``positions`` and each layer's ``past_key.i`` / ``past_value.i`` ->
   ``hidden_out`` and each layer's ``present_key.i`` / ``present_value.i`` (written in place, as a
   layer's). An export's segments partition 1..L at its exit layers, so a token moves through a few
-  calls instead of one per layer; the *stack*, ``segment_1_L``, holds every layer for a token that no exit head
-  may stop (plain decoding, lookup alone, a batch's rows): one call instead of one per range.
+  calls instead of one per layer.
 
 Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export. ``batch`` is symbolic
 in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/batching.py), each at its
@@ -214,15 +213,11 @@ def subgraph_io(
     )
 
 
-def segment_ranges(num_layers: int, exit_layers: tuple[int, ...], stack: bool = False) -> list[tuple[int, int]]:
+def segment_ranges(num_layers: int, exit_layers: tuple[int, ...]) -> list[tuple[int, int]]:
     """The layer ranges an export's segments cover: 1..L cut after each exit layer, those of two layers or more (a
-    range of one layer is its layer graph); with `stack`, also 1..L whole (the *stack*: every layer in one call, for
-    a token no exit head can stop) where the exit layers cut it."""
+    range of one layer is its layer graph)."""
     bounds = [0, *sorted(e for e in exit_layers if 1 <= e < num_layers), num_layers]
-    ranges = [(a + 1, b) for a, b in itertools.pairwise(bounds) if b > a + 1]
-    if stack and num_layers > 1 and (1, num_layers) not in ranges:
-        ranges.append((1, num_layers))
-    return ranges
+    return [(a + 1, b) for a, b in itertools.pairwise(bounds) if b > a + 1]
 
 
 def export_plan(
@@ -237,10 +232,9 @@ def export_plan(
     head_vocab: int | None = None,
     fused_exits: bool = False,
     segments: bool = False,
-    stack: bool = False,
 ) -> list[SubgraphIO]:
     """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final, then
-    (`segments`) the segments between the exit layers and (`stack`, with them) the segment of every layer.
+    (`segments`) the segments between the exit layers.
 
     `exit_heads`: whether the exit layers have exit head graphs of their own (trained heads). Without
     them an exit layer's head is the model's own final norm and unembedding, which is the `final`
@@ -258,7 +252,6 @@ def export_plan(
     plan.append(subgraph_io(spec, "final", **common))
     if segments:
         plan += [
-            subgraph_io(spec, "segment", a, **common, last=b)
-            for a, b in segment_ranges(spec.num_layers, exit_layers, stack)
+            subgraph_io(spec, "segment", a, **common, last=b) for a, b in segment_ranges(spec.num_layers, exit_layers)
         ]
     return plan

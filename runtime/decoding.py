@@ -88,14 +88,10 @@ class DecodeContext:
             self.form = self.backend.row_form or AS_IS  # no exact form: plain decoding (ParaDecode is refused)
         self.positions = torch.arange(self.cache.shape[2], dtype=torch.int64).unsqueeze(0)
         self.learned_positions = self.backend.spec.positions == "learned"
-        # The export's segments, first layer -> their last layers, longest first: a run of layers one call computes
-        # (graphs/tensors.py); from layer 1 the stack (every layer) and the range up to the first exit layer.
-        self.segments: dict[int, list[int]] = {}
-        for sub in self.backend.manifest.subgraphs:
-            if sub.io.kind == "segment":
-                self.segments.setdefault(sub.io.layer, []).append(sub.io.last)
-        for lasts in self.segments.values():
-            lasts.sort(reverse=True)
+        # The export's segments, first layer -> last: a run of layers one call computes (graphs/tensors.py).
+        self.segments = {
+            sub.io.layer: sub.io.last for sub in self.backend.manifest.subgraphs if sub.io.kind == "segment"
+        }
 
     @property
     def num_layers(self) -> int:
@@ -147,12 +143,12 @@ class DecodeContext:
         return _kept(out, hidden, rows)[HIDDEN_OUT]
 
     def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Layers first..last of `hidden`'s positions: the longest segment's one call wherever one covers a run of
-        them, the layer graphs for the rest."""
+        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
+        layer graphs for the rest."""
         layer = first
         while layer <= last:
-            end = next((end for end in self.segments.get(layer, ()) if end <= last), None)
-            if end is not None:
+            end = self.segments.get(layer)
+            if end is not None and end <= last:
                 hidden = self.segment(lane, layer, end, hidden, start)
                 layer = end + 1
             else:

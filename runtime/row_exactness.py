@@ -131,7 +131,7 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17)
 OTHER_GRAPHS_SIZES = (1, 3)  # the per-layer and fused exit graphs, compared at these sizes
 PREFIX = 64  # positions before the compared ones (at most), in one call: a prompt's prefill
 ROOM = max(form.spare for form in CANDIDATES) + 1  # slots after a call: the widest padding and the attention's copy
-PROBE_VERSION = 4  # in the verdict's key: what the probe compares changed, so verdicts are probed again
+PROBE_VERSION = 3  # in the verdict's key: what the probe compares changed, so verdicts are probed again
 CACHE_FILE = "row-exactness.json"
 CACHE_LIMIT = 256  # verdicts kept in the cache file (the oldest go first)
 CACHE_BYTES = 1 << 20  # a cache file larger than this is not read (256 verdicts take about 25 kB)
@@ -267,10 +267,9 @@ def row_form(backend) -> RowForm | None:
 def probe(backend) -> RowForm | None:
     """The first of `candidates(backend)` under which a fixed prompt's positions get the same bits (their last hidden
     state and the final head's token, probability and margin) in calls of every size in SIZES through the segments
-    decoding uses (the stack, and the ranges between exit layers where the export has a stack), and of
-    OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill of up to PREFIX
-    positions; None if none does, or if the cache is too small to tell (a verification needs two positions and the
-    slots after them)."""
+    decoding uses, and of OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill
+    of up to PREFIX positions; None if none does, or if the cache is too small to tell (a verification needs two
+    positions and the slots after them)."""
     from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
     from paradecode.runtime.kvcache import KVCache
     from paradecode.runtime.lanes import Timeline
@@ -292,13 +291,8 @@ def probe(backend) -> RowForm | None:
     fused_exits = sorted(sub.io.layer for sub in manifest.subgraphs if sub.io.kind == "layer_exit")
 
     def through(ctx: DecodeContext, path: str, hidden: torch.Tensor, first: int) -> torch.Tensor:
-        if path == "segments":  # what plain decoding and the main lane run (the stack, where the export has one)
+        if path == "segments":  # what plain decoding and the main lane run
             return ctx.layers(MAIN, 1, layers, hidden, first)
-        if path == "exit ranges":  # a frontier stopping at every exit layer: the segments between them
-            done = 0
-            for layer in (*manifest.exit_layers, layers):
-                hidden, done = ctx.layers(MAIN, done + 1, layer, hidden, first), layer
-            return hidden
         if path == "layer graphs":  # what side lanes, and ranges no segment covers, run
             for layer in range(1, layers + 1):
                 hidden = ctx.layer(MAIN, layer, hidden, first)
@@ -325,14 +319,12 @@ def probe(backend) -> RowForm | None:
 
     prefill = DecodeContext(backend, cache, timeline, form=AS_IS)  # slots 0..prefix-1, read by every later call
     prefill.layers(MAIN, 1, layers, prefill.embed(MAIN, ids[:prefix], 0), 0)
-    segments = ["segments"] + (["exit ranges"] if manifest.stack else [])  # each at every size
     paths = ["layer graphs"] + (["exit graphs"] if fused_exits else [])
     before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
     try:
         for form in candidates(backend):
             reference = results(form, 1, "segments")
-            checks = [(path, size) for path in segments for size in sizes if (path, size) != ("segments", 1)]
-            if not all(_same(reference, results(form, size, path)) for path, size in checks):
+            if not all(_same(reference, results(form, size, "segments")) for size in sizes[1:]):
                 continue
             if all(_same(reference, results(form, size, path)) for path in paths for size in OTHER_GRAPHS_SIZES):
                 return form
