@@ -87,7 +87,7 @@ class GenerationConfig:
     # 1.33x / 1.43x / 1.44x of ar; tools/results/cpu-2core/lookup-tuning.md); 8 proposed no more, as at most
     # max_unverified are pending. Matches up to 16 long with proposals as long as the match (length factor 1)
     # beat 3-grams proposed whole, replayed on SmolLM2's outputs for 105 tuning prompts at its exact int8
-    # export's call costs (tools/lookup_replay.py; tools/results/cpu-2core/lookup-replay-heads.json).
+    # export's call costs (tools/lab/lookup_replay.py; tools/results/cpu-2core/lookup-replay-heads.json).
     lookup_tokens: int = 5
     lookup_max_ngram: int = 16
     lookup_min_ngram: int = 2

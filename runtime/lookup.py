@@ -145,7 +145,7 @@ class SuffixIndex:
         """A tree of proposals, as its branches (root to leaf), most agreed first: step 3 with the `width` most
         agreed tokens at each depth (ties to the newest occurrence's), each followed on with the occurrences that
         continued so. Width 1 is `propose`'s chain; wider trees are what verifying several candidates would take
-        (tools/lookup_replay.py replays them; the runtime verifies chains).
+        (tools/lab/lookup_replay.py replays them; the runtime verifies chains).
 
             tokens = [9, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 9, 1, 2]   "9 1 2" then 3 twice, then 4 once
             branches(tokens, 15, 2, 1) -> [[3, 9]]

@@ -51,12 +51,15 @@ def test_wheel_contains_every_module(tmp_path):
     missing = []
     for folder, package in SUBPACKAGES.items():
         for source in (REPO / folder).rglob("*.py"):
-            # tools/results/ holds measurements and the scripts that made them: the repository's, not the wheel's
-            if "__pycache__" not in source.parts and not source.is_relative_to(REPO / "tools" / "results"):
+            # tools/results/ holds measurements and the scripts that made them, tools/lab/ measurement scripts: the
+            # repository's, not the wheel's
+            outside = any(source.is_relative_to(REPO / "tools" / kept) for kept in ("results", "lab"))
+            if "__pycache__" not in source.parts and not outside:
                 expected = f"{package}/{source.relative_to(REPO / folder).as_posix()}"
                 if expected not in names:
                     missing.append(expected)
     assert not missing, f"modules missing from the wheel (list their package in pyproject.toml): {missing}"
+    assert not [n for n in names if n.startswith(("paradecode/tools/lab/", "paradecode/tools/results/"))]
     assert not [n for n in names if n.split("/")[0] in ("export", "runtime", "graphs", "tools", "tests")], (
         "the wheel installs a top-level module named after a repository folder"
     )

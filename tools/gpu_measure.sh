@@ -17,7 +17,7 @@
 #   compile      the torch backend with torch.compile (--compile) against the same export uncompiled ('ar
 #                (eager)'), side by side: ar and ParaDecode (batched, controlled acceptance) on the SmolLM2 and
 #                0.5B layer shapes (random weights, segments) against the bandwidth bound; then where a compiled
-#                token's time goes on the SmolLM2 shape (tools/where_time_goes.py --compile)
+#                token's time goes on the SmolLM2 shape (tools/lab/where_time_goes.py --compile)
 #   method       the method's own speed on a fast engine: SmolLM2-135M-Instruct's real weights (the GGUF at
 #                $PARADECODE_SMOLLM2) with the shipped exit heads, the torch backend compiled (--compile; COMPILE=
 #                leaves it eager), on the eval prompts: ar against ParaDecode with the export's thresholds
@@ -108,7 +108,7 @@ stage_compile() {
   local char="$py -m paradecode.tools.characterise --device $device --backend torch --compile --repeat ${REPEAT:-3} --depths 0.25"
   run $char $smol --acceptance 0,1 --overlaps batched --json "$out/char-smollm2-compiled.json"
   run $char $half --acceptance 0,0.5,1 --overlaps batched --json "$out/char-0.5b-compiled.json"
-  run $py -m paradecode.tools.where_time_goes "$out" --device "$device" --compile
+  run $py tools/lab/where_time_goes.py "$out" --device "$device" --compile
 }
 
 stage_method() {

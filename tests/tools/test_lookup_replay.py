@@ -1,4 +1,4 @@
-"""Lookup replay (paradecode.tools.lookup_replay): exact acceptance on recorded outputs, the cost model's time,
+"""Lookup replay (tools/lab/lookup_replay.py): exact acceptance on recorded outputs, the cost model's time,
 trees of candidates, and the command end to end on stories260K."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import random
 import pytest
 
 from paradecode.runtime.lookup import LookupConfig, SuffixIndex
-from paradecode.tools import lookup_replay
-from paradecode.tools.lookup_replay import Costs, replay
+from tests.tools.lab import lab_script
+
+lookup_replay = lab_script("lookup_replay")
+Costs, replay = lookup_replay.Costs, lookup_replay.replay
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -575,7 +575,9 @@ def test_bench_compares_another_export_of_the_same_model(stories_export, stories
 
 
 def test_repeated_workload_reports_both_passes(stories_export, tmp_path, capsys):
-    from paradecode.tools import repeated_workload
+    from tests.tools.lab import lab_script
+
+    repeated_workload = lab_script("repeated_workload")
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\nThe little dog\n")

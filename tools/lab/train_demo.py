@@ -5,7 +5,7 @@ The script trains a byte-level BPE tokenizer on them, then a Llama-family model 
 writes a Hugging Face model folder (fp16 weights, tokenizer, config) plus `training.json` with
 what was done (data, steps, losses). Files are held out by a fixed rule for the validation loss.
 
-    python -m paradecode.tools.train_demo --output tools/demo_model --steps 1000 --threads 2
+    python tools/lab/train_demo.py --output tools/demo_model --steps 1000 --threads 2
 
 It is deterministic for a given Python version (the stdlib differs between versions) and seed.
 """
@@ -104,7 +104,7 @@ def evaluate(model, stream, length: int, windows: int = 16) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paradecode.tools.train_demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/lab/train_demo.py", description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=16)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     fast.save_pretrained(args.output)
     summary = {
-        "script": "python -m paradecode.tools.train_demo " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "script": "python tools/lab/train_demo.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "data": {

@@ -1,4 +1,4 @@
-"""`python -m paradecode.tools.repeated_workload DIR`: the same requests twice through one loaded model, as a
+"""`python tools/lab/repeated_workload.py DIR`: the same requests twice through one loaded model, as a
 service sees them, to show what lookup over earlier requests' outputs (`lookup_shared`) adds.
 
 Three modes, interleaved request by request on one model: `ar`; ParaDecode with the defaults, lookup over each
@@ -21,7 +21,7 @@ from typing import Any
 from paradecode.export.prompt_sets import NAMES_HELP
 from paradecode.graphs.errors import run_command
 
-PROG = "python -m paradecode.tools.repeated_workload"
+PROG = "python tools/lab/repeated_workload.py"
 MODES = {
     "ar": {"mode": "ar"},
     "own": {"mode": "paradecode", "lookup_shared": False},

@@ -14,7 +14,7 @@ layer contract*; not built): at each depth the `width` continuations the longest
 on most, each branch followed on; the step costs one position per distinct node and accepts the longest
 branch the output follows.
 
-    python -m paradecode.tools.lookup_replay out/smollm2-int8 --prompts heads --max-prompts 100 \\
+    python tools/lab/lookup_replay.py out/smollm2-int8 --prompts heads --max-prompts 100 \\
         --outputs heads-outputs.jsonl --ngram 3,16 --length-factor inf,1 --width 1,2
 
 records plain decoding's outputs into `--outputs` (or reads them where the file exists: it records which
@@ -242,7 +242,7 @@ def numbers(option: str, kind: type):
     return parse
 
 
-PROG = "python -m paradecode.tools.lookup_replay"
+PROG = "python tools/lab/lookup_replay.py"
 
 
 def build_parser() -> argparse.ArgumentParser:

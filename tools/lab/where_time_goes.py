@@ -1,6 +1,6 @@
 """Where a plain-decoding (ar) token's time goes on the torch backend with CUDA graphs and segments.
 
-    python -m paradecode.tools.where_time_goes OUT_DIR [--device cuda] [--small] [--compile]
+    python tools/lab/where_time_goes.py OUT_DIR [--device cuda] [--small] [--compile]
 
 A random Llama of SmolLM2-135M's layer shape (or --small: a tiny one, for a dry run on a CPU), exported with
 one exit layer (8) so ar runs embed, segment 1-8, segment 9-30 and the final head. Reports the wall time per
