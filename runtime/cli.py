@@ -136,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    parser.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip hashing the export's other files on load (the files a backend computes with are always read whole "
+        "and checked)",
+    )
     return parser
 
 

@@ -1,6 +1,6 @@
 """An export folder as the runtime sees it: the manifest, checked files, and the tokenizer.
 
-The folder is untrusted input (DESIGN.md §7): every file the runtime opens goes through
+The folder is untrusted input (docs/design.md §7): every file the runtime opens goes through
 `ExportFolder.file` or `ExportFolder.read`, which resolve it inside the folder and accept only files the
 manifest lists with their sha256 and size; `open_export` checks those (the hashes too, unless `verify=False`).
 A backend reads what it computes with through `read`, into memory, its sha256 checked whatever `verify` says:

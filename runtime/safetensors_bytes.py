@@ -42,12 +42,13 @@ def tensor_from_safetensors(data: bytes, name: str, shown: str) -> torch.Tensor:
     entry = header.get(name) if isinstance(header, dict) else None
     if entry is None:
         raise ManifestError(f"{shown} has no tensor {name!r}. Re-export the model.")
-    dtype = SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+    named = entry.get("dtype") if isinstance(entry, dict) else None
+    dtype = SAFETENSORS_DTYPES.get(named) if isinstance(named, str) else None
     shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if isinstance(entry, dict) else (None, None)
     valid = (
         dtype is not None
         and isinstance(shape, list)
-        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62 for n in shape)
         and isinstance(offsets, list)
         and len(offsets) == 2
         and all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from paradecode.graphs.errors import ExportChangedError, ParadecodeError
 from paradecode.graphs.manifest import MANIFEST_NAME, Manifest, read_manifest
-from paradecode.graphs.untrusted import OPEN_FLAGS, FileRecord
+from paradecode.graphs.untrusted import HASH_BLOCK, OPEN_FLAGS, FileRecord
 
 logger = logging.getLogger(__name__)
 
@@ -129,5 +129,8 @@ class WatchedFiles:
                 return signature_of(status), "not a regular file"
             if status.st_size != record.bytes:
                 return signature_of(status), f"{record.bytes} -> {status.st_size} bytes"
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            digest = hashlib.sha256()
+            while block := f.read(HASH_BLOCK):
+                digest.update(block)
+            digest = digest.hexdigest()
         return signature_of(status), None if digest == record.sha256 else "other content of the same size"

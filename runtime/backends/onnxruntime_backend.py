@@ -163,6 +163,12 @@ class OnnxRuntimeBackend(Backend):
         options.log_severity_level = 3
         # Idle pool threads must not spin: they would take the cores other lanes (or models) compute on.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if self.weights is not None and not hasattr(options, "add_external_initializers_from_files_in_memory"):
+            raise MissingDependencyError(
+                f"onnxruntime {ort.__version__} cannot take an export's weights from memory (its SessionOptions lack "
+                "add_external_initializers_from_files_in_memory, added in 1.24): `pip install 'onnxruntime>=1.24'` "
+                "(or onnxruntime-gpu)."
+            )
         if self.weights is not None:  # from memory: onnxruntime copies a session's initializers as it creates it
             names, weights = list(self._weights_names), [self.weights]
             options.add_external_initializers_from_files_in_memory(names, weights, [len(self.weights)])

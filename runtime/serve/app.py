@@ -125,8 +125,8 @@ async def health(request: Request) -> JSONResponse:
     service = service_of(request)
     waiting, running = service.pool.counts()
     state = {"replicas": service.config.replicas, "waiting": waiting, "running": running}
-    try:
-        service.check_export()
+    try:  # in a thread: a file whose stat changed is hashed, which must not hold the event loop
+        await asyncio.to_thread(service.check_export)
     except ExportChangedError as err:
         message = public_text(str(err), service.config.export)  # never the export's path on this disk
         return JSONResponse({"status": "export_changed", "message": message, **state}, status_code=503)

@@ -127,7 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch backend: compile the model's modules with torch.compile; each replica compiles before the server "
         "listens",
     )
-    load.add_argument("--no-verify", action="store_true", help="skip checking the export's file hashes on load")
+    load.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip hashing the export's other files on load (the files a backend computes with are always read whole "
+        "and checked)",
+    )
     decoding = parser.add_argument_group("decoding (every request)")
     decoding.add_argument("--mode", choices=MODES, help=f"default {default(GenerationConfig, 'mode')}")
     decoding.add_argument("--threshold", metavar="G", help="exit threshold, in [0, 1] or 'never' (default: export's)")
@@ -194,6 +199,9 @@ def configs_of(args: argparse.Namespace):
             adaptive=ADAPTIVE[args.adaptive] if args.adaptive is not None else None,
         )
     )
+    preparing = args.max_preparing_bytes
+    if preparing is None and args.max_body_bytes is not None:  # room for the largest body allowed, as before
+        preparing = max(ServeConfig.max_preparing_bytes, args.max_body_bytes)
     config = ServeConfig(
         args.export,
         **given(
@@ -208,7 +216,7 @@ def configs_of(args: argparse.Namespace):
             read_timeout=args.read_timeout,
             shutdown_timeout=args.shutdown_timeout,
             max_body_bytes=args.max_body_bytes,
-            max_preparing_bytes=args.max_preparing_bytes,
+            max_preparing_bytes=preparing,
             backend=args.backend,
             device=args.device,
             lanes=args.lanes,

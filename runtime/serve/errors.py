@@ -98,10 +98,10 @@ class ServiceUnavailable(HTTPError):
 def public_text(text: str, export: Path) -> str:
     """`text` with every path into `export` made relative to it ("onnx/weights.safetensors"), and the folder's own
     path replaced by its name: as given, absolute, and with its links resolved."""
-    paths = {os.path.abspath(export), str(Path(export).resolve())}
-    if Path(export).is_absolute():
-        paths.add(str(export))
+    paths = {os.path.abspath(export), str(Path(export).resolve()), os.path.normpath(export)}
     for path in sorted(paths, key=len, reverse=True):  # a longer spelling first: one may hold another
+        if path in (os.sep, os.curdir):  # "/" or ".": every path would lose its first separator
+            continue
         text = text.replace(path + os.sep, "").replace(path, Path(path).name or "the export")
     return text
 

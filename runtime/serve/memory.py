@@ -17,9 +17,16 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.model import ParaDecodeModel
 
 # cgroup v2, then v1: a container's limit, which /proc/meminfo does not show
+# (limit, usage, the usage's statistics file and its key for page cache the kernel may drop: as the kubelet counts a
+# container's working set, usage less inactive file pages; the export just read is mostly such pages)
 CGROUP_LIMITS = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    (
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        "/sys/fs/cgroup/memory/memory.stat",
+        "total_inactive_file",
+    ),
 )
 
 
@@ -36,12 +43,22 @@ def available_bytes(device: torch.device) -> int | None:
     if device.type != "cpu":
         return None
     found = [_meminfo_available()]
-    for limit, usage in CGROUP_LIMITS:
+    for limit, usage, statistics, inactive in CGROUP_LIMITS:
         limit_text, usage_text = _read(limit), _read(usage)
         if limit_text is not None and usage_text is not None and limit_text.isdigit() and usage_text.isdigit():
-            found.append(max(0, int(limit_text) - int(usage_text)))
+            used = int(usage_text) - _statistic(statistics, inactive)
+            found.append(max(0, int(limit_text) - max(0, used)))
     known = [size for size in found if size is not None]
     return min(known) if known else None
+
+
+def _statistic(path: str, key: str) -> int:
+    """A cgroup memory.stat counter (0 where the file or the key is missing)."""
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
 
 
 def _meminfo_available() -> int | None:

@@ -1,6 +1,6 @@
 """Cross-check with polygraphy: its onnxruntime runner against a small CPU runner of our PyTorch modules.
 
-Polygraphy's own PyTorch runner assumes CUDA (docs/design.md §7), so `TorchRunner` is a minimal
+Polygraphy's own PyTorch runner assumes CUDA (docs/design.md §8), so `TorchRunner` is a minimal
 BaseRunner over a subgraph module; `Comparator` runs both on the same feeds and compares every
 output with polygraphy's tolerance-based comparison.
 """

@@ -117,8 +117,9 @@ def test_a_graph_opened_after_the_folder_changed_is_the_loaded_one(served_export
         (lambda data: (1 << 40).to_bytes(8, "little") + data[8:], "its safetensors header claims"),
         (lambda data: data.replace(b'"exits.vocab"', b'"exits.vocaX"', 1), "has no tensor 'exits.vocab'"),
         (lambda data: data.replace(b'"I64"', b'"X64"', 1), "expected a known dtype"),
+        (lambda data: data.replace(b'"I64"', b"[6,4]", 1), "expected a known dtype"),  # a list: was a TypeError
     ],
-    ids=["short", "header-length", "missing", "dtype"],
+    ids=["short", "header-length", "missing", "dtype", "dtype-list"],
 )
 def test_a_tensor_read_from_the_weights_bytes_checks_the_header(exports, damage, message):
     from paradecode.runtime.loader import open_export
@@ -130,6 +131,18 @@ def test_a_tensor_read_from_the_weights_bytes_checks_the_header(exports, damage,
     assert vocab.dtype == torch.int64 and tuple(vocab.shape) == (export.manifest.head_vocab,)
     with pytest.raises(ManifestError, match=message):
         tensor_from_safetensors(damage(data), "exits.vocab", "w")
+
+
+def test_a_shape_no_tensor_can_have_is_a_manifest_error():
+    """An empty tensor of a dimension torch cannot make ([0, 10**20]) was a RuntimeError."""
+    import json
+    import struct
+
+    from paradecode.runtime.safetensors_bytes import tensor_from_safetensors
+
+    header = json.dumps({"t": {"dtype": "F32", "shape": [0, 10**20], "data_offsets": [0, 0]}}).encode()
+    with pytest.raises(ManifestError, match="expected a known dtype, a shape of non-negative integers"):
+        tensor_from_safetensors(struct.pack("<Q", len(header)) + header, "t", "w")
 
 
 # --- the server ------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from paradecode.graphs.errors import ExportChangedError, ManifestError
+from paradecode.graphs.errors import ExportChangedError, ManifestError, UserInputError
 from tests.conftest import REPO
 from tests.runtime.test_chat import with_file
 from tests.runtime.test_serve import PROMPT, start_cli
@@ -448,6 +448,34 @@ def test_no_response_holds_the_exports_path(serve, served_export, tmp_path, monk
         assert expected in response.text, response.text
         for hidden in {str(tmp_path), str(tmp_path.resolve()), str(export.resolve())}:
             assert hidden not in response.text, response.text
+
+
+def test_a_larger_body_bound_alone_raises_the_preparing_bound_with_it(served_export):
+    """`--max-body-bytes 16777216` alone started before the preparing bound existed; it still does (the bound follows
+    it), and an explicit smaller --max-preparing-bytes is still refused."""
+    from paradecode.runtime.serve import cli
+
+    config, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export), "--max-body-bytes", str(16 << 20)]))
+    assert (config.max_body_bytes, config.max_preparing_bytes) == (16 << 20, 16 << 20)
+    default, _ = cli.configs_of(cli.build_parser().parse_args([str(served_export)]))
+    assert default.max_preparing_bytes == 8 << 20
+    flags = [str(served_export), "--max-body-bytes", str(16 << 20), "--max-preparing-bytes", str(8 << 20)]
+    with pytest.raises(UserInputError, match="max_preparing_bytes 8388608 is less than max_body_bytes"):
+        cli.configs_of(cli.build_parser().parse_args(flags))
+
+
+def test_public_text_hides_every_spelling_of_the_export(tmp_path, monkeypatch):
+    """A relative spelling ("out/model", as given on the command line) too; "/" or "." as the export mangles
+    nothing."""
+    from paradecode.runtime.serve.errors import public_text
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "model" / "onnx").mkdir(parents=True)
+    text = "out/model/onnx/weights.safetensors changed; see out/model"
+    assert public_text(text, Path("out/model")) == "onnx/weights.safetensors changed; see model"
+    assert public_text(f"{tmp_path}/out/model/onnx/x.onnx", Path("out/model")) == "onnx/x.onnx"
+    assert public_text("/etc/a and ./b", Path("/")) == "/etc/a and ./b"
+    assert public_text("onnx/a.onnx", Path(".")).endswith("onnx/a.onnx")
 
 
 # --- shutdown, in process -------------------------------------------------------------------------------------------
