@@ -19,7 +19,7 @@ and whose output is dropped. That slot is the next position's, written again (wi
 query reads it: a position's layer runs only after every earlier position's (docs/design.md §3), and a query sees
 only slots up to its own. A call of several rows (B > 1: batched requests, one token each; the kernel refuses
 more) is left as it is: those rows keep the one-token kernel's results, so a batch on such an export decodes each
-row in calls of its own (runtime/batching.py). The runtime keeps the cache's last slot for the copy (KVCache.spare);
+row in calls of its own (runtime/engine.py). The runtime keeps the cache's last slot for the copy (KVCache.spare);
 a call reaching the last slot (the runtime's own padding can: runtime/row_exactness.py) gets no copy, and has
 several rows then. The cost: about a tenth of plain decoding's speed on SmolLM2 on
 a 2-core CPU (one more attention row, a copy and two slices per layer).

@@ -23,7 +23,7 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
   calls instead of one per layer.
 
 Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export. ``batch`` is symbolic
-in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/batching.py), each at its
+in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/engine.py), each at its
 own positions, so each row's cache length is its own. A call of several rows carries one token per row
 (onnxruntime's GroupQueryAttention refuses more on a CPU); a call of one row carries any number.
 

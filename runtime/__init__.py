@@ -25,7 +25,7 @@ _WHERE = {
     "GenerationStream": "paradecode.runtime.model",
     "Mismatch": "paradecode.runtime.stats",
     "ParaDecodeModel": "paradecode.runtime.model",
-    "StreamedToken": "paradecode.runtime.model",
+    "StreamedToken": "paradecode.runtime.engine",
     "load": "paradecode.runtime.model",
 }
 
@@ -45,7 +45,8 @@ __all__ = [
 if TYPE_CHECKING:
     from paradecode.runtime.chat import ChatTemplate
     from paradecode.runtime.config import NEVER, GenerationConfig
-    from paradecode.runtime.model import GenerationStream, ParaDecodeModel, StreamedToken, load
+    from paradecode.runtime.engine import StreamedToken
+    from paradecode.runtime.model import GenerationStream, ParaDecodeModel, load
     from paradecode.runtime.stats import GenerationResult, GenerationStats, Mismatch
 
 

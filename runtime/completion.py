@@ -2,7 +2,7 @@
 full KV cache) belong to the decoders: plain decoding and ParaDecode each take a request's `Stops`, decide after
 every verified token and end there (ParaDecode also speculates no further). The text-level rule (a stop string)
 belongs to `Completion`, the output's tokens and text as they grow. Both are shared by a model decoding one
-request (`ParaDecodeModel`) and by a batch of requests (`runtime/batching.py`), so every path stops alike.
+request (`ParaDecodeModel`) and by a batch of requests (`runtime/engine.py`), so every path stops alike.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class KVCache:
 
     def zero(self, row: int, start: int, stop: int) -> None:
         """Zero slots start..stop-1 of `row` in every layer (slots a batched call may read, masked, before the row
-        reaches them: see runtime/batching.py)."""
+        reaches them: see runtime/engine.py)."""
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 buffer[row, :, start:stop] = 0

@@ -1,20 +1,25 @@
 """`ParaDecodeModel`: load an export once, then generate with `ar` or `paradecode`, whole or streamed.
 
+A model holds what every request shares: the export's graphs and their sessions (the backend), the tokenizer and
+chat template, the estimates adaptive speculation learns (runtime/speculation.py) and the outputs lookup proposes
+from (`SharedSuffixIndex`). Nothing of a request: each call decodes in an `Engine` of one row (runtime/engine.py)
+that holds its KV cache, and its request is a `Sequence` there, as in a server's batch.
+
 Threading model
 ---------------
-A model may be shared by many threads; its calls are *serialised* (one at a time, in arrival order)
-because they share the KV cache and the lanes. For parallel requests over one copy of the weights, batch them
-(runtime/batching.py), or load one model per worker.
+A model may be shared by many threads, and their calls decode at the same time, each in an engine of its own (the
+backend's calls are thread-safe; each concurrent call costs one more KV cache). The engines a call has finished
+with are kept for the next (`_idle`), so a thread that decodes again reuses its cache's memory.
 
-- `_lock` is held by the call that is decoding, from its first token request (`next()` on its
-  stream; `generate` does that at once) until the stream is exhausted or closed.
-- `_owner` is the thread holding `_lock`: set and reset only by that thread, while it holds the lock.
-  A second call from the same thread while its own stream is open is refused (it would wait for
-  itself), both when the stream is created and when it first asks for a token.
-- `_state` guards `_closed` and `_active` (the stream holding `_lock`).
-- `close()` marks the model closed, ends the stream holding it (at once if it is idle, after its
-  current token if another thread is computing it), waits for `_lock`, and frees the lanes and the
-  backend. Every later call raises `ModelClosedError`.
+- `_state` (a Condition) guards `_closed`, `_streams` (the streams decoding: begun, not yet ended) and `_idle`.
+  It is held only to read or change them, never while decoding.
+- A stream takes an engine at its first token request (`next()` on it; `generate` does that at once) and gives it
+  back when it is exhausted or closed. Several streams of one thread may be open at once.
+- The estimates and the shared lookup index are updated by every engine: the index locks itself; an estimate is a
+  running average that a concurrent update may leave one sample short, which only shifts a speculation decision.
+- `close()` marks the model closed and ends every stream: an idle one at once (from the closing thread), one that
+  another thread is computing after its current token (its engine sees the model closed); it waits for them, then
+  frees the engines' lanes and the backend. Every later call raises `ModelClosedError`.
 
 A failed request (bad input, an error while decoding, a stopped stream) leaves the model usable. The model
 computes with the export as it read it at load, whatever happens to its folder later; once the folder no longer
@@ -26,11 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInputError
@@ -38,9 +43,10 @@ from paradecode.graphs.manifest import TOKENIZER_DIR
 from paradecode.runtime import policy
 from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
-from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
+from paradecode.runtime.completion import Stops
 from paradecode.runtime.config import GenerationConfig, check_token_ids
-from paradecode.runtime.decoding import DecodeContext, decode_ar
+from paradecode.runtime.decoding import DecodeContext
+from paradecode.runtime.engine import CANCELLED, CLOSED, Engine, Request, Sequence, StreamedToken, generate_batched
 from paradecode.runtime.lanes import Lane, Timeline
 from paradecode.runtime.loader import ExportFolder, open_export
 from paradecode.runtime.lookup import SharedSuffixIndex
@@ -52,26 +58,11 @@ from paradecode.runtime.tokenizer import TextTokenizer
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Request:
-    """A checked request (`ParaDecodeModel.request`): prompt token ids, settings, thresholds per exit layer."""
-
-    ids: list[int]
-    config: GenerationConfig
-    thresholds: dict[int, float]
-
-
-@dataclass
-class StreamedToken:
-    token: int
-    text: str  # the text this token completes ("" while a multi-byte character is incomplete)
-
-
 class GenerationStream:
     """Iterate to receive tokens as they are verified; `result` holds everything once iteration ends.
 
-    A stream holds its model from its first token until it is exhausted or closed: stop early with
-    `close()` (or use it as a context manager) so the model can serve the next call.
+    A stream holds an engine (a KV cache) from its first token until it is exhausted or closed: stop early with
+    `close()` (or use it as a context manager) so that the next call reuses it.
     """
 
     def __init__(self) -> None:
@@ -130,18 +121,17 @@ class ParaDecodeModel:
             options["cuda_graphs"] = cuda_graphs
             options["torch_compile"] = torch_compile
         self.backend = backend_class(backend)(self.export, device=device, **options)
-        self.cache = self.backend.allocate_cache()
-        self.side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, lanes)]
+        self.lanes = lanes  # per engine: the decoding thread and lanes - 1 side lanes (`streams` and `both`)
+        self.capacity = self.backend.cache_capacity  # the positions a request may take (a KV cache's slots)
         # What decoding has measured of this model's call costs and acceptance: carried over between requests.
         self.speculation = Speculation(self.backend.spec.num_layers)
         # What its requests' outputs continued with, for lookup proposals across requests (runtime/lookup.py).
         self.shared_index = SharedSuffixIndex()
         self.files = self.export.files  # what the model was loaded from, compared with its folder (watched.py)
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._state = threading.Lock()
+        self._state = threading.Condition()
         self._closed = False
-        self._active: GenerationStream | None = None
+        self._streams: set[GenerationStream] = set()
+        self._idle: list[Engine] = []
         self._warned_full = False
         self._warned_untrained = False
         self._warned_idle = False
@@ -156,32 +146,34 @@ class ParaDecodeModel:
         return self._closed
 
     def close(self) -> None:
-        """End the call holding the model (if any), then free the lanes and the backend. Idempotent."""
+        """End every stream (an idle one now, one being computed after its token), then free the engines and the
+        backend. Idempotent."""
         with self._state:
             if self._closed:
                 return
             self._closed = True
         deadline = time.monotonic() + STALL_SECONDS
-        while not self._lock.acquire(timeout=0.05):
-            with self._state:
-                active = self._active
-            if active is not None:
-                # An idle stream (between two tokens) ends now, from this thread. One that another thread is
-                # computing raises ValueError ("generator already executing"): it ends at its next token
-                # boundary (it sees `_closed`), or this loop closes it once it is idle.
-                with contextlib.suppress(ValueError):
-                    active.close()
-            if time.monotonic() > deadline:
-                raise ParadecodeError(
-                    f"close() waited {STALL_SECONDS:g} s for the running call to end; the model was not freed."
-                )
-        try:
-            for lane in self.side_lanes:
-                lane.close()
-            self.side_lanes = []
-            self.backend.close()
-        finally:
-            self._lock.release()
+        with self._state:
+            while self._streams:
+                for stream in list(self._streams):
+                    # An idle stream (between two tokens) ends now, from this thread. One that another thread is
+                    # computing raises ValueError ("generator already executing"): its engine ends it at its next
+                    # step (it sees the model closed), or this loop closes it once it is idle.
+                    self._state.release()
+                    try:
+                        with contextlib.suppress(ValueError):
+                            stream.close()
+                    finally:
+                        self._state.acquire()
+                if time.monotonic() > deadline:
+                    raise ParadecodeError(
+                        f"close() waited {STALL_SECONDS:g} s for the running calls to end; the model was not freed."
+                    )
+                self._state.wait(0.05)
+            idle, self._idle = self._idle, []
+        for engine in idle:
+            engine.free()
+        self.backend.close()
 
     def __enter__(self):
         return self
@@ -243,38 +235,39 @@ class ParaDecodeModel:
         self._check_open()
         self.files.check()
         request = self.request(prompt, prompt_ids, messages, config, **settings)
-        self._refuse_reentry()
         stream = GenerationStream()
         stream._tokens = self._run(request, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
         return stream
 
-    def warm_up(self, config: GenerationConfig | None = None, batch=None) -> None:
+    def warm_up(self, config: GenerationConfig | None = None, engine: Engine | None = None) -> None:
         """Decode a few tokens in the kinds of call decoding makes (a prefill; one position; several, as exits
-        and lookup proposals do; with `batch`, a `runtime.batching.Batch` of this model's, several requests in one
-        call), with `config`'s settings (a server's: sampling, overlap, K) and with every token exiting. With
+        and lookup proposals do; with `engine`, a server's engine of several rows, several requests in one call),
+        with `config`'s settings (a server's: sampling, overlap, K) and with every token exiting. With
         `torch_compile`, the modules compile now rather than in the first requests (`paradecode-serve --compile`
         does this before it listens); shapes it did not meet still compile at their first use. What the warm-up
         measures does not reach the adaptive speculation, and its outputs not the shared lookup."""
-        from paradecode.runtime.batching import generate_batched  # it imports this module
-
         config = config or GenerationConfig()
-        length = max(1, min(8, self.cache.capacity // 2))
+        length = max(1, min(8, self.capacity // 2))
         prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3) * 3][:length]  # repeated: lookup proposes
         settings = dict(config=config, max_new_tokens=length, ignore_eos=True, lookup_shared=False)
-        saved = self.speculation, self._warned_full, self._warned_untrained, self._warned_idle
-        self.speculation = Speculation(self.backend.spec.num_layers)
+        one = self._engine()  # the engine the next call takes: its CUDA graphs (by its cache's address) are warm
+        engines = [one] if engine is None else [one, engine]
+        saved = self._warned_full, self._warned_untrained, self._warned_idle
         self._warned_full = self._warned_untrained = self._warned_idle = True  # said by requests, not the warm-up
+        for each in engines:
+            each.speculation = Speculation(self.backend.spec.num_layers)
         try:
-            self.generate(prompt_ids=prompt, **settings, mode="ar")
-            self.generate(prompt_ids=prompt, **settings)
-            self.generate(prompt_ids=prompt, **settings, thresholds=0.0)  # every token exits
-            if batch is not None:
-                requests = [
-                    self.request(prompt_ids=prompt[: max(1, length - i)], **settings) for i in range(batch.rows)
-                ]
-                generate_batched(self, requests, batch=batch)
+            for extra in ({"mode": "ar"}, {}, {"thresholds": 0.0}):  # thresholds 0: every token exits
+                generate_batched(self, [self.request(prompt_ids=prompt, **settings, **extra)], engine=one)
+            if engine is not None:
+                rows = range(engine.rows)
+                requests = [self.request(prompt_ids=prompt[: max(1, length - i)], **settings) for i in rows]
+                generate_batched(self, requests, engine=engine)
         finally:
-            self.speculation, self._warned_full, self._warned_untrained, self._warned_idle = saved
+            for each in engines:
+                each.speculation = self.speculation
+            self._warned_full, self._warned_untrained, self._warned_idle = saved
+            self._release(one)
 
     def request(
         self,
@@ -319,17 +312,21 @@ class ParaDecodeModel:
         ctx: DecodeContext,
         ids: list[int],
         request: Request,
-        overlap: str,
+        overlap: str | None,
         sampling,
         *,
         stops: Stops,
         stats: GenerationStats,
+        side_lanes: list[Lane] = (),
+        speculation: Speculation | None = None,
         exit_policy=None,
     ) -> ParaDecoder:
-        """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when a batch hands a
-        request back to ParaDecode) over `ctx` until `stops` (the request's), with this model's lanes and
-        speculation estimates, counting into `stats`."""
+        """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when an engine hands a
+        request back to ParaDecode) over `ctx` until `stops` (the request's), with `side_lanes` beside the calling
+        thread (for `streams` and `both`) and `speculation`'s estimates (the model's by default), counting into
+        `stats`. `overlap`: the request's (None: its config's, `auto` resolved for this device)."""
         config = request.config
+        overlap = overlap or self.overlap_of(config)
         adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
         return ParaDecoder(
             ctx,
@@ -339,12 +336,12 @@ class ParaDecodeModel:
             thresholds=request.thresholds,
             max_unverified=config.max_unverified,
             overlap=overlap,
-            side_lanes=self.side_lanes,
+            side_lanes=list(side_lanes),
             exit_policy=exit_policy,
             lookup=config.lookup_config(),
             shared=self.shared_index if config.lookup_shared else None,
             sampling=sampling,
-            speculation=self.speculation if adaptive else None,
+            speculation=(speculation or self.speculation) if adaptive else None,
         )
 
     def remember(self, request: Request, tokens: list[int]) -> None:
@@ -400,7 +397,7 @@ class ParaDecodeModel:
                 "on CUDA" if device == "cuda" else "when sampling on a CPU",
             )
 
-    def _warn_full(self, new_tokens: int) -> None:
+    def warn_full(self, new_tokens: int) -> None:
         if not self._warned_full:  # once per model; every result says so in stats.stop_reason
             self._warned_full = True
             logger.warning(
@@ -413,13 +410,6 @@ class ParaDecodeModel:
     def _check_open(self) -> None:
         if self._closed:
             raise ModelClosedError("this model is closed: load the export again to decode with it.")
-
-    def _refuse_reentry(self) -> None:
-        if self._owner == threading.get_ident():
-            raise UserInputError(
-                "this thread still has an open stream on this model: exhaust it or call its "
-                "close() (or use `with model.stream(...) as stream:`) before the next call."
-            )
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """`messages` as the model reads them: the export's chat template, ending with the assistant's header."""
@@ -464,13 +454,28 @@ class ParaDecodeModel:
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise UserInputError(f"prompt ids {bad[:5]} are outside the vocabulary (0..{vocab - 1}).")
-        capacity = self.cache.capacity  # max_seq_len, less a spare slot where the graphs write one (kvcache.py)
+        capacity = self.capacity  # max_seq_len, less a spare slot where the graphs write one (kvcache.py)
         if len(ids) > capacity:
             raise UserInputError(
                 f"the prompt has {len(ids)} tokens, more than the export's KV cache holds ({capacity} positions, set "
                 "by --max-seq-len at export). Shorten the prompt or re-export with a larger --max-seq-len."
             )
         return ids
+
+    def _engine(self) -> Engine:
+        """An engine of one row for a call: an idle one, else a new one."""
+        with self._state:
+            if self._idle:
+                return self._idle.pop()
+        return Engine(self, 1)
+
+    def _release(self, engine: Engine) -> None:
+        """Keep a call's engine for the next call (free it once the model is closed)."""
+        with self._state:
+            if not self._closed:
+                self._idle.append(engine)
+                return
+        engine.free()
 
     def _run(
         self,
@@ -481,70 +486,36 @@ class ParaDecodeModel:
         annotate=None,
         exit_policy=None,
     ) -> Iterator[StreamedToken]:
-        self._refuse_reentry()  # e.g. zip(model.stream(a), model.stream(b)) in one thread
-        self._lock.acquire()
-        try:
-            self._owner = threading.get_ident()
-            with self._state:
-                self._check_open()
-                self._active = stream
-            yield from self._decode(request, timeline, stream, with_text, annotate, exit_policy)
-        finally:
-            with self._state:
-                self._active = None
-            self._owner = None
-            self._lock.release()
-
-    def _decode(self, request: Request, timeline, stream, with_text, annotate, exit_policy):
-        ids, config = request.ids, request.config
-        overlap = self.overlap_of(config)
-        sampling = config.sampling(config.seed if config.seed is not None else secrets.randbits(63))
-        stats = GenerationStats(
-            mode=config.mode,
-            overlap=overlap if config.mode == "paradecode" else None,
-            prompt_tokens=len(ids),
-            seed=None if sampling is None else sampling.seed,
+        events: deque = deque()  # what the engine hands the sequence: its tokens, then its result or an error
+        sequence = Sequence(
+            request, events.append, with_text=with_text, timeline=timeline, annotate=annotate, exit_policy=exit_policy
         )
-        self.cache.reset()
-        observe = self.speculation.times.observe
-        ctx = DecodeContext(self.backend, self.cache, timeline, annotate=annotate, observe=observe)
-        stops = self.stops_of(request, self.cache.capacity)
-        if config.mode == "ar":
-            decoder = decode_ar(ctx, ids, stops, sampling)
-        else:
-            settings = dict(stops=stops, stats=stats, exit_policy=exit_policy)
-            decoder = self.paradecoder(ctx, ids, request, overlap, sampling, **settings).run()
-        completion = Completion(ids, config, self.tokenizer, with_text)
-        tokens, margins = completion.tokens, completion.margins
-        started = time.perf_counter()
+        with self._state:
+            self._check_open()
+            self._streams.add(stream)
+        engine = self._engine()
         try:
-            for token, margin, stop in decoder:  # the decoder ends after the token it stops at
-                if not tokens:
-                    stats.prefill_seconds = time.perf_counter() - started
-                piece, stop = completion.push(token, margin, stop)
-                yield StreamedToken(token, piece)
-                if stop == MAX_SEQ_LEN:
-                    self._warn_full(len(tokens))
-                stats.stop_reason = stop or ("closed" if self._closed else None)
-                if stats.stop_reason:
-                    break
-        except GeneratorExit:
-            stats.stop_reason = stats.stop_reason or ("closed" if self._closed else "cancelled")
-            raise
+            engine.join(sequence)
+            while True:
+                while events:
+                    event = events.popleft()
+                    if isinstance(event, StreamedToken):
+                        yield event
+                    elif isinstance(event, GenerationResult):
+                        stream.result = event
+                        return
+                    else:
+                        raise event
+                engine.step()
         finally:
-            decoder.close()
-            self.remember(request, tokens)
-            stats.seconds = time.perf_counter() - started
-            stats.new_tokens = len(tokens)
-            stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
-            stats.calls = timeline.calls
-            stream.result = GenerationResult(
-                tokens,
-                self.tokenizer.completion(ids, tokens) if self.tokenizer else None,
-                stats,
-                margins,
-                timeline if timeline.record_spans else None,
-            )
+            if sequence in engine.sequences:  # stopped before its end: closed, or by the model's closing
+                engine.leave(sequence, CLOSED if self._closed else CANCELLED)
+            if stream.result is None:
+                stream.result = next((e for e in events if isinstance(e, GenerationResult)), None)
+            self._release(engine)
+            with self._state:
+                self._streams.discard(stream)
+                self._state.notify_all()
 
 
 def load(path: str | Path | ExportFolder, **options) -> ParaDecodeModel:

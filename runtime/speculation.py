@@ -145,7 +145,8 @@ class ExitRates:
 
 class Speculation:
     """What the decoder has measured of this model's costs and acceptance, and the decisions from them.
-    One per loaded model (generate calls on a model run one at a time), so it carries over between requests."""
+    One per loaded model, so it carries over between requests; the engines decoding at once update it together
+    (runtime/model.py's threading model says what a concurrent update may cost)."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers

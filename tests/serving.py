@@ -111,66 +111,55 @@ class SlowSteps:
     batch long enough for a test to join, cancel or disconnect them mid-batch."""
 
     def __init__(self, monkeypatch, delay: float):
-        from paradecode.runtime import batching
+        from paradecode.runtime import engine as batching
 
-        real = batching.Batch.step
+        real = batching.Engine.step
 
         def step(batch, *args, **kwargs):
             time.sleep(delay)
             return real(batch, *args, **kwargs)
 
-        monkeypatch.setattr(batching.Batch, "step", step)
+        monkeypatch.setattr(batching.Engine, "step", step)
 
 
 class SlowStreams:
-    """Makes a replica's next `count` streams wait `delay` s before each token after the first (a slow device),
-    and before the first too with `before_first`.
+    """Makes the next `count` requests a replica's model decodes wait `delay` s before each token after the first (a
+    slow device), and before the first too with `before_first`: every step of an engine holding one of them waits.
 
-    `results` collects each slowed stream's GenerationResult once the server closes it, so a test can
-    see how far it went and why it stopped.
+    `results` collects each slowed request's GenerationResult as it ends, so a test can see how far it went and why
+    it stopped.
     """
 
     def __init__(self, model, monkeypatch, delay: float, count: int = 1, before_first: bool = False):
-        self.real = model.stream
+        from paradecode.runtime import engine as engine_module
+        from paradecode.runtime.stats import GenerationResult
+
         self.delay = delay
-        self.before_first = before_first
         self.left = count
         self.results = []
-        monkeypatch.setattr(model, "stream", self.stream)
+        slowed = set()  # the slowed sequences
+        join, step = engine_module.Engine.join, engine_module.Engine.step
 
-    def stream(self, *args, **kwargs):
-        real = self.real(*args, **kwargs)
-        if self.left <= 0:
-            return real
-        self.left -= 1
-        return SlowStream(real, self.delay, self.results, self.before_first)
+        def slow_join(engine, sequence):
+            if engine.model is model and self.left > 0:
+                self.left -= 1
+                slowed.add(sequence)
+                sink = sequence.sink
 
+                def recording(event):
+                    if isinstance(event, GenerationResult):
+                        self.results.append(event)
+                    sink(event)
 
-class SlowStream:
-    def __init__(self, real, delay: float, results: list, before_first: bool):
-        self.real = real
-        self.delay = delay
-        self.results = results
-        self.before_first = before_first
+                sequence.sink = recording
+                if before_first:
+                    time.sleep(delay)
+            return join(engine, sequence)
 
-    def __iter__(self):
-        if self.before_first:
-            time.sleep(self.delay)
-        for i, piece in enumerate(self.real):
-            if i:
-                time.sleep(self.delay)
-            yield piece
+        def slow_step(engine, *args, **kwargs):
+            if engine.model is model and any(s in slowed for s in engine.sequences):
+                time.sleep(delay)
+            return step(engine, *args, **kwargs)
 
-    @property
-    def result(self):
-        return self.real.result
-
-    def close(self) -> None:
-        self.real.close()
-        self.results.append(self.real.result)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        monkeypatch.setattr(engine_module.Engine, "join", slow_join)
+        monkeypatch.setattr(engine_module.Engine, "step", slow_step)

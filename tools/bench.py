@@ -403,7 +403,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     )
     results = harness.measure(modes, prompts, max_new_tokens=args.max_new_tokens, repeat=args.repeat, skip_failing=True)
     # on the model's own cache, as decoding calls them; the next generate starts from an empty cache
-    costs = measure_call_costs(main_model.backend, main_model.cache, (1, args.max_unverified + 1))
+    costs = measure_call_costs(main_model.backend, main_model.backend.allocate_cache(), (1, args.max_unverified + 1))
     logger.info("measured call costs: %s", costs.as_dict())
 
     def bound(mode, accepted: dict, tokens: int) -> float | None:

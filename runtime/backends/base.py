@@ -166,10 +166,25 @@ class Backend(ABC):
                 f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
-        # slots after the last position, for copies of it: the graphs' (padded attention) and the runtime's
-        form = self.row_form or row_exactness.AS_IS
-        spare = max(form.spare, 1 if self.manifest.padded_attention else 0)
+        spare = self.cache_spare
         return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed=self.reads_whole_cache)
+
+    @property
+    def cache_spare(self) -> int:
+        """A KV cache's slots after the last position, for copies of it: the graphs' (padded attention) and the
+        runtime's (this machine's row form, runtime/row_exactness.py)."""
+        form = self.row_form or row_exactness.AS_IS
+        return max(form.spare, 1 if self.manifest.padded_attention else 0)
+
+    @property
+    def cache_capacity(self) -> int:
+        """The positions a sequence can take in a KV cache: its slots but the spare ones (`KVCache.capacity`)."""
+        return self.manifest.max_seq_len - self.cache_spare
+
+    def cache_bytes(self, batch: int = 1) -> int:
+        """The bytes a KV cache of `batch` rows takes (keys and values of every layer)."""
+        slots = batch * self.spec.num_kv_heads * self.manifest.max_seq_len * self.spec.head_dim
+        return 2 * self.spec.num_layers * slots * self.dtype.itemsize
 
     def new_stream(self):
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""

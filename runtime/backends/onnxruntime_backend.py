@@ -12,7 +12,9 @@ Sessions are made from the export's files as read into memory at load (the graph
 onnxruntime copies each session's initializers from those bytes and maps no file (runtime/watched.py says why).
 
 On a CPU, small calls (up to BOUND_TOKENS tokens, which is every decode step) reuse a binding made
-once per (subgraph, token count, lane): rebinding costs more than a small layer's compute. On a GPU
+once per (subgraph, batch, token count, lane) and calling thread: rebinding costs more than a small layer's
+compute, and a binding's buffers are one call's at a time (engines of one model decode on threads of their own at
+once; a thread's bindings are freed with it). On a GPU
 (onnxruntime-gpu), tensors are bound by CUDA address and each lane gets its own session on its own
 stream (`user_compute_stream`).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 
@@ -117,6 +120,13 @@ class Bound:
         return self.outputs, True
 
 
+class Bindings(dict):
+    """One thread's `Bound`s by (subgraph, batch, tokens, lane) (a dict that a WeakSet can hold: by identity)."""
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
@@ -151,7 +161,10 @@ class OnnxRuntimeBackend(Backend):
         self.options = {part: self._options(count) for part, count in self.threads.items()}
         self.sessions: dict[str, ort.InferenceSession] = {}  # CPU: created on a subgraph's first call
         self._lane_sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # GPU: (subgraph, lane)
-        self._bound: dict[tuple[str, int, int, str], Bound] = {}  # CPU: (subgraph, batch, tokens, lane)
+        # CPU: each calling thread's bindings, (subgraph, batch, tokens, lane) -> Bound: engines of one model decode on
+        # threads of their own at once, and a thread's bindings go with it (`_bindings` only sees live ones)
+        self._local = threading.local()
+        self._bindings: weakref.WeakSet[Bindings] = weakref.WeakSet()
         self._creating = threading.Lock()  # sessions are created by whichever lane calls first
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
@@ -262,28 +275,34 @@ class OnnxRuntimeBackend(Backend):
                 del self.sessions[key]
             for key in [k for k in self._lane_sessions if k[0] in names]:
                 del self._lane_sessions[key]
-            for key in [k for k in self._bound if k[0] in names]:
-                del self._bound[key]
+            for bindings in list(self._bindings):
+                for key in [k for k in list(bindings) if k[0] in names]:
+                    bindings.pop(key, None)
 
     def close(self) -> None:
-        self._bound.clear()
+        self._forget_bindings()
         self.sessions.clear()
         self._lane_sessions.clear()
 
     def allocate_cache(self, batch: int = 1) -> KVCache:
         self.row_form  # noqa: B018 (asked first: the probe's calls bind the probe's own cache)
-        self._bound.clear()
+        self._forget_bindings()
         return super().allocate_cache(batch)
 
     def _launch(self, name: str, feeds: Mapping[str, torch.Tensor], lane: str) -> Launched:
-        """On a CPU, a call of up to BOUND_TOKENS tokens through its lane's persistent binding (`Bound`); any
-        other call binds the given tensors and new output buffers (by CUDA address on a GPU)."""
+        """On a CPU, a call of up to BOUND_TOKENS tokens through its lane's persistent binding (`Bound`), one per
+        calling thread (engines of one model decode at once on threads of their own); any other call binds the given
+        tensors and new output buffers (by CUDA address on a GPU)."""
         batch, tokens = next(iter(feeds.values())).shape[:2]
         if self.device.type == "cpu" and tokens <= BOUND_TOKENS:
+            bindings = getattr(self._local, "bindings", None)
+            if bindings is None:
+                bindings = self._local.bindings = Bindings()
+                self._bindings.add(bindings)
             key = (name, batch, tokens, lane)
-            bound = self._bound.get(key)
+            bound = bindings.get(key)
             if bound is None:
-                bound = self._bound[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, batch, tokens)
+                bound = bindings[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, batch, tokens)
             return bound(feeds)
         feeds = {k: v.contiguous() for k, v in feeds.items()}  # bound by address, kept alive until the run
         result = self.output_buffers(name, feeds)
@@ -295,6 +314,10 @@ class OnnxRuntimeBackend(Backend):
             self._bind(binding.bind_ortvalue_output, binding.bind_output, key, tensor)
         session.run_with_iobinding(binding)
         return result, False
+
+    def _forget_bindings(self) -> None:
+        for bindings in list(self._bindings):
+            bindings.clear()
 
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""

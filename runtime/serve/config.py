@@ -53,7 +53,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the log says which)
     replicas: int = 1
-    # requests a replica decodes together (continuous batching, runtime/batching.py); None: the export's --max-batch
+    # requests a replica decodes together (continuous batching, runtime/engine.py); None: the export's --max-batch
     max_batch: int | None = None
     prefill_tokens: int = 512  # prompt tokens a batch prefills between two steps (at least one request's)
     max_queue: int = 16  # requests waiting for a free replica; one more gets 429

@@ -1,7 +1,7 @@
 """Whether a server's batches fit: the KV-cache bytes they need against the memory the device has, before allocating.
 
-A replica that decodes `rows` requests together holds one more KV cache of `rows` rows at the export's max
-length (runtime/batching.py). On a CPU its pages cost memory only once a sequence reaches them, but a full batch
+A replica that decodes `rows` requests together holds a KV cache of `rows` rows at the export's max length (its
+engine, runtime/engine.py). On a CPU its pages cost memory only once a sequence reaches them, but a full batch
 of long requests reaches them all, so the whole cache must fit in what is available once the models are loaded:
 an export whose `limits.max_batch` is 1,000,000 would otherwise ask for tens of GB and fail (or be killed) later.
 """
@@ -31,8 +31,8 @@ CGROUP_LIMITS = (
 
 
 def row_bytes(model: ParaDecodeModel) -> int:
-    """The bytes one row of a batch's KV cache takes: the model's own cache is one such row."""
-    return sum(buffer.nbytes for buffer in (*model.cache.keys, *model.cache.values))
+    """The bytes one row of an engine's KV cache takes."""
+    return model.backend.cache_bytes(1)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -5,32 +5,32 @@ Threading model
 - The event loop's thread (uvicorn's, or a Ray replica's) admits jobs (`submit`), cancels them
   (`cancel`) and reads their events from `job.events`, an `asyncio.Queue` that only it touches. It
   never calls a model: a model call blocks for as long as it decodes.
-- One worker thread per replica (`paradecode-replica-I`) owns that replica's `ParaDecodeModel`: only
-  it calls `stream` on it, iterates and closes the stream. It takes the oldest waiting job, decodes
-  it, and hands every verified token to the loop with `loop.call_soon_threadsafe`, which puts it on
-  `job.events`; a slow client never holds a replica (its tokens wait in its own queue).
+- One worker thread per replica (`paradecode-replica-I`) owns that replica's `Engine` (runtime/engine.py) over its
+  `ParaDecodeModel`: only it steps the engine. It takes waiting jobs into the engine's free rows, the oldest first,
+  and hands every verified token to the loop with `loop.call_soon_threadsafe`, which puts it on `job.events`; a
+  slow client never holds a replica (its tokens wait in its own queue).
 - `_lock` (a Condition the workers wait on) guards `_waiting` (the queue), `_running` (the jobs
   being decoded), every job's `state`, `_closing` and `_threads_joined`. Nothing else is shared: a job's prompt and
   config are immutable once submitted, and `job.cancelled` is a `threading.Event`.
 - `cancel(job)` from any thread: a waiting job leaves the queue at once (its place frees); a running
-  one has `cancelled` set, and its worker closes the stream after the token it is computing (the
-  runtime cannot stop a token half-way from another thread), which frees the model for the next job.
+  one has `cancelled` set, and it leaves its engine before the next step, after the token being computed (the
+  runtime cannot stop a token half-way from another thread), which frees its row for the next job.
 - `drain(reason)` (the server's shutdown timeout) refuses new jobs and fails every job at once with
   `ServiceUnavailable(reason)`: a waiting one leaves the queue, a running one is cancelled too (its
   worker stops after its token; the `Finished` it then emits comes after the `Failed`, unread).
 - `close()` drains, joins the workers and closes the models.
 
-Batching: a replica whose export holds several rows (`--max-batch`, ServeConfig.max_batch) decodes up to that
-many jobs together (runtime/batching.py): its worker takes waiting jobs into its `Batch` between two steps (at most
-`prefill_tokens` prompt tokens of them per step, and always one), and each step gives every job in the batch its
-next token; a cancelled job leaves before the next step, its row free at once. A job alone in its batch with none
-waiting decodes with ParaDecode; with others, plain decoding in one batched call (speculation yields to load). A
-replica of one row decodes one job at a time, as `model.stream`.
+Batching: a replica's engine has as many rows as its export allows (`--max-batch`, ServeConfig.max_batch): its
+worker takes waiting jobs into free rows between two steps (at most `prefill_tokens` prompt tokens of them per step,
+and always one), and each step gives every job in the engine its next token; a cancelled job leaves before the
+next step, its row free at once. A job alone in its engine with none waiting for a row decodes with ParaDecode;
+with others, plain decoding in one batched call (speculation yields to load). A replica of one row decodes one job
+at a time, as `model.stream` does.
 
 Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
-subgraph, and the export's weights file as read at load), its own KV caches and its own lanes; a batch's rows are
-one more KV cache of `max_batch` rows. The replicas share one opened export (its manifest, and the check of its
-folder: runtime/watched.py), so they load the same files.
+subgraph, and the export's weights file as read at load) and its engine (a KV cache of its rows, and its lanes).
+The replicas share one opened export (its manifest, and the check of its folder: runtime/watched.py), so they load
+the same files.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paradecode.graphs.errors import ParadecodeError
-from paradecode.runtime.batching import ALONE, Batch, Sequence
 from paradecode.runtime.config import GenerationConfig
+from paradecode.runtime.engine import ALONE, Engine, Sequence, StreamedToken
 from paradecode.runtime.loader import open_export
-from paradecode.runtime.model import ParaDecodeModel, StreamedToken, load
+from paradecode.runtime.model import ParaDecodeModel, load
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable, without_export_path
 from paradecode.runtime.serve.memory import check_batches_fit
@@ -127,26 +127,28 @@ class ReplicaPool:
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
             if self.rows > 1:  # refused before allocating what the machine does not have
                 check_batches_fit(self.models[0], self.rows, config.replicas, given=config.max_batch is not None)
-            # each replica's batch (its KV-cache rows), made here so that a failure stops the start, not a worker
-            self.batches = [Batch(model, self.rows) for model in self.models] if self.rows > 1 else []
+            # each replica's engine (its KV-cache rows), made here so that a failure stops the start, not a worker
+            self.engines = [Engine(model, self.rows) for model in self.models]
             if config.torch_compile:  # compile before listening, not in the first requests
                 for i, model in enumerate(self.models):
                     logger.info("compiling replica %d/%d (torch.compile)", i + 1, config.replicas)
-                    model.warm_up(config.generation, self.batches[i] if self.batches else None)
+                    model.warm_up(config.generation, self.engines[i])
         except BaseException:
+            for engine in getattr(self, "engines", ()):
+                engine.free()
             for model in self.models:
                 model.close()
             raise
-        for i, model in enumerate(self.models):
-            work, args = (self._work, (model,)) if self.rows == 1 else (self._work_batched, (model, self.batches[i]))
-            thread = threading.Thread(target=work, args=args, name=f"paradecode-replica-{i}", daemon=True)
+        for i, (model, engine) in enumerate(zip(self.models, self.engines)):
+            args = (model, engine)
+            thread = threading.Thread(target=self._work, args=args, name=f"paradecode-replica-{i}", daemon=True)
             self._threads.append(thread)
             thread.start()
         self.metrics.depth(0, 0)
 
     @property
     def capacity(self) -> int:
-        """Jobs the pool holds at once: a batch of `rows` decoding per replica, plus the queue."""
+        """Jobs the pool holds at once: `rows` decoding per replica, plus the queue."""
         return self.config.replicas * self.rows + self.config.max_queue
 
     def counts(self) -> tuple[int, int]:
@@ -206,6 +208,8 @@ class ReplicaPool:
         self.drain("the server shut down")
         for thread in self._threads:  # each ends after the token it is computing
             thread.join()
+        for engine in self.engines:
+            engine.free()
         for model in self.models:
             model.close()
         logger.info("replicas closed")
@@ -214,39 +218,16 @@ class ReplicaPool:
     def _changed(self) -> None:
         self.metrics.depth(len(self._waiting), len(self._running))
 
-    def _next(self) -> Job | None:
+    def _take(self, engine: Engine) -> list[Job] | None:
+        """Waiting jobs for `engine`'s free rows (the oldest first; their prompts within `prefill_tokens`, but at
+        least one); waits while there is nothing to do. None once the pool closes and the engine is empty."""
         with self._lock:
-            while not self._waiting and not self._closing:
+            while not self._waiting and not engine.size and not self._closing:
                 self._lock.wait()
-            if self._closing:
-                return None
-            job = self._waiting.popleft()
-            job.state = RUNNING
-            job.started = time.monotonic()
-            self._running.add(job)
-            self._changed()
-            return job
-
-    def _work(self, model: ParaDecodeModel) -> None:
-        while (job := self._next()) is not None:
-            try:
-                self._decode(model, job)
-            finally:
-                with self._lock:
-                    job.state = DONE
-                    self._running.discard(job)
-                    self._changed()
-
-    def _take(self, batch: Batch) -> list[Job]:
-        """Waiting jobs for `batch`'s free rows (the oldest first; their prompts within `prefill_tokens`, but at
-        least one); waits while there is nothing to do. None once the pool closes and the batch is empty."""
-        with self._lock:
-            while not self._waiting and not batch.size and not self._closing:
-                self._lock.wait()
-            if self._closing and not batch.size:
+            if self._closing and not engine.size:
                 return None
             taken, tokens = [], 0
-            while self._waiting and not self._closing and batch.size + len(taken) < batch.rows:
+            while self._waiting and not self._closing and engine.size + len(taken) < engine.rows:
                 tokens += len(self._waiting[0].prompt_ids)
                 if taken and tokens > self.config.prefill_tokens:
                     break
@@ -259,33 +240,34 @@ class ReplicaPool:
                 self._changed()
             return taken
 
-    def _work_batched(self, model: ParaDecodeModel, batch: Batch) -> None:
-        while (taken := self._take(batch)) is not None:
+    def _work(self, model: ParaDecodeModel, engine: Engine) -> None:
+        while (taken := self._take(engine)) is not None:
             try:
-                self._batch_step(model, batch, taken)
-            except Exception as err:  # a bug, not a request's error (those end their own request): fail the batch
-                logger.exception("a batch step failed; its requests fail, the replica goes on")
-                batch.close(err)
+                self._step(model, engine, taken)
+            except Exception as err:  # a bug, not a request's error (those end their own request): fail the engine's
+                logger.exception("an engine step failed; its requests fail, the replica goes on")
+                engine.close(err)
 
-    def _batch_step(self, model: ParaDecodeModel, batch: Batch, taken: list[Job]) -> None:
-        """Join the `taken` jobs, then one step for every job in the batch."""
+    def _step(self, model: ParaDecodeModel, engine: Engine, taken: list[Job]) -> None:
+        """Join the `taken` jobs, then one step for every job in the engine."""
         for job in taken:
             self.metrics.started(job.queue_seconds)
             sink = self._sink(job)
             try:  # checked as `model.stream` checks it: a request this export cannot decode fails alone
                 request = model.request(prompt_ids=job.prompt_ids, config=job.config)
-                batch.join(Sequence(request, sink, job.cancelled.is_set))  # a failure in it fails the job alone
+                engine.join(Sequence(request, sink, job.cancelled.is_set))  # a failure in it fails the job alone
             except Exception as err:  # the sink logs what is not a ParadecodeError
                 sink(err)
         with self._lock:
             waiting = bool(self._waiting) and not self._closing
-        if batch.size:
-            size, alone = batch.size, batch.steps[ALONE]
-            batch.step(waiting=waiting)
-            self.metrics.step(size, speculating=batch.steps[ALONE] > alone)
+        if engine.size:
+            size, alone = engine.size, engine.steps[ALONE]
+            engine.step(waiting=waiting)
+            if engine.rows > 1:
+                self.metrics.step(size, speculating=engine.steps[ALONE] > alone)
 
     def _sink(self, job: Job):
-        """What a job's sequence in a batch hands over: its tokens to the loop, its end to the pool too."""
+        """What a job's sequence in an engine hands over: its tokens to the loop, its end to the pool too."""
         last, first = job.arrived, True
 
         def sink(event) -> None:
@@ -309,26 +291,6 @@ class ReplicaPool:
                 self._changed()
 
         return sink
-
-    def _decode(self, model: ParaDecodeModel, job: Job) -> None:
-        self.metrics.started(job.queue_seconds)
-        last, first = job.arrived, True
-        try:
-            with model.stream(prompt_ids=job.prompt_ids, config=job.config) as stream:
-                for piece in stream:
-                    now = time.monotonic()
-                    self.metrics.token(now - last, first=first)
-                    last, first = now, False
-                    job.emit(Token(piece.token, piece.text))
-                    if job.cancelled.is_set():
-                        break  # leaving the `with` closes the stream: the model is free
-            self.metrics.finished(stream.result)
-            job.emit(Finished(stream.result))
-        except ParadecodeError as err:
-            job.emit(self._failed(err))
-        except Exception as err:
-            logger.exception("decoding a request failed")
-            job.emit(self._failed(err))
 
     def _failed(self, err: BaseException) -> Failed:
         """A job's end by `err`, as its client reads it: without the export's path on this disk."""

@@ -72,7 +72,7 @@ class Service:
 
     @property
     def max_model_len(self) -> int:
-        return self.reference.cache.capacity  # max_seq_len, less a spare slot where the graphs write one
+        return self.reference.capacity  # max_seq_len, less a spare slot where the graphs write one
 
     def close(self) -> None:
         self.pool.close()

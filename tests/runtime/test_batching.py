@@ -1,4 +1,4 @@
-"""Continuous batching (runtime/batching.py): requests decoded together equal each request decoded alone.
+"""Continuous batching (runtime/engine.py): requests decoded together equal each request decoded alone.
 
 Every family's tiny export (trained random heads, fused exits; max_batch 8, the default) on both CPU backends:
 requests of different prompt lengths and budgets join a batch of fewer rows than requests, so rows fill, leave
@@ -14,7 +14,7 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import load
-from paradecode.runtime.batching import ALONE, TOGETHER, Batch, Sequence, generate_batched
+from paradecode.runtime.engine import ALONE, TOGETHER, Engine, Sequence, generate_batched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.model import StreamedToken
 from paradecode.runtime.stats import GenerationResult
@@ -92,7 +92,7 @@ def test_a_request_hands_paradecode_over_and_takes_it_back(loaded):
     model = loaded["qwen2", "onnxruntime"]
     first, second = requests_of(model, mode="paradecode", thresholds=0.0)[2:4]  # 30 and 14 new tokens
     want = alone(model, [first, second])
-    batch = Batch(model, 2)
+    batch = Engine(model, 2)
     a, b = Collect(), Collect()
     batch.join(Sequence(first, a))
     for _ in range(5):
@@ -116,7 +116,7 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
     """The resumed decoder decides the stop by the request's own `Stops` (positions counted from its prompt): an
     EOS it meets after the hand-back, or the cache's end, exactly where the request alone stops."""
     model = loaded["qwen2", "onnxruntime"]
-    capacity, vocab = model.cache.capacity, model.manifest.spec.vocab_size
+    capacity, vocab = model.capacity, model.manifest.spec.vocab_size
     other = requests_of(model, mode="paradecode", thresholds=0.0)[3]  # 14 new tokens
     if end == "max_seq_len":  # room for 31 tokens: 6 alone, 14 together, the rest alone again
         first = model.request(prompt_ids=[i % vocab for i in range(capacity - 30)], max_new_tokens=200, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
         first = model.request(prompt_ids=free.ids, config=free.config, ignore_eos=False)
     want = model.generate(prompt_ids=first.ids, config=first.config)
     assert want.stats.stop_reason == end
-    batch, a, b = Batch(model, 2), Collect(), Collect()
+    batch, a, b = Engine(model, 2), Collect(), Collect()
     batch.join(Sequence(first, a))
     for _ in range(5):
         batch.step()
@@ -153,7 +153,7 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
 def test_a_waiting_request_keeps_a_lone_one_from_speculating(loaded):
     model = loaded["llama", "onnxruntime"]
     request = requests_of(model, mode="paradecode", thresholds=0.0)[0]
-    batch = Batch(model, 2)
+    batch = Engine(model, 2)
     batch.join(Sequence(request, Collect()))
     batch.step(waiting=True)
     assert batch.steps == {ALONE: 0, TOGETHER: 1} and batch.sequences[0].decoder is None
@@ -167,7 +167,7 @@ def test_stops_and_cancellation_touch_only_their_own_rows(loaded):
     stopped = model.request(prompt_ids=requests[1].ids, config=requests[1].config, ignore_eos=False)
     sinks = [Collect() for _ in requests]
     cancel_after = 3
-    batch = Batch(model, len(requests))
+    batch = Engine(model, len(requests))
     cancelled = lambda: len(sinks[0].tokens) >= cancel_after
     batch.join(Sequence(requests[0], sinks[0], cancelled))
     original_eos = model.eos_of
@@ -203,7 +203,7 @@ def test_a_failing_prefill_fails_only_its_request(loaded, monkeypatch):
     model = loaded["llama", "onnxruntime"]
     requests = requests_of(model, mode="ar")[:3]
     want = alone(model, requests)
-    batch = Batch(model, 3)
+    batch = Engine(model, 3)
     sinks = [Collect() for _ in requests]
     batch.join(Sequence(requests[0], sinks[0]))
     real = model.backend.run
@@ -244,9 +244,9 @@ def test_a_batch_needs_an_export_with_rows(stories_dir, tmp_path):
     export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=32, max_batch=1))
     with load(out) as model:
         with pytest.raises(UserInputError, match=r"exported with --max-batch 1\. Re-export it"):
-            Batch(model, 2)
+            Engine(model, 2)
         with pytest.raises(UserInputError, match="positive number of rows"):
-            Batch(model, 0)
+            Engine(model, 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -257,7 +257,7 @@ def test_slots_a_row_has_not_reached_never_reach_its_output(loaded, backend):
     model = loaded["gpt2", backend]  # the portable attention: it reads the slots up to the highest position
     short, long = requests_of(model, mode="ar")[2], requests_of(model, mode="ar")[4]
     want = alone(model, [short, long])
-    batch = Batch(model, 2)
+    batch = Engine(model, 2)
     for buffer in (*batch.cache.keys, *batch.cache.values):
         buffer.fill_(float("nan"))
     sinks = [Collect(), Collect()]
@@ -290,7 +290,7 @@ def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(l
 
     model = loaded["llama", "onnxruntime"]
     request = requests_of(model, mode="ar")[0]
-    batch, sink = Batch(model, 2), Collect()
+    batch, sink = Engine(model, 2), Collect()
 
     def changed():
         raise ExportChangedError("the weights changed on disk")
@@ -302,12 +302,12 @@ def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(l
 
 
 def test_an_error_setting_a_request_up_fails_it_alone(loaded, monkeypatch):
-    from paradecode.runtime import batching
+    from paradecode.runtime import engine as batching
 
     model = loaded["llama", "onnxruntime"]
     first, second = requests_of(model, mode="ar")[:2]
     want = alone(model, [first])[0]
-    batch, sinks = Batch(model, 2), [Collect(), Collect()]
+    batch, sinks = Engine(model, 2), [Collect(), Collect()]
     batch.join(Sequence(first, sinks[0]))
     real = batching.Completion
 

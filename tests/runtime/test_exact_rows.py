@@ -19,8 +19,8 @@ from onnx import TensorProto, helper
 
 from paradecode.export.exact_rows import pad_attention_rows
 from paradecode.runtime import load
-from paradecode.runtime.batching import generate_batched
 from paradecode.runtime.decoding import MAIN, DecodeContext
+from paradecode.runtime.engine import generate_batched
 from paradecode.runtime.lanes import Timeline
 from tests.tiny_models import TINY_CONFIGS
 
@@ -248,5 +248,5 @@ def test_a_batch_on_an_int8_export_equals_each_request_alone_exactly(int8_models
 def test_a_padded_export_keeps_its_last_slot_for_the_copy(int8_models):
     for family, model in int8_models.items():
         assert model.manifest.padded_attention
-        assert model.cache.capacity == model.manifest.max_seq_len - 1, family
+        assert model.capacity == model.manifest.max_seq_len - 1, family
         assert model.backend.allocate_cache(2).rows(1, 2).capacity == model.manifest.max_seq_len - 1, family

@@ -7,6 +7,7 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import NEVER, load
+from paradecode.runtime.decoding import DecodeContext
 from paradecode.runtime.kvcache import KVCache
 
 
@@ -29,25 +30,26 @@ def test_lengths_per_layer_and_rollback():
 def test_buffers_are_allocated_once(exports):
     folder, _ = exports["qwen3"]
     with load(folder) as model:
-        pointers = [t.data_ptr() for t in model.cache.keys + model.cache.values]
         model.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, thresholds=0.0, ignore_eos=True)
-        assert [t.data_ptr() for t in model.cache.keys + model.cache.values] == pointers
-        assert model.cache.shape == (1, 1, 64, 16)
+        (engine,) = model._idle  # the call's engine, kept for the next call
+        pointers = [t.data_ptr() for t in engine.cache.keys + engine.cache.values]
+        model.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, thresholds=0.0, ignore_eos=True)
+        assert model._idle == [engine]
+        assert [t.data_ptr() for t in engine.cache.keys + engine.cache.values] == pointers
+        assert engine.cache.shape == (1, 1, 64, 16)
 
 
-def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports):
+def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports, monkeypatch):
     folder, _ = exports["llama"]
     with load(folder) as model:
         snapshots = []
-        run = model.backend.run
+        timed = DecodeContext._timed
 
-        def recording(
-            name, feeds, lane="main", outputs=None
-        ):  # the lengths as the scheduler leaves them before each call
-            snapshots.append(list(model.cache.lengths))
-            return run(name, feeds, lane, outputs)
+        def recording(ctx, *args):  # the lengths as the scheduler leaves them before each call
+            snapshots.append(list(ctx.cache.lengths))
+            return timed(ctx, *args)
 
-        model.backend.run = recording
+        monkeypatch.setattr(DecodeContext, "_timed", recording)
         model.generate(
             prompt_ids=[5, 6, 7],
             max_new_tokens=30,
@@ -64,7 +66,8 @@ def test_stale_slots_after_a_rollback_do_not_matter(exports):
     """Decode one continuation, roll back, decode another: equal to decoding the second from scratch."""
     folder, _ = exports["mistral"]
     with load(folder, backend="torch") as model:
-        backend, cache = model.backend, model.cache
+        backend = model.backend
+        cache = backend.allocate_cache()
 
         def run(tokens, start):
             positions = torch.arange(start, start + len(tokens))[None]

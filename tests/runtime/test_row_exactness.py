@@ -87,7 +87,7 @@ def test_float_activations_compute_a_lone_row_otherwise_so_positions_run_alone(q
     onnxruntime ever computes one row as it does several, this fails and says so: the form would then be AS_IS."""
     with load(quantized_exports["llama", "gguf"][0]) as model:
         assert row_exactness.probe(model.backend) == ALONE
-        assert model.backend.row_form == ALONE and model.cache.spare == 0
+        assert model.backend.row_form == ALONE and model.backend.cache_spare == 0
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(1), Timeline(), form=AS_IS)
         hidden = ctx.embed(MAIN, PROMPT, 0)
         together = ctx.layers(MAIN, 1, ctx.num_layers, hidden, 0).clone()
@@ -151,7 +151,7 @@ def test_the_torch_backend_on_a_cpu_is_not_probed_and_says_so(exports, caplog):
     """The PyTorch reference keeps the near-tie contract (its attention sums over a call's whole key range, so no
     padding makes its rows alike); the probe is the onnxruntime engine's."""
     with caplog.at_level(logging.INFO), load(exports["llama"][0], backend="torch") as model:
-        assert model.backend.row_form == AS_IS and model.cache.spare == 0
+        assert model.backend.row_form == AS_IS and model.backend.cache_spare == 0
     assert any("not probed for row exactness" in r.getMessage() for r in caplog.records)
 
 
@@ -163,10 +163,10 @@ def test_every_form_decodes_exactly_to_the_caches_last_position(quantized_export
     cache's end (both decoders stop at the last position the cache holds, ParaDecode's tokens and margins ar's)."""
     monkeypatch.setattr(row_exactness, "row_form", lambda backend: form)
     with load(quantized_exports["qwen3", source][0]) as model:
-        assert model.cache.capacity == model.manifest.max_seq_len - max(form.spare, model.manifest.padded_attention)
-        prompt = list(range(3, model.cache.capacity - 30))
+        assert model.capacity == model.manifest.max_seq_len - max(form.spare, model.manifest.padded_attention)
+        prompt = list(range(3, model.capacity - 30))
         ar = model.generate(prompt_ids=prompt, max_new_tokens=100, mode="ar", ignore_eos=True)
-        assert ar.stats.stop_reason == "max_seq_len" and len(prompt) + len(ar.token_ids) == model.cache.capacity + 1
+        assert ar.stats.stop_reason == "max_seq_len" and len(prompt) + len(ar.token_ids) == model.capacity + 1
         for overlap in ("batched", "streams"):
             ours = model.generate(
                 prompt_ids=prompt, max_new_tokens=100, thresholds=0.0, overlap=overlap, ignore_eos=True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -27,13 +28,53 @@ def still_works(model) -> None:
     assert len(result.token_ids) == 8
 
 
-def test_two_streams_zipped_in_one_thread_raise_instead_of_deadlocking(model):
-    a = model.stream(prompt_ids=[1, 2], max_new_tokens=5, ignore_eos=True)
-    b = model.stream(prompt_ids=[3, 4], max_new_tokens=5, ignore_eos=True)
-    with pytest.raises(UserInputError, match="open stream"):
-        list(zip(a, b))
-    a.close()
+def test_two_streams_zipped_in_one_thread_each_decode_as_alone(model):
+    """Each call decodes in an engine of its own (runtime/engine.py), so one thread's two open streams interleave
+    (they once shared the model's cache and had to refuse this), each giving its request's tokens alone."""
+    settings = dict(max_new_tokens=6, ignore_eos=True, thresholds=0.0)
+    alone = [model.generate(prompt_ids=p, **settings).token_ids for p in ([1, 2], [3, 4, 5])]
+    a = model.stream(prompt_ids=[1, 2], **settings)
+    b = model.stream(prompt_ids=[3, 4, 5], mode="ar", **settings)
+    pairs = list(zip(a, b))
+    assert [[x.token for x, _ in pairs], [y.token for _, y in pairs]] == alone
+    assert list(b) == []  # zip ended at a's end: b is asked once more for its end
+    assert a.result.token_ids == alone[0] and b.result.token_ids == alone[1]
+    assert len(model._idle) == 2  # both engines kept for the next calls
     still_works(model)
+
+
+def test_threads_decode_at_once_on_one_model_each_as_alone(model):
+    """No lock serialises a model's calls: threads decode at the same time (ar, ParaDecode batched and streams,
+    sampling), each in its own engine, and each gets exactly what its request gives alone."""
+    requests = [
+        dict(prompt_ids=[1, 2, 3], mode="ar"),
+        dict(prompt_ids=[4, 5], thresholds=0.0, overlap="batched"),
+        dict(prompt_ids=[6], thresholds=0.0, overlap="streams"),
+        dict(prompt_ids=[7, 8], thresholds=0.0, temperature=0.8, seed=3),
+    ]
+    settings = dict(max_new_tokens=24, ignore_eos=True)
+    alone = [model.generate(**r, **settings).token_ids for r in requests]
+    barrier, results, errors = threading.Barrier(len(requests)), {}, []
+    inside = []  # how many threads were decoding when each token came out
+
+    def decode(i):
+        try:
+            barrier.wait(30)
+            with model.stream(**requests[i], **settings) as stream:
+                for _ in stream:
+                    inside.append(len(model._streams))
+            results[i] = stream.result.token_ids
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=decode, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert [results[i] for i in range(len(requests))] == alone
+    assert max(inside) > 1, "the calls never overlapped"
 
 
 def test_a_bad_request_leaves_the_thread_able_to_call_again(model):
@@ -143,17 +184,25 @@ def test_a_stop_string_given_as_a_string_is_one_stop_string():
     assert GenerationConfig(stop=["a", "bc"]).stop == ("a", "bc")
 
 
-def test_bindings_are_bounded_by_lanes_not_calling_threads(model):
+def test_bindings_are_bounded_by_lanes_and_live_threads(model):
+    """A thread's bindings (runtime/backends/onnxruntime_backend.py) go with it: calls from many short-lived threads
+    leave no more behind than one thread's."""
+
     def call():
         model.generate(prompt_ids=[1, 2], max_new_tokens=3, ignore_eos=True)
 
+    def bound():
+        return sum(len(bindings) for bindings in model.backend._bindings)
+
     call()
-    before = len(model.backend._bound)
+    before = bound()
+    assert before > 0
     for _ in range(20):
         thread = threading.Thread(target=call)
         thread.start()
         thread.join()
-    assert len(model.backend._bound) == before
+    gc.collect()
+    assert bound() == before
 
 
 def test_a_stall_raises_a_named_error_not_a_hang(model, monkeypatch):

@@ -500,7 +500,7 @@ def test_a_client_leaving_frees_the_replica(serve, served_export, monkeypatch):
     assert [r.stats.stop_reason for r in slow.results] == ["cancelled", "cancelled"]
     assert all(r.stats.new_tokens <= 3 for r in slow.results), [r.stats.new_tokens for r in slow.results]
     model = running.pool.models[0]
-    assert not model._lock.locked() and model._active is None
+    assert not model._streams and running.pool.engines[0].size == 0
     cancelled = running.metrics()[
         ("paradecode_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
     ]
@@ -667,21 +667,13 @@ def test_serve_config_checks_its_fields(served_export):
 # paradecode-serve with tokens DELAY s apart (its first argument), so requests are in flight when SIGTERM comes.
 SLOW_SERVER = """
 import sys, time
-from paradecode.runtime import model
 from paradecode.runtime.serve import cli
-real = model.ParaDecodeModel._decode
-def slow(self, *args):
-    for i, piece in enumerate(real(self, *args)):
-        if i:
-            time.sleep(float(sys.argv[1]))
-        yield piece
-model.ParaDecodeModel._decode = slow
-from paradecode.runtime import batching
-real_step = batching.Batch.step
+from paradecode.runtime import engine as batching
+real_step = batching.Engine.step
 def slow_step(self, *args, **kwargs):
     time.sleep(float(sys.argv[1]))
     return real_step(self, *args, **kwargs)
-batching.Batch.step = slow_step
+batching.Engine.step = slow_step
 sys.exit(cli.main(sys.argv[2:]))
 """
 

@@ -1,4 +1,4 @@
-"""paradecode-serve batching concurrent requests (runtime/batching.py behind runtime/serve/pool.py): one replica,
+"""paradecode-serve batching concurrent requests (runtime/engine.py behind runtime/serve/pool.py): one replica,
 one copy of the weights, several requests per step. Every answer under concurrency equals the same request decoded
 alone (`model.generate`); cancellations, disconnects, timeouts and bad requests touch only their own request.
 
@@ -180,10 +180,10 @@ def test_a_batch_larger_than_the_export_holds_is_refused(served_export):
 
 
 def test_a_failing_batch_step_fails_its_requests_and_the_replica_goes_on(serve, served_export, reference, monkeypatch):
-    from paradecode.runtime import batching
+    from paradecode.runtime import engine as batching
 
     running = serve(served_export, replicas=1)
-    real, calls = batching.Batch.step, []
+    real, calls = batching.Engine.step, []
 
     def broken_once(batch, *args, **kwargs):
         calls.append(batch.size)
@@ -191,7 +191,7 @@ def test_a_failing_batch_step_fails_its_requests_and_the_replica_goes_on(serve, 
             raise RuntimeError("a bug in the step")
         return real(batch, *args, **kwargs)
 
-    monkeypatch.setattr(batching.Batch, "step", broken_once)
+    monkeypatch.setattr(batching.Engine, "step", broken_once)
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "ignore_eos": True}
     failed = running.post("/v1/completions", body)
     assert failed.status_code == 500 and "a bug in the step" in failed.json()["error"]["message"]
@@ -226,7 +226,7 @@ def test_a_batch_that_cannot_be_made_stops_the_start(served_export, monkeypatch)
     def no_memory(model, rows):
         raise MemoryError("no room for the KV-cache rows")
 
-    monkeypatch.setattr(pool_module, "Batch", no_memory)
+    monkeypatch.setattr(pool_module, "Engine", no_memory)
     loaded = []
     real_load = pool_module.load
     monkeypatch.setattr(pool_module, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
@@ -244,13 +244,13 @@ def test_a_compiling_server_warms_every_replica_up_before_it_serves(served_expor
 
     warmed = []
     monkeypatch.setattr(
-        ParaDecodeModel, "warm_up", lambda model, config=None, batch=None: warmed.append((model, config, batch))
+        ParaDecodeModel, "warm_up", lambda model, config=None, engine=None: warmed.append((model, config, engine))
     )
     config = config_of(served_export, backend="torch", torch_compile=True, replicas=2, max_batch=4)
     pool = ReplicaPool(config)
     try:  # each replica, with the server's settings, in the batch it will decode
-        assert warmed == [(model, config.generation, batch) for model, batch in zip(pool.models, pool.batches)]
-        assert all(model.backend.torch_compile and batch.rows == 4 for model, batch in zip(pool.models, pool.batches))
+        assert warmed == [(model, config.generation, batch) for model, batch in zip(pool.models, pool.engines)]
+        assert all(model.backend.torch_compile and batch.rows == 4 for model, batch in zip(pool.models, pool.engines))
     finally:
         pool.close()
     plain = ReplicaPool(config_of(served_export, backend="torch", replicas=1))

@@ -372,26 +372,6 @@ def test_the_runtime_refuses_changed_weights(served_export, tmp_path):
 # --- no path of the server's disk in a response ---------------------------------------------------------------------
 
 
-class BreakingStream:
-    """A replica's stream that fails with `error` after its first token (a file of the export going bad mid-way)."""
-
-    def __init__(self, real, error: Exception):
-        self.real = real
-        self.error = error
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.real.close()
-
-    def __iter__(self):
-        for i, piece in enumerate(self.real):
-            if i:
-                raise self.error
-            yield piece
-
-
 def export_changed(running, export: Path, monkeypatch) -> list:
     """The replicas' check of their folder fails, as the runtime words it: every request and /health get 503."""
 
@@ -417,11 +397,20 @@ def broken_template(running, export: Path, monkeypatch) -> list:
 
 
 def broken_while_decoding(running, export: Path, monkeypatch) -> list:
-    """A replica's stream fails after its first token: 500, or an error event in a stream."""
-    model = running.pool.models[0]
-    real = model.stream
+    """A replica's decoding fails after a request's first token (a file of the export going bad mid-way): 500, or an
+    error event in a stream."""
+    backend = running.pool.models[0].backend
+    real, embeds = backend.run, []
     error = ManifestError(f"{export / 'onnx' / 'embed.onnx'} has 1942 bytes, the manifest records 1800.")
-    monkeypatch.setattr(model, "stream", lambda *args, **kwargs: BreakingStream(real(*args, **kwargs), error))
+
+    def run(name, feeds, lane="main", outputs=None):
+        if name == "embed":
+            embeds.append(name)
+            if len(embeds) % 2 == 0:  # each request's prefill embeds, then its first decoding step fails
+                raise error
+        return real(name, feeds, lane, outputs)
+
+    monkeypatch.setattr(backend, "run", run)
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True}
     return [
         ("/v1/completions", body, 500, "onnx/embed.onnx has 1942 bytes"),

@@ -48,13 +48,12 @@ def test_each_decoder_ends_by_itself_where_its_stops_say(stories_export, mode, m
     """Consumed to its end, with nobody closing it, each decoder yields exactly the tokens up to its stop, says why
     after the last one, and nothing after: what `generate` returns, stop reason included."""
     with load(stories_export[0]) as model:
-        capacity = model.cache.capacity
+        capacity = model.capacity
         prompt = list(range(3, 3 + (capacity - capacity_left if capacity_left else 5)))
         settings = dict(max_new_tokens=max_new_tokens, ignore_eos=True, thresholds=0.0, overlap="batched")
         want = model.generate(prompt_ids=prompt, mode=mode, **settings)
         request = model.request(prompt_ids=prompt, mode=mode, **settings)
-        model.cache.reset()
-        ctx = DecodeContext(model.backend, model.cache, Timeline())
+        ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         stats = GenerationStats(mode)
         if mode == "ar":
             decoder = decode_ar(ctx, prompt, model.stops_of(request, capacity))
@@ -79,12 +78,11 @@ def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, mo
         monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
         request = model.request(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
         stopped = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
-        model.cache.reset()
-        ctx = DecodeContext(model.backend, model.cache, Timeline())
+        ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         if mode == "ar":
-            decoder = decode_ar(ctx, [1], model.stops_of(request, model.cache.capacity))
+            decoder = decode_ar(ctx, [1], model.stops_of(request, model.capacity))
         else:
-            stops, stats = model.stops_of(request, model.cache.capacity), GenerationStats(mode)
+            stops, stats = model.stops_of(request, model.capacity), GenerationStats(mode)
             decoder = model.paradecoder(ctx, [1], request, "batched", None, stops=stops, stats=stats).run()
         yielded = list(decoder)
     first = free.token_ids.index(eos)
@@ -133,9 +131,8 @@ def test_paradecode_ending_without_a_stop_decision_is_a_bug_it_reports(stories_e
 
     with load(stories_export[0]) as model:
         request = model.request(prompt_ids=[1, 2], max_new_tokens=5, ignore_eos=True, thresholds=0.0)
-        model.cache.reset()
-        ctx = DecodeContext(model.backend, model.cache, Timeline())
-        stops = NeverSays(2, 5, frozenset(), model.cache.capacity)
+        ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
+        stops = NeverSays(2, 5, frozenset(), model.capacity)
         decoder = model.paradecoder(ctx, [1, 2], request, "batched", None, stops=stops, stats=GenerationStats("x"))
         with pytest.raises(SchedulerStallError, match="without a stop decision"):
             list(decoder.run())

@@ -102,13 +102,13 @@ def test_compiled_attention_reads_no_memory_a_new_cache_held(monkeypatch, loaded
 
 
 def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(exports):
-    from paradecode.runtime.batching import Batch, generate_batched
+    from paradecode.runtime.engine import Engine, generate_batched
 
     with load(exports["qwen3"][0], backend="torch", torch_compile=True) as model:
         speculation = model.speculation
-        batch = Batch(model, 2)
+        batch = Engine(model, 2)
         at_start = compile_count()
-        model.warm_up(batch=batch)
+        model.warm_up(engine=batch)
         assert compile_count() > at_start  # qwen3's modules (q/k norms) are compiled by no earlier test
         assert model.speculation is speculation and speculation.times.layer.value is None  # it learned nothing
         assert len(model.shared_index) == 0
@@ -117,7 +117,7 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
         model.generate(prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True)
         requests = [model.request(prompt_ids=p, max_new_tokens=12, mode="ar") for p in ([5, 6], [7, 8, 9])]
-        generate_batched(model, requests, batch=batch)
+        generate_batched(model, requests, engine=batch)
         # ParaDecode in a batch, a request joining as another leaves: hidden states and positions are then views
         # at other offsets (each a guard to dynamo, unless made plain)
         prompts = ([5, 6], [7, 8, 9], [1, 2, 3, 4], [4], [5, 5, 5])

@@ -211,7 +211,7 @@ def measured_costs(export: str, positions: int) -> Costs:
     from paradecode.runtime import load
 
     with load(export) as model:
-        costs = measure_call_costs(model.backend, model.cache, (1, positions))
+        costs = measure_call_costs(model.backend, model.backend.allocate_cache(), (1, positions))
         layers = model.manifest.spec.num_layers
     one = layers * costs.layer[1] + costs.final_head[1]
     more = layers * costs.layer[positions] + costs.final_head[positions]
