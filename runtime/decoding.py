@@ -1,15 +1,16 @@
-"""What every decoder shares: the subgraph calls, the prefill, and plain greedy decoding (`ar`).
+"""What every decoder shares: the subgraph calls (`DecodeContext`), the prefill, and the final head's choice.
 
-A decoder is a generator of verified tokens `(token, margin, stop)`: it takes the request's `Stops` (an EOS
-token, `max_new_tokens`, the cache's end), decides after each token and ends after the one whose `stop` is
-not None. Its caller applies what only text shows (stop strings) and closes the generator to stop it sooner.
+Plain decoding steps in an engine (runtime/engine.py); ParaDecode's decoder (runtime/scheduler.py) is a generator of
+verified tokens `(token, margin, stop)`: it takes the request's `Stops` (an EOS token, `max_new_tokens`, the
+cache's end), decides after each token and ends after the one whose `stop` is not None. Its caller applies what
+only text shows (stop strings) and closes the generator to stop it sooner.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -29,7 +30,6 @@ from paradecode.graphs.tensors import (
     of_layer,
 )
 from paradecode.runtime.backends.base import Backend
-from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.row_exactness import AS_IS, RowForm
@@ -251,21 +251,3 @@ def prefill(
             ctx.cache.written(layer, len(prompt))
         out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1, logits=sampling is not None)
     return choose(out, 0, len(prompt) - 1, sampling, draws), out.margin[0]
-
-
-def decode_ar(
-    ctx: DecodeContext, prompt: list[int], stops: Stops, sampling: SamplingParams | None = None
-) -> Iterator[tuple[int, float, str | None]]:
-    """Plain decoding over the same subgraphs, one token through every layer, then the next: greedy, or with
-    `sampling` each token drawn from the final layer's distribution; until `stops` says so."""
-    draws = Draws(sampling.seed) if sampling is not None else None
-    token, margin = prefill(ctx, prompt, sampling, draws)
-    position = len(prompt)  # the token's
-    while (stop := stops.after(token, position)) is None:
-        yield token, margin, None
-        hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [token], position), position)
-        ctx.cache.lengths = [position + 1] * ctx.num_layers
-        out = ctx.head(MAIN, "final", hidden, position, logits=sampling is not None)
-        token, margin = choose(out, 0, position, sampling, draws), out.margin[0]
-        position += 1
-    yield token, margin, stop

@@ -1,16 +1,15 @@
-"""Sampling: the target distribution of a position, seeded draws, and lossless verification of proposals.
+"""Sampling: the target distribution of a position, seeded draws, and the drafts that proposals were drawn from.
 
 `distribution(logits, params)` turns a head's logits into the distribution a token is drawn from:
 temperature first, then top-k, then top-p (Hugging Face's order), in float64. Plain decoding (`ar`)
 draws each token from the final layer's distribution p.
 
 ParaDecode keeps exactly that distribution with speculative rejection sampling (Leviathan et al.
-2023; Chen et al. 2023). A proposed token x was drawn from a distribution q: an exit head's own
-(after the same temperature, top-k and top-p; zero outside a reduced vocabulary) or, for a prompt-
-lookup proposal, the point mass on x. When the final layer gives p at that position, x is accepted
-with probability min(1, p(x)/q(x)); otherwise the position draws from normalise(max(0, p - q)) and
-everything after it is rolled back. Whether a token exits depends only on the head's confidence,
-never on which token was drawn, so the verified sequence is distributed exactly as `ar` sampling.
+2023; Chen et al. 2023; runtime/verification.py). A proposed token x was drawn from a distribution q: an
+exit head's own (after the same temperature, top-k and top-p; zero outside a reduced vocabulary; drawn by
+`Sampler.draw_exit`, which keeps q until x is verified) or, for a prompt-lookup proposal, the point mass
+on x. Whether a token exits depends only on the head's confidence, never on which token was drawn, so the
+verified sequence is distributed exactly as `ar` sampling.
 
 Draws are counter-based: each comes from a generator keyed by (seed, position, purpose), so a seed
 reproduces a run whatever order the lanes finish in, and `ar` and ParaDecode draw the same token at a
@@ -97,19 +96,26 @@ class Proposal:
         return q
 
 
-def verify(p: torch.Tensor, token: int, proposal: Proposal | None, position: int, draws: Draws) -> tuple[bool, int]:
-    """Verify proposed `token` at `position` against the target p; (accepted, the token the position keeps)."""
-    if proposal is None or proposal.probs is None:  # a point mass on `token`
-        if draws.uniform(position, ACCEPT) < float(p[token]):
-            return True, token
-        residual = p.clone()
-        residual[token] = 0.0
-    else:
-        q = proposal.full(p.numel())  # q(token) > 0: the token was drawn from q
-        if draws.uniform(position, ACCEPT) < min(1.0, float(p[token] / q[token])):
-            return True, token
-        residual = torch.clamp(p - q, min=0.0)
-    total = float(residual.sum())
-    if total <= 0:  # p == q: acceptance was certain; kept for safety against rounding
-        return True, token
-    return False, draws.choice(residual / total, position, RESAMPLE)
+class Sampler:
+    """A ParaDecode request's sampling: its parameters, its seeded draws, and the distribution q each exit token
+    was drawn from (`drafts`, by the position the token follows), kept until the final layer verifies the token
+    (runtime/verification.py takes it then; a rollback drops the ones it discards)."""
+
+    def __init__(self, params: SamplingParams, exit_vocab: torch.Tensor | None):
+        self.params = params
+        self.draws = Draws(params.seed)
+        self.exit_vocab = exit_vocab  # int64 [N]: the token ids of a trained exit head's reduced vocabulary
+        self.drafts: dict[int, Proposal] = {}
+
+    def draw_exit(self, position: int, logits: torch.Tensor, reduced: bool) -> int:
+        """The token to follow `position`, drawn from an exit head's logits [V] ([N] over the reduced vocabulary
+        when `reduced`) with the request's temperature, top-k and top-p; q is kept for its verification."""
+        q = distribution(logits, self.params)
+        index = self.draws.choice(q, position, PROPOSE)
+        ids = self.exit_vocab if reduced else None
+        self.drafts[position] = Proposal(ids, q)
+        return int(ids[index]) if ids is not None else index
+
+    def discard_from(self, position: int) -> None:
+        """Drop the drafts keyed `position` and after: a rollback there discarded the tokens they were drawn for."""
+        self.drafts = {q: draft for q, draft in self.drafts.items() if q < position}

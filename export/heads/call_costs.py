@@ -298,4 +298,4 @@ def call_costs_from_export(folder: Path, *, rounds: int = ROUNDS) -> CallCosts:
             "--costs parameters."
         ) from err
     with model:
-        return measure_call_costs(model.backend, model.cache, SPEC_TOKENS, rounds=rounds)
+        return measure_call_costs(model.backend, model.backend.allocate_cache(), SPEC_TOKENS, rounds=rounds)

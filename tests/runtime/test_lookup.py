@@ -315,10 +315,10 @@ def test_every_proposal_sees_every_verified_token(stories_export, monkeypatch):
     """The index is grown to the verified tokens before each proposal, a rollback's first one included (the
     proposal after a rejected token used to miss the tokens verified with it)."""
     from paradecode.runtime import load
-    from paradecode.runtime.scheduler import ParaDecoder
+    from paradecode.runtime.planner import Planner
 
     asked, verified = [], []
-    propose, decoder_propose = SuffixIndex.propose, ParaDecoder.propose
+    propose, decoder_propose = SuffixIndex.propose, Planner.propose
 
     def record(self, tokens, end, count):  # the index's extent when it answers, and the decoder's verified tokens
         asked.append((self.indexed, verified[-1]))
@@ -329,7 +329,7 @@ def test_every_proposal_sees_every_verified_token(stories_export, monkeypatch):
         return decoder_propose(self, position)
 
     monkeypatch.setattr(SuffixIndex, "propose", record)
-    monkeypatch.setattr(ParaDecoder, "propose", note)
+    monkeypatch.setattr(Planner, "propose", note)
     with load(stories_export[0]) as model:
         prompt = [1, *[(7 * i) % 50 + 2 for i in range(12)] * 3]
         ar = model.generate(prompt_ids=prompt, max_new_tokens=60, mode="ar", ignore_eos=True)

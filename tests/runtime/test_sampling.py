@@ -16,7 +16,8 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
-from paradecode.runtime.sampling import Draws, Proposal, SamplingParams, distribution, verify
+from paradecode.runtime.sampling import Draws, Proposal, SamplingParams, distribution
+from paradecode.runtime.verification import rejection_sample
 from paradecode.tools.parity_report import teacher_forced
 
 pytestmark = pytest.mark.timeout(900)
@@ -250,11 +251,11 @@ def test_verification_keeps_the_target_distribution_exactly():
     trials = 20000
     for position in range(trials):
         proposed = draws.choice(q, position, 99)
-        _, token = verify(p, proposed, Proposal(None, q), position, draws)
+        _, token = rejection_sample(p, proposed, Proposal(None, q), position, draws)
         kept[token] += 1
     assert torch.allclose(kept / trials, p, atol=0.015), kept / trials
     for position in range(trials):  # a point mass (a lookup proposal) on token 1
-        kept[verify(p, 1, None, position + trials, draws)[1]] += 1
+        kept[rejection_sample(p, 1, None, position + trials, draws)[1]] += 1
     assert torch.allclose(kept[:] / kept.sum(), p, atol=0.015)
 
 

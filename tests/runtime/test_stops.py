@@ -1,6 +1,6 @@
-"""One decoding contract: plain decoding and ParaDecode each take a request's `Stops` (an end-of-sequence token,
-`max_new_tokens`, the KV cache's end), decide after every verified token and end there by themselves; the model
-adds only what text shows (stop strings)."""
+"""One decoding contract: plain decoding (an engine's steps) and ParaDecode each take a request's `Stops` (an
+end-of-sequence token, `max_new_tokens`, the KV cache's end), decide after every verified token and end there by
+themselves; the model adds only what text shows (stop strings)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,29 @@ from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime import load
 from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
 from paradecode.runtime.config import NEVER, GenerationConfig
-from paradecode.runtime.decoding import DecodeContext, decode_ar
+from paradecode.runtime.decoding import DecodeContext
+from paradecode.runtime.engine import Engine, Sequence, StreamedToken
 from paradecode.runtime.lanes import Timeline
-from paradecode.runtime.scheduler import ParaDecoder
-from paradecode.runtime.stats import GenerationStats
+from paradecode.runtime.planner import Planner
+from paradecode.runtime.stats import GenerationResult, GenerationStats
+
+
+def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:
+    """Plain decoding of `request` by an engine of one row stepped to its end, as (token, margin, stop) after each
+    token: the engine decides the stops (the sequence leaves at the first) and hands the reason over in the result,
+    after the last token; each step gives one token, and none is made after the stop."""
+    events = []
+    engine = Engine(model, 1)
+    engine.join(Sequence(request, events.append, with_text=False))
+    steps = 0
+    while engine.size:
+        engine.step()
+        steps += 1
+    *tokens, result = events
+    assert all(isinstance(e, StreamedToken) for e in tokens) and isinstance(result, GenerationResult), events
+    assert steps == len(tokens) - 1  # the prefill gave the first
+    stops = [None] * (len(tokens) - 1) + [result.stats.stop_reason]
+    return [(e.token, margin, stop) for e, margin, stop in zip(tokens, result.margins, stops)]
 
 
 def test_stops_by_position():
@@ -56,11 +75,11 @@ def test_each_decoder_ends_by_itself_where_its_stops_say(stories_export, mode, m
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         stats = GenerationStats(mode)
         if mode == "ar":
-            decoder = decode_ar(ctx, prompt, model.stops_of(request, capacity))
+            yielded = decode_plainly(model, request)
         else:
             stops = model.stops_of(request, capacity)
             decoder = model.paradecoder(ctx, prompt, request, "batched", None, stops=stops, stats=stats).run()
-        yielded = list(decoder)  # to its end: nobody closes it
+            yielded = list(decoder)  # to its end: nobody closes it
     assert [t for t, _, _ in yielded] == want.token_ids
     assert len(yielded) == (max_new_tokens if reason == MAX_NEW_TOKENS else capacity - len(prompt) + 1)
     assert [s for _, _, s in yielded] == [None] * (len(yielded) - 1) + [reason]
@@ -80,11 +99,11 @@ def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, mo
         stopped = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         if mode == "ar":
-            decoder = decode_ar(ctx, [1], model.stops_of(request, model.capacity))
+            yielded = decode_plainly(model, request)
         else:
             stops, stats = model.stops_of(request, model.capacity), GenerationStats(mode)
             decoder = model.paradecoder(ctx, [1], request, "batched", None, stops=stops, stats=stats).run()
-        yielded = list(decoder)
+            yielded = list(decoder)
     first = free.token_ids.index(eos)
     assert [t for t, _, _ in yielded] == free.token_ids[: first + 1] == stopped.token_ids
     assert yielded[-1][2] == EOS and all(s is None for _, _, s in yielded[:-1])
@@ -101,7 +120,7 @@ def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, mo
         free = model.generate(prompt_ids=prompt, max_new_tokens=20, mode="ar", ignore_eos=True).token_ids
         k = next(i for i in range(3, 20) if free[i] not in free[:i])  # its first occurrence
         eos, starts, asked = free[k], [], []
-        propose, start_frontier = ParaDecoder.propose, ParaDecoder.start_frontier
+        propose, start_frontier = Planner.propose, Planner.start_frontier
 
         def proposing_the_rest(self, position):
             asked.append(position)
@@ -112,8 +131,8 @@ def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, mo
             starts.append(position)
             return start_frontier(self, position, token)
 
-        monkeypatch.setattr(ParaDecoder, "propose", proposing_the_rest)
-        monkeypatch.setattr(ParaDecoder, "start_frontier", recording)
+        monkeypatch.setattr(Planner, "propose", proposing_the_rest)
+        monkeypatch.setattr(Planner, "start_frontier", recording)
         monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
         result = model.generate(
             prompt_ids=prompt, max_new_tokens=20, thresholds=thresholds, lookup_tokens=8, max_unverified=8

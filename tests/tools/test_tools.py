@@ -544,7 +544,9 @@ def test_footprint_reports_disk_and_memory_against_the_weights(stories_export, c
     assert figures["new_tokens"] == 8 and figures["weights_mb"] > 0
     # every weight once, plus graph structure and the tokenizer (a few MB: most of this tiny model's export)
     assert figures["disk_vs_weights"] >= 1.0 and figures["disk_mb"] - figures["weights_mb"] < 5
-    assert figures["rss_growth_loaded_mb"] > 0
+    # a model loads its graphs' bytes; its sessions and its first call's KV cache come at that first call
+    assert figures["rss_growth_after_generation_mb"] > 0
+    assert figures["rss_growth_loaded_mb"] >= 0
 
 
 @pytest.mark.slow

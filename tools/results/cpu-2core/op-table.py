@@ -126,8 +126,7 @@ def ours(path: str, tokens: int, folder: str) -> dict:
     backend_class = onnxruntime_backend.OnnxRuntimeBackend
 
     def decode(model) -> tuple[list[float], list[int]]:
-        ctx = DecodeContext(model.backend, model.cache, Timeline())
-        model.cache.reset()
+        ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         ids = model.prompt_ids(messages=MESSAGES)
         token, _ = prefill(ctx, ids)
         position, walls, out = len(ids), [], [token]

@@ -37,7 +37,7 @@ def one_pass(ctx: DecodeContext, positions: int) -> None:
 
 def calls(path: str, threads: int | None) -> None:
     model = load(path, **({"threads": threads} if threads else {}))
-    ctx = DecodeContext(model.backend, model.cache, Timeline())
+    ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
     widths, times = (1, 2, 4, 6, 8, 16, 32, 64), collections.defaultdict(list)
     for _ in range(7):
         for width in widths:
@@ -69,7 +69,7 @@ def ops(path: str) -> None:
 
     onnxruntime_backend.OnnxRuntimeBackend._options = staticmethod(profiled)
     model = load(path)
-    ctx = DecodeContext(model.backend, model.cache, Timeline())
+    ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
     runs, dropped = 60, 10
     for width in (1, 6):
         for _ in range(runs):
