@@ -58,7 +58,6 @@ from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.decoding import MAIN, DecodeContext, choose, prefill
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Lane, Timeline
-from paradecode.runtime.row_exactness import AS_IS
 from paradecode.runtime.sampling import Draws
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
@@ -215,8 +214,9 @@ class Engine:
         """One verified token for every sequence in the engine (cancelled ones leave first; all of them once the
         model is closed). `waiting`: requests wait for a free row, so a sequence alone does not start speculating."""
         closed = self.model.closed
-        for sequence in [s for s in self.sequences if closed or s.cancelled()]:
-            self.leave(sequence, CLOSED if closed else CANCELLED)
+        if closed or any(s.cancelled() for s in self.sequences):
+            for sequence in [s for s in self.sequences if closed or s.cancelled()]:
+                self.leave(sequence, CLOSED if closed else CANCELLED)
         if not self.sequences:
             return
         if self.size == 1 and not (waiting and not self.full) and self.sequences[0].speculates:
@@ -297,29 +297,23 @@ class Engine:
     def _step_together(self) -> None:
         n = self.size
         sequences = list(self.sequences)
-        ctx = self._together.get(n)
-        if ctx is None:
-            # one row's calls are its own: they feed the estimates, as its calls alone do
-            observe = self._observe if n == 1 else None
-            ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline, observe=observe)
-        if n == 1:  # a row reads no slot past its own position, which this call writes: nothing to zero
-            ctx.timeline = sequences[0].timeline
-        else:
-            ctx.timeline = self.timeline
-            span = max(s.position for s in sequences) + 1
-            for row, sequence in enumerate(sequences):
-                start = max(self.finite[row], sequence.position)  # never below the row's own entries
-                if start < span:
-                    self.cache.zero(row, start, span)
-                self.finite[row] = max(start, span)
-        ctx.row_positions = torch.tensor([[s.position] for s in sequences], dtype=torch.int64)
         sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
-            if self.rows_alone or (n == 1 and self.backend.row_form not in (None, AS_IS)):
-                # a lone row runs as the machine's form pads it, as the same request alone does
+            if self.rows_alone or n == 1:
+                # a lone row's calls are the request's alone (the machine's row form pads them, as it does alone)
                 outs = [self._row_alone(row, s, sampled) for row, s in enumerate(sequences)]
             else:
+                ctx = self._together.get(n)
+                if ctx is None:
+                    ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline)
+                span = max(s.position for s in sequences) + 1
+                for row, sequence in enumerate(sequences):
+                    start = max(self.finite[row], sequence.position)  # never below the row's own entries
+                    if start < span:
+                        self.cache.zero(row, start, span)
+                    self.finite[row] = max(start, span)
+                ctx.row_positions = torch.tensor([[s.position] for s in sequences], dtype=torch.int64)
                 hidden = ctx.layers(
                     MAIN, 1, ctx.num_layers, ctx.embed_rows([s.completion.tokens[-1] for s in sequences]), 0
                 )
@@ -337,9 +331,10 @@ class Engine:
             self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
 
     def _row_alone(self, row: int, sequence: Sequence, sampled: bool) -> tuple:
-        """`sequence`'s newest token through every layer in calls of its row alone: for an export whose several-row
-        calls compute otherwise than one row's (`Manifest.padded_attention`), so its tokens stay those of the request
-        decoded alone; such a batch shares the machine between requests but not the weights' reads."""
+        """`sequence`'s newest token through every layer in calls of its row alone: a sequence alone in the engine, or
+        any row of an export whose several-row calls compute otherwise than one row's (`Manifest.padded_attention`),
+        so its tokens stay those of the request decoded alone; such a batch shares the machine between requests but
+        not the weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
         ctx = self._row_contexts.get(row)
         if ctx is None:
             rows = self.cache.rows(row, row + 1)
