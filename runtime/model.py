@@ -493,8 +493,9 @@ class ParaDecodeModel:
         with self._state:
             self._check_open()
             self._streams.add(stream)
-        engine = self._engine()
+        engine = None
         try:
+            engine = self._engine()
             engine.join(sequence)
             while True:
                 while events:
@@ -508,11 +509,12 @@ class ParaDecodeModel:
                         raise event
                 engine.step()
         finally:
-            if sequence in engine.sequences:  # stopped before its end: closed, or by the model's closing
-                engine.leave(sequence, CLOSED if self._closed else CANCELLED)
+            if engine is not None:
+                if sequence in engine.sequences:  # stopped before its end: closed, or by the model's closing
+                    engine.leave(sequence, CLOSED if self._closed else CANCELLED)
+                self._release(engine)
             if stream.result is None:
                 stream.result = next((e for e in events if isinstance(e, GenerationResult)), None)
-            self._release(engine)
             with self._state:
                 self._streams.discard(stream)
                 self._state.notify_all()

@@ -243,3 +243,25 @@ def test_the_first_error_is_not_hidden_by_a_side_lane_that_does_not_stop(model, 
     monkeypatch.setattr(model.backend, "run", real)
     time.sleep(1.5)  # let the slow side-lane call finish before the model is used again
     still_works(model)
+
+
+def test_a_call_whose_engine_cannot_be_made_fails_alone_and_close_does_not_wait_for_it(exports, monkeypatch):
+    """A call's engine (its KV cache) is made at its first token request: a failure there (no memory) is that call's
+    error, and the model neither keeps it as an open stream nor waits for it when it closes."""
+    from paradecode.runtime import model as model_module
+
+    folder, _ = exports["llama"]
+    model = load(folder)
+
+    def no_memory(model, rows=1):
+        raise MemoryError("no room for the KV cache")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(model_module, "Engine", no_memory)
+        with pytest.raises(MemoryError, match="KV cache"):
+            model.generate(prompt_ids=[1, 2], max_new_tokens=4)
+        assert not model._streams
+    still_works(model)
+    started = time.monotonic()
+    model.close()
+    assert time.monotonic() - started < 5
