@@ -2,13 +2,15 @@
 
 Written against the documented TensorRT 10.x / 11.x Python API and kept thin; it has not been run
 (no TensorRT on the machines this project is developed on). One execution context per lane
-stream, engine and optimization profile (decode T = 1, batched T = 2..K+1, prefill); every I/O
+stream, engine, optimization profile (decode T = 1, batched T = 2..K+1, prefill) and calling thread (a
+model's engines decode on threads of their own at once, runtime/engine.py); every I/O
 tensor is bound by address with `set_tensor_address`, a layer's `present_*` at its `past_*`
 address (TensorRT's KV-cache update writes in place), and every enqueue's result is checked.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -53,7 +55,7 @@ class TensorRTBackend(Backend):
             outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
             self.check_names(sub, inputs, outputs, f"the TensorRT engine {sub.engine}")
             self.engines[sub.io.name] = engine
-        self.contexts: dict[tuple[str, str, int], object] = {}  # (subgraph, lane, profile)
+        self.contexts: dict[tuple[str, str, int, int], object] = {}  # (subgraph, lane, profile, thread)
 
     def close(self) -> None:
         self.contexts.clear()
@@ -71,7 +73,7 @@ class TensorRTBackend(Backend):
         tokens = next(iter(feeds.values())).shape[1]
         stream = torch.cuda.current_stream(self.device)
         profile = self._profile(tokens)
-        key = (name, lane, profile)
+        key = (name, lane, profile, threading.get_ident())
         context = self.contexts.get(key)
         if context is None:
             context = self.engines[name].create_execution_context()
