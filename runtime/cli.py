@@ -125,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads",
         type=positive_int,
-        help="onnxruntime threads per call (default: every core, but one for a layer graph's calls with int8 "
-        "activations except a prefill of more than 16 tokens)",
+        help="onnxruntime threads per call (default: every core)",
     )
     parser.add_argument(
         "--compile",

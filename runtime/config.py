@@ -185,6 +185,13 @@ class GenerationConfig:
             return self.adaptive
         return self.thresholds is None and policy.adapts(device, overlap, self.temperature, self.lookup_tokens)
 
+    def speculates_plainly(self, alone: bool, overlap: str) -> bool:
+        """Whether `adaptive` None, with the export's thresholds, decides that ParaDecode decodes as plain decoding:
+        where the machine's row form runs every position `alone` in the resolved `overlap` (runtime/policy.py)."""
+        if self.adaptive is not None or self.thresholds is not None:
+            return False
+        return policy.decodes_plainly(alone, overlap)
+
     def skips_exits(self, device: str, overlap: str) -> bool:
         """Whether `adaptive` None decides to call no exit heads (lookup still proposes), with the export's
         thresholds: where runtime/policy.py measured them not to pay. `overlap` is the resolved one."""

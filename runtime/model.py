@@ -114,8 +114,8 @@ class ParaDecodeModel:
             )
         options = {}
         if backend == "onnxruntime":
-            # None: every core per call, but one for the layer graphs' decoding calls in int8-activation exports
-            # (onnxruntime_backend's THREADS, measured); lane 0 alone computes in ar and in `batched` (a CPU's default).
+            # None: every core per call (onnxruntime_backend's THREADS, measured); lane 0 alone computes in ar and in
+            # `batched` (a CPU's default).
             options["threads"] = threads
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
@@ -136,6 +136,7 @@ class ParaDecodeModel:
         self._warned_untrained = False
         self._warned_idle = False
         self._warned_inexact = False
+        self._warned_alone = False
 
     @property
     def manifest(self):
@@ -294,8 +295,14 @@ class ParaDecodeModel:
                 f"sampling (temperature {config.temperature}) needs the heads' logits, and {self.export.path} was "
                 "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
             )
-        if config.mode == "paradecode" and self.backend.row_form is None:
+        form = self.backend.row_form
+        if config.mode == "paradecode" and form is None:
             self._warn_inexact()  # ParaDecode could not keep plain decoding's output here: decode as it does
+            config = replace(config, mode="ar")
+        if config.mode == "paradecode" and config.speculates_plainly(
+            form is not None and form.alone, self.overlap_of(config)
+        ):
+            self._warn_alone()  # every position in a call of its own, on one lane: no speculation can pay
             config = replace(config, mode="ar")
         thresholds = {}
         if config.mode == "paradecode":
@@ -383,6 +390,19 @@ class ParaDecodeModel:
                 "position other bits in a call of several positions than in a call of its own, so verifying several "
                 "at once would change the output (runtime/row_exactness.py). Re-export with other --activations or "
                 "--weights to try another form.",
+                self.export.path.name,
+            )
+
+    def _warn_alone(self) -> None:
+        if not self._warned_alone:  # once per model
+            self._warned_alone = True
+            logger.warning(
+                "ParaDecode requests on %s decode as plain decoding (mode 'ar') with the default speculation on this "
+                "machine: to keep plain decoding's output its kernels compute every position in a call of its own "
+                "(runtime/row_exactness.py), so in the batched overlap verifying a proposed or exited token costs a "
+                "whole pass and no speculation can pay (measured: tools/results/cpu-2core/"
+                "bench-smollm2-default-s12-adaptive-lookup.md). An export with --activations int8 verifies several "
+                "positions in one call; pass thresholds or adaptive=False (--adaptive off) to speculate anyway.",
                 self.export.path.name,
             )
 

@@ -39,28 +39,14 @@ DEFAULTS = (
     ),
     Default(
         "onnxruntime threads per call",
-        "the layer graphs' calls of up to 16 positions, int8 activations",
-        "1",
-        ("cpu-2core/bench-smollm2-peers.md", "cpu-2core/op-table.md", "cpu-2core/position-costs.md"),
-        "SmolLM2 plain decoding 138.4 tokens/s with layers on 1 thread and heads on 2, 130.8 all on 1, 122.8 all on "
-        "2; two threads per call 0.85x and 0.91x in the operator table's A/B; a segment at 6 positions 5.7-6.9 ms "
-        "inside decoding on two threads, 6.0-6.8 on one (an AVX-512 VNNI CPU; an AVX2 one measured the other way: "
-        "34.5 tokens/s on one thread, 42.5 on two, issue 33)",
-    ),
-    Default(
-        "onnxruntime threads per call",
-        "the layer graphs' calls of more than 16 positions (prefills), int8 activations",
-        "every core, through a second session",
-        ("cpu-2core/prefill-threads.md",),
-        "a prefill 0.160-0.165 s against 0.299-0.304 s, decoding's speed unchanged (36 interleaved runs each way)",
-    ),
-    Default(
-        "onnxruntime threads per call",
-        "every other graph (float activations; heads; the embedding)",
+        "cpu",
         "every core",
-        ("cpu-2core/bench-smollm2-peers.md",),
-        "float activations 97.2 tokens/s all on 2 against 92.5 with layers on 1; float weights 60.9 against 55.9; "
-        "a head's one large product splits well everywhere",
+        ("cpu-2core/thread-pools.md",),
+        "SmolLM2 on the eval prompts, alternated processes: plain decoding 1.10x and 1.19x the earlier pools (layer "
+        "graphs of int8 exports on 1 thread, the rest on every core, idle threads sleeping) on the exact int8 and the "
+        "default export, ParaDecode 1.08x and 1.20x; pools that slept between operators had made a second thread "
+        "lose (0.85x and 0.91x, cpu-2core/op-table.md), pools that kept spinning after their call far slower (0.63x, "
+        "cpu-2core/position-costs.md)",
     ),
     Default(
         "exit heads with the export's thresholds, batched",
@@ -93,6 +79,15 @@ DEFAULTS = (
         "1.03x; exits lost in every category compiled and in five of six eager",
     ),
     Default(
+        "ParaDecode, every position alone",
+        "batched",
+        "plain decoding",
+        ("cpu-2core/bench-smollm2-default-s12-adaptive-lookup.md",),
+        "SmolLM2's default export, where a position's bits need a call of its own: lookup alone 0.83x of ar, adapting "
+        "0.81x (its cost model learns no price for a further position, which here is a whole pass); on one lane "
+        "nothing a verification shares can pay",
+    ),
+    Default(
         "adaptive speculation",
         "cpu, greedy, the export's thresholds, batched, lookup off",
         "on",
@@ -114,11 +109,17 @@ def auto_overlap(device: str) -> str:
     return "batched"
 
 
-def onnxruntime_threads(int8_activations: bool, cores: int) -> dict[str, int]:
-    """Threads per call by graph part ("layers": the layer graphs' decoding calls, "prefill": their calls of more
-    than 16 positions, onnxruntime_backend's BOUND_TOKENS; "heads": every other graph): the "onnxruntime threads per
-    call" rows."""
-    return {"layers": 1 if int8_activations else cores, "prefill": cores, "heads": cores}
+def onnxruntime_threads(cores: int) -> int:
+    """onnxruntime threads per call on a CPU, for a machine of `cores` cores: the "onnxruntime threads per call" row
+    (a pool per session that spins while its call runs: onnxruntime_backend's THREADS)."""
+    return cores
+
+
+def decodes_plainly(alone: bool, overlap: str) -> bool:
+    """Whether ParaDecode with the default speculation decodes as plain decoding, where the machine's row form runs
+    every position in a call of its own (`alone`, runtime/row_exactness.py) in the resolved `overlap`: the
+    "ParaDecode, every position alone" rows."""
+    return alone and overlap == "batched"
 
 
 def skips_exits(device: str, overlap: str, temperature: float, lookup_tokens: int) -> bool:

@@ -185,7 +185,7 @@ def verdict_key(backend) -> str:
         str(PROBE_VERSION),
         hashlib.sha256(manifest).hexdigest(),
         backend.name,
-        json.dumps(getattr(backend, "threads", None), sort_keys=True),
+        json.dumps(getattr(backend, "threads", None)),
         kernels_version(),
         machine_identity(),
     ]

@@ -89,16 +89,12 @@ class CallCosts:
 
 
 def described(backend) -> str:
-    """What runs the calls, for the record: "onnxruntime CPU, threads: layers 1 (prefills 2), heads 2" (layer calls
-    of more than 16 positions on 2), "onnxruntime CPU, threads: layers 2, heads 2", "torch cuda:0"."""
+    """What runs the calls, for the record: "onnxruntime CPU, threads: 2", "torch cuda:0"."""
     where = "CPU" if backend.device.type == "cpu" else str(backend.device)
-    threads = getattr(backend, "threads", None)  # onnxruntime: threads per call of layer graphs and of heads
+    threads = getattr(backend, "threads", None)  # onnxruntime: threads per call
     if not threads:
         return f"{backend.name} {where}"
-    layers = str(threads["layers"])
-    if threads["prefill"] != threads["layers"]:
-        layers += f" (prefills {threads['prefill']})"
-    return f"{backend.name} {where}, threads: layers {layers}, heads {threads['heads']}"
+    return f"{backend.name} {where}, threads: {threads}"
 
 
 def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = ROUNDS) -> CallCosts:

@@ -1,6 +1,4 @@
-"""The onnxruntime backend: one InferenceSession per subgraph, shared by every lane; on a CPU, where a layer graph's
-prefills run on more threads than its other calls, a second session for those, which pre-packs a second copy of
-that graph's weights (see THREADS).
+"""The onnxruntime backend: one InferenceSession per subgraph, shared by every lane (threads per call: see THREADS).
 
 `InferenceSession.run` releases the GIL and one session can run on several threads at once, so
 lanes (threads) compute in parallel without a second copy of the weights. Inputs and outputs are
@@ -33,7 +31,6 @@ import torch
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
-from paradecode.graphs.tensors import HEAD_SUBGRAPHS
 from paradecode.runtime import policy
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
@@ -48,13 +45,17 @@ except ImportError as err:  # backend_class turns this into an install hint
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
 BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (see `Bound`)
-# THREADS. `threads=None`: threads per call by graph part, as runtime/policy.py's "onnxruntime threads per call"
-# rows say and cite (`policy.onnxruntime_threads`). Where a layer graph's prefills (calls of more than BOUND_TOKENS
-# positions; a verification carries max_unverified + 1, 6 by default) run on more threads than its decoding calls,
-# they run through a second session of the graph, made at the first such call, which pre-packs a second copy of the
-# graph's weights (SmolLM2's exact int8 export: 638 MB resident instead of 514). `threads=N` keeps one session per
-# graph. Idle pool threads never spin (`_options`): spinning made ParaDecode 0.63x as fast (55.0 against 87.3
-# tokens/s, tools/results/cpu-2core/position-costs.md), the threads taking the cores from the other calls.
+# THREADS. Each session has a pool of `threads` threads (every core by default: runtime/policy.py's "onnxruntime
+# threads per call" row, measured), whose threads spin between a call's operators and stop spinning when the call
+# ends (`session.force_spinning_stop`). A token is some 300 to 1,000 small operators in six calls: a pool whose idle
+# threads sleep pays a wake-up per operator, more than a small product gains from a second thread (the layers had run
+# on one thread for that), and pools that keep spinning after their call take the cores from the next call's pool
+# (0.63x, tools/results/cpu-2core/position-costs.md). Calls that compute at once on several threads (the `streams`
+# and `both` overlaps, a server's replicas) spin on each other's cores unless their threads add up to the cores:
+# the server shares the cores out so (runtime/serve/config.py). Not used: onnxruntime's global thread pools, one pool
+# for every session of the process, within noise of this here (tools/results/cpu-2core/thread-pools.md), because once
+# a process has them every onnxruntime session it makes must use them, the caller's own included: a library cannot
+# impose that on the process that loads it.
 
 
 def return_freed_weights_to_the_system() -> None:
@@ -151,14 +152,8 @@ class OnnxRuntimeBackend(Backend):
         self.weights = export.read(weights) if weights else None
         self.graphs = {sub.onnx: export.read(sub.onnx) for sub in self.manifest.subgraphs}
         self._weights_names = {PurePosixPath(weights).name} if weights else set()  # the graphs' external data location
-        cores = max(1, os.cpu_count() or 1)
-        if threads is None:  # per subgraph (see HEAD_SUBGRAPHS)
-            quantization = self.manifest.quantization
-            int8 = quantization is not None and quantization.activations == "int8"
-            self.threads = policy.onnxruntime_threads(int8, cores)
-        else:
-            self.threads = {"layers": threads, "prefill": threads, "heads": threads}
-        self.options = {part: self._options(count) for part, count in self.threads.items()}
+        self.threads = threads or policy.onnxruntime_threads(max(1, os.cpu_count() or 1))  # per call: see THREADS
+        self.options = self._options()
         self.sessions: dict[str, ort.InferenceSession] = {}  # CPU: created on a subgraph's first call
         self._lane_sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # GPU: (subgraph, lane)
         # CPU: each calling thread's bindings, (subgraph, batch, tokens, lane) -> Bound: engines of one model decode on
@@ -169,13 +164,13 @@ class OnnxRuntimeBackend(Backend):
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
 
-    def _options(self, threads: int):
+    def _options(self):
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
         options.log_severity_level = 3
-        # Idle pool threads must not spin: they would take the cores other lanes (or models) compute on.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1")  # within a call alone: see THREADS
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         if self.weights is not None and not hasattr(options, "add_external_initializers_from_files_in_memory"):
             raise MissingDependencyError(
                 f"onnxruntime {ort.__version__} cannot take an export's weights from memory (its SessionOptions lack "
@@ -224,28 +219,17 @@ class OnnxRuntimeBackend(Backend):
                 "re-export the model."
             )
 
-    def _cpu_session(self, name: str, prefill: bool = False):
-        """The subgraph's session; a graph with a decoder layer has a second one for prefills where those run on more
-        threads (see THREADS)."""
-        sub = self.subgraphs[name]
-        part = "heads" if sub.io.kind in HEAD_SUBGRAPHS else "layers"
-        if (
-            prefill
-            and sub.io.kind != "embed"
-            and part == "layers"
-            and self.threads["prefill"] != self.threads["layers"]
-        ):
-            part = "prefill"
-        key = f"{name} (prefill)" if part == "prefill" else name
-        session = self.sessions.get(key)
+    def _cpu_session(self, name: str):
+        """The subgraph's session, made at its first call."""
+        session = self.sessions.get(name)
         if session is None:
             with self._creating:
-                session = self.sessions.get(key)
+                session = self.sessions.get(name)
                 if session is None:
-                    session = self.sessions[key] = self._create_session(sub.onnx, options=self.options[part])
+                    session = self.sessions[name] = self._create_session(self.subgraphs[name].onnx)
         return session
 
-    def _create_session(self, relative: str, stream: int | None = None, options=None):
+    def _create_session(self, relative: str, stream: int | None = None):
         providers: list = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
             cuda = {"device_id": self.device.index or 0}
@@ -253,7 +237,7 @@ class OnnxRuntimeBackend(Backend):
                 cuda["user_compute_stream"] = str(stream)
             providers.insert(0, ("CUDAExecutionProvider", cuda))
         try:
-            return ort.InferenceSession(self.graphs[relative], options or self.options["layers"], providers=providers)
+            return ort.InferenceSession(self.graphs[relative], self.options, providers=providers)
         except Exception as err:  # onnxruntime raises its own exception types
             raise ManifestError(
                 f"onnxruntime cannot load {relative} ({str(err).splitlines()[0]}); re-export the model."
@@ -265,13 +249,13 @@ class OnnxRuntimeBackend(Backend):
         return tensor_from_safetensors(self.weights, name, self.manifest.weights)
 
     def open_subgraphs(self) -> set[str]:
-        return {key.removesuffix(" (prefill)") for key in self.sessions} | {name for name, _ in self._lane_sessions}
+        return set(self.sessions) | {name for name, _ in self._lane_sessions}
 
     def close_subgraphs(self, names) -> None:
-        """Drop the subgraphs' sessions (the prefill ones too) and bindings; their weights go with them."""
+        """Drop the subgraphs' sessions and bindings; their weights go with them."""
         names = set(names)
         with self._creating:
-            for key in [k for k in self.sessions if k.removesuffix(" (prefill)") in names]:
+            for key in [k for k in self.sessions if k in names]:
                 del self.sessions[key]
             for key in [k for k in self._lane_sessions if k[0] in names]:
                 del self._lane_sessions[key]
@@ -322,7 +306,7 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""
         if self.device.type != "cuda":
-            return self._cpu_session(name, prefill=True)  # more than BOUND_TOKENS tokens: a prefill
+            return self._cpu_session(name)
         key = (name, lane)
         if key not in self._lane_sessions:
             stream = torch.cuda.current_stream(self.device).cuda_stream

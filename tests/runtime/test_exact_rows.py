@@ -183,34 +183,29 @@ def test_int8_layers_give_a_position_the_same_bits_at_any_token_count(int8_model
         assert torch.equal(together, alone), f"{family}: max |diff| {(together - alone).abs().max():.3e}"
 
 
-def test_a_prefill_runs_on_more_threads_and_gives_the_same_bits(quantized_exports, monkeypatch):
-    """With int8 activations a layer graph runs a prefill (a call of more than BOUND_TOKENS positions) on every core,
-    through a second session, and its other calls on one thread (runtime/backends/onnxruntime_backend.py, THREADS):
-    a position's results are the same bits either way. Two cores are pretended, so a one-core machine tests it too."""
+def test_a_prefill_gives_a_position_its_own_bits_on_every_core(quantized_exports, monkeypatch):
+    """By default every session has a pool of every core that spins while its call runs and stops when it ends
+    (runtime/backends/onnxruntime_backend.py, THREADS), and a prefill (a call of more than BOUND_TOKENS positions,
+    bound afresh) gives each position the bits it gets alone. Two cores are pretended, so a one-core machine tests it
+    too."""
     from paradecode.runtime.backends.onnxruntime_backend import BOUND_TOKENS
 
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     prompt = (PROMPT * 3)[: BOUND_TOKENS + 2]
-    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
-        backend = model.backend
-        assert backend.threads == {"layers": 1, "prefill": 2, "heads": 2}
-        ctx = DecodeContext(backend, backend.allocate_cache(1), Timeline())
-        hidden = ctx.embed(MAIN, prompt, 0)
-        together = ctx.layers(MAIN, 1, ctx.num_layers, hidden, 0).clone()
-        alone = torch.cat([ctx.layers(MAIN, 1, ctx.num_layers, hidden[:, i : i + 1], i) for i in range(len(prompt))], 1)
-        assert torch.equal(together, alone), f"max |diff| {(together - alone).abs().max():.3e}"
-        threads = {name: s.get_session_options().intra_op_num_threads for name, s in backend.sessions.items()}
-        prefill = {name.removesuffix(" (prefill)") for name in threads if name.endswith(" (prefill)")}
-        kinds = ("layer", "segment", "layer_exit")
-        layer_graphs = {sub.io.name for sub in backend.manifest.subgraphs if sub.io.kind in kinds}
-        assert prefill and prefill <= layer_graphs, threads
-        assert all(threads[f"{name} (prefill)"] == 2 and threads[name] == 1 for name in prefill), threads
-        assert threads["embed"] == 1 and "embed (prefill)" not in threads  # a lookup: no second session
-        backend.close()
-        assert not backend.sessions
-    with load(quantized_exports["llama", "gguf-int8"][0], threads=2) as model:  # threads given: one session each
-        model.generate(prompt_ids=prompt, max_new_tokens=2, mode="ar")
-        assert model.backend.sessions and not [name for name in model.backend.sessions if "(prefill)" in name]
+    for threads, expected in ((None, 2), (3, 3)):
+        with load(quantized_exports["llama", "gguf-int8"][0], threads=threads) as model:
+            backend = model.backend
+            assert backend.threads == expected
+            ctx = DecodeContext(backend, backend.allocate_cache(1), Timeline())
+            hidden = ctx.embed(MAIN, prompt, 0)
+            together = ctx.layers(MAIN, 1, ctx.num_layers, hidden, 0).clone()
+            alone = [ctx.layers(MAIN, 1, ctx.num_layers, hidden[:, i : i + 1], i) for i in range(len(prompt))]
+            alone = torch.cat(alone, 1)
+            assert torch.equal(together, alone), f"max |diff| {(together - alone).abs().max():.3e}"
+            options = [s.get_session_options() for s in backend.sessions.values()]
+            assert options and all(o.intra_op_num_threads == expected for o in options)
+            assert all(o.get_session_config_entry("session.intra_op.allow_spinning") == "1" for o in options)
+            assert all(o.get_session_config_entry("session.force_spinning_stop") == "1" for o in options)
 
 
 @pytest.mark.slow

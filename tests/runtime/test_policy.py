@@ -28,11 +28,15 @@ def test_the_overlap_auto_means_is_its_rows():
     assert {device: policy.auto_overlap(device) for device in ("cpu", "cuda")} == rows("overlap auto")
 
 
-def test_threads_per_call_are_their_rows():
-    values = list(rows("onnxruntime threads per call").values())  # int8 decoding calls, prefills, the rest
-    assert values == ["1", "every core, through a second session", "every core"]
-    assert policy.onnxruntime_threads(True, 4) == {"layers": 1, "prefill": 4, "heads": 4}
-    assert policy.onnxruntime_threads(False, 4) == {"layers": 4, "prefill": 4, "heads": 4}
+def test_paradecode_with_every_position_alone_is_its_row():
+    assert rows("ParaDecode, every position alone") == {"batched": "plain decoding"}
+    assert policy.decodes_plainly(True, "batched")
+    assert not policy.decodes_plainly(True, "streams") and not policy.decodes_plainly(False, "batched")
+
+
+def test_threads_per_call_are_their_row():
+    assert rows("onnxruntime threads per call") == {"cpu": "every core"}
+    assert policy.onnxruntime_threads(4) == 4
 
 
 @pytest.mark.parametrize(

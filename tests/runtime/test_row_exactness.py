@@ -191,7 +191,7 @@ def test_the_key_changes_with_what_the_verdict_depends_on(quantized_exports, mon
         monkeypatch.setattr(row_exactness, "PROBE_VERSION", row_exactness.PROBE_VERSION + 1)
         assert row_exactness.verdict_key(backend) != key
         monkeypatch.undo()
-        monkeypatch.setattr(backend, "threads", {**backend.threads, "layers": 7})
+        monkeypatch.setattr(backend, "threads", backend.threads + 7)
         assert row_exactness.verdict_key(backend) != key
         monkeypatch.undo()
         monkeypatch.setattr(row_exactness, "kernels_version", lambda: "another onnxruntime")
@@ -240,6 +240,27 @@ def test_where_no_form_is_exact_paradecode_decodes_as_ar_and_says_so(quantized_e
     assert sum(ours.stats.exits_per_layer.values()) == 0
     said = [r.getMessage() for r in caplog.records if "decode as plain decoding" in r.getMessage()]
     assert len(said) == 1, said  # once per model
+
+
+def test_where_every_position_runs_alone_the_default_speculation_decodes_as_ar(quantized_exports, monkeypatch, caplog):
+    """With every position in a call of its own, batched ParaDecode's verification shares no call, so its defaults
+    (adaptive auto, the export's thresholds) decode as plain decoding and say so once; asked to speculate (adaptive
+    off, or thresholds), it does, and keeps plain decoding's output."""
+    monkeypatch.setattr(row_exactness, "row_form", lambda backend: ALONE)
+    prompt = PROMPT * 3  # repeats: lookup proposes
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        ar = model.generate(prompt_ids=prompt, max_new_tokens=16, mode="ar", ignore_eos=True)
+        with caplog.at_level(logging.WARNING):
+            ours = model.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
+            model.generate(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
+        asked = model.generate(prompt_ids=prompt, max_new_tokens=16, adaptive=False, ignore_eos=True)
+        streams = model.generate(prompt_ids=prompt, max_new_tokens=16, overlap="streams", ignore_eos=True)
+    assert ours.token_ids == ar.token_ids and ours.stats.mode == "ar"
+    said = [r.getMessage() for r in caplog.records if "with the default speculation" in r.getMessage()]
+    assert len(said) == 1, said  # once per model
+    for other in (asked, streams):
+        assert other.stats.mode == "paradecode" and other.token_ids == ar.token_ids
+    assert asked.stats.lookup_proposed > 0
 
 
 EMULATED = """

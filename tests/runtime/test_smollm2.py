@@ -63,7 +63,8 @@ def test_ar_and_paradecode_equal_hugging_face_greedy(smollm2, chat):
         for settings in (
             {"thresholds": 0.3, "overlap": "batched"},
             {"thresholds": 0.3, "overlap": "both", "lookup_tokens": 5},
-            {"lookup_tokens": 5, "lookup_min_ngram": 1},
+            # adaptive off: where every position runs alone the defaults decode as ar (runtime/policy.py)
+            {"lookup_tokens": 5, "lookup_min_ngram": 1, "adaptive": False},
         ):
             result = model.generate(prompt_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, **settings)
             what = f"smollm2 chat {chat} paradecode {settings} vs ar"

@@ -56,11 +56,7 @@ def test_an_exports_calls_are_timed_through_its_backend(exports, backend_name, m
     assert all(s > 0 for s in [*costs.layer.values(), *costs.final_head.values(), costs.exit_head, costs.embed])
     assert costs.context == cache.capacity - 6 < CONTEXT and costs.rounds == 2  # 64 slots less 3 spare ones
     assert costs.exit_vocab == backend.manifest.head_vocab
-    assert costs.backend == (
-        "torch CPU"
-        if backend_name == "torch"
-        else f"onnxruntime CPU, threads: layers {backend.threads['layers']}, heads {backend.threads['heads']}"
-    )
+    assert costs.backend == ("torch CPU" if backend_name == "torch" else f"onnxruntime CPU, threads: {backend.threads}")
     assert cache.lengths == [0] * 4, "the measurement records nothing as written: decoding masks those slots"
     as_dict = costs.as_dict()
     assert set(as_dict["layer_ms"]) == set(as_dict["final_head_ms"]) == {"1", "6"}
@@ -98,10 +94,7 @@ def test_call_costs_are_measured_with_onnxruntime():
     assert cost.source == "measured" and cost.num_layers == 3 and cost.head == costs.exit_head / costs.layer[1]
 
 
-def test_the_record_names_the_threads_of_prefills_where_they_differ():
+def test_the_record_names_the_threads():
     cpu = SimpleNamespace(type="cpu")
-    int8 = SimpleNamespace(name="onnxruntime", device=cpu, threads={"layers": 1, "prefill": 2, "heads": 2})
-    assert described(int8) == "onnxruntime CPU, threads: layers 1 (prefills 2), heads 2"
-    float32 = SimpleNamespace(name="onnxruntime", device=cpu, threads={"layers": 2, "prefill": 2, "heads": 2})
-    assert described(float32) == "onnxruntime CPU, threads: layers 2, heads 2"
+    assert described(SimpleNamespace(name="onnxruntime", device=cpu, threads=2)) == "onnxruntime CPU, threads: 2"
     assert described(SimpleNamespace(name="torch", device=cpu)) == "torch CPU"

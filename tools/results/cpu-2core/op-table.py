@@ -142,16 +142,18 @@ def ours(path: str, tokens: int, folder: str) -> dict:
     with load(path) as model:  # unprofiled: speed, and the row-exactness verdict cached for the profiled load
         decode(model)
         walls, reference = decode(model)
-        threads = dict(model.backend.threads)
+        threads = model.backend.threads
     plain = backend_class._create_session
 
-    def profiled(self, relative, stream=None, options=None):
-        options = options or self.options["layers"]
-        threads = options.intra_op_num_threads
-        fresh = self._options(threads)
+    def profiled(self, relative, stream=None):
+        fresh = self._options()
         fresh.enable_profiling = True
-        fresh.profile_file_prefix = f"{folder}/ours-{Path(relative).stem}-{threads}"
-        return plain(self, relative, stream, fresh)
+        fresh.profile_file_prefix = f"{folder}/ours-{Path(relative).stem}-{self.threads}"
+        saved, self.options = self.options, fresh
+        try:
+            return plain(self, relative, stream)
+        finally:
+            self.options = saved
 
     backend_class._create_session = profiled
     try:
