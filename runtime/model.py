@@ -85,6 +85,30 @@ class GenerationStream:
         self.close()
 
 
+# What a request's settings make a model say once (`ParaDecodeModel._say_once`), by name.
+WARNINGS = {
+    "untrained": "%s has no trained exit heads, so ParaDecode does not exit early by default and decodes like ar "
+    "(the model's own head at an intermediate layer rarely agrees with the last layer). Train heads with "
+    "`paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass thresholds to exit with the "
+    "model's own head anyway.",
+    "inexact": "ParaDecode requests on %s decode as plain decoding (mode 'ar') on this machine: its kernels give a "
+    "position other bits in a call of several positions than in a call of its own, so verifying several at once "
+    "would change the output (runtime/row_exactness.py). Re-export with other --activations or --weights to try "
+    "another form.",
+    "alone": "ParaDecode requests on %s decode as plain decoding (mode 'ar') with the default speculation on this "
+    "machine: to keep plain decoding's output its kernels compute every position in a call of its own "
+    "(runtime/row_exactness.py), so in the batched overlap verifying a proposed or exited token costs a whole pass "
+    "and no speculation can pay (measured: tools/results/cpu-2core/bench-smollm2-default-s12-adaptive-lookup.md). "
+    "An export with --activations int8 verifies several positions in one call; pass thresholds or adaptive=False "
+    "(--adaptive off) to speculate anyway.",
+    "idle": "ParaDecode here has nothing to speculate: with the export's thresholds it calls no exit heads %s "
+    "(measured not to pay: `GenerationConfig.skips_exits`), and lookup is off. Decode with mode 'ar' (it is faster), "
+    "turn lookup on, or pass thresholds or adaptive=False (--adaptive off) to use the exit heads anyway.",
+    "full": "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export with a larger "
+    "--max-seq-len for longer outputs.",
+}
+
+
 class ParaDecodeModel:
     def __init__(
         self,
@@ -132,11 +156,7 @@ class ParaDecodeModel:
         self._closed = False
         self._streams: set[GenerationStream] = set()
         self._idle: list[Engine] = []
-        self._warned_full = False
-        self._warned_untrained = False
-        self._warned_idle = False
-        self._warned_inexact = False
-        self._warned_alone = False
+        self._said: set[str] = set()  # the once-per-model warnings given (`_say_once`)
 
     @property
     def manifest(self):
@@ -253,8 +273,7 @@ class ParaDecodeModel:
         settings = dict(config=config, max_new_tokens=length, ignore_eos=True, lookup_shared=False)
         one = self._engine()  # the engine the next call takes: its CUDA graphs (by its cache's address) are warm
         engines = [one] if engine is None else [one, engine]
-        saved = self._warned_full, self._warned_untrained, self._warned_idle
-        self._warned_full = self._warned_untrained = self._warned_idle = True  # said by requests, not the warm-up
+        saved, self._said = self._said, set(WARNINGS)  # said by requests, not the warm-up
         for each in engines:
             each.speculation = Speculation(self.backend.spec.num_layers)
         try:
@@ -267,7 +286,7 @@ class ParaDecodeModel:
         finally:
             for each in engines:
                 each.speculation = self.speculation
-            self._warned_full, self._warned_untrained, self._warned_idle = saved
+            self._said = saved
             self._release(one)
 
     def request(
@@ -296,22 +315,23 @@ class ParaDecodeModel:
                 "exported with --no-logits: re-export without it, or decode greedily (temperature 0)."
             )
         form = self.backend.row_form
+        # Decoded as plain decoding: where ParaDecode could not keep plain decoding's output ("inexact"), and where
+        # every position has a call of its own, so on one lane no speculation can pay ("alone")
+        alone = form is not None and form.alone
         if config.mode == "paradecode" and form is None:
-            self._warn_inexact()  # ParaDecode could not keep plain decoding's output here: decode as it does
+            self._say_once("inexact", self.export.path.name)
             config = replace(config, mode="ar")
-        if config.mode == "paradecode" and config.speculates_plainly(
-            form is not None and form.alone, self.overlap_of(config)
-        ):
-            self._warn_alone()  # every position in a call of its own, on one lane: no speculation can pay
+        if config.mode == "paradecode" and config.speculates_plainly(alone, self.overlap_of(config)):
+            self._say_once("alone", self.export.path.name)
             config = replace(config, mode="ar")
         thresholds = {}
         if config.mode == "paradecode":
             device, overlap = self.backend.device.type, self.overlap_of(config)
             thresholds = config.resolve_thresholds(self.manifest.thresholds, device, overlap)
             if config.skips_exits(device, overlap) and not config.lookup_tokens:
-                self._warn_idle(device)
+                self._say_once("idle", "on CUDA" if device == "cuda" else "when sampling on a CPU")
         if config.mode == "paradecode" and config.thresholds is None and self.manifest.head_kind == "identity":
-            self._warn_untrained()
+            self._say_once("untrained", self.export.path)
         return Request(ids, config, thresholds)
 
     def paradecoder(
@@ -371,61 +391,14 @@ class ParaDecodeModel:
         return config.overlap if config.overlap != "auto" else policy.auto_overlap(self.backend.device.type)
 
     # --- internals --------------------------------------------------------------------------
-    def _warn_untrained(self) -> None:
-        if not self._warned_untrained:  # once per model
-            self._warned_untrained = True
-            logger.warning(
-                "%s has no trained exit heads, so ParaDecode does not exit early by default and decodes like ar "
-                "(the model's own head at an intermediate layer rarely agrees with the last layer). Train heads "
-                "with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass "
-                "thresholds to exit with the model's own head anyway.",
-                self.export.path,
-            )
-
-    def _warn_inexact(self) -> None:
-        if not self._warned_inexact:  # once per model
-            self._warned_inexact = True
-            logger.warning(
-                "ParaDecode requests on %s decode as plain decoding (mode 'ar') on this machine: its kernels give a "
-                "position other bits in a call of several positions than in a call of its own, so verifying several "
-                "at once would change the output (runtime/row_exactness.py). Re-export with other --activations or "
-                "--weights to try another form.",
-                self.export.path.name,
-            )
-
-    def _warn_alone(self) -> None:
-        if not self._warned_alone:  # once per model
-            self._warned_alone = True
-            logger.warning(
-                "ParaDecode requests on %s decode as plain decoding (mode 'ar') with the default speculation on this "
-                "machine: to keep plain decoding's output its kernels compute every position in a call of its own "
-                "(runtime/row_exactness.py), so in the batched overlap verifying a proposed or exited token costs a "
-                "whole pass and no speculation can pay (measured: tools/results/cpu-2core/"
-                "bench-smollm2-default-s12-adaptive-lookup.md). An export with --activations int8 verifies several "
-                "positions in one call; pass thresholds or adaptive=False (--adaptive off) to speculate anyway.",
-                self.export.path.name,
-            )
-
-    def _warn_idle(self, device: str) -> None:
-        if not self._warned_idle:  # once per model
-            self._warned_idle = True
-            logger.warning(
-                "ParaDecode here has nothing to speculate: with the export's thresholds it calls no exit heads %s "
-                "(measured not to pay: `GenerationConfig.skips_exits`), and lookup is off. Decode with mode 'ar' "
-                "(it is faster), turn lookup on, or pass thresholds or adaptive=False (--adaptive off) to use the "
-                "exit heads anyway.",
-                "on CUDA" if device == "cuda" else "when sampling on a CPU",
-            )
+    def _say_once(self, what: str, *args) -> None:
+        """Log the warning `WARNINGS[what]` (formatted with `args`) the first time this model meets it."""
+        if what not in self._said:
+            self._said.add(what)
+            logger.warning(WARNINGS[what], *args)
 
     def warn_full(self, new_tokens: int) -> None:
-        if not self._warned_full:  # once per model; every result says so in stats.stop_reason
-            self._warned_full = True
-            logger.warning(
-                "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export with a larger "
-                "--max-seq-len for longer outputs.",
-                new_tokens,
-                self.manifest.max_seq_len,
-            )
+        self._say_once("full", new_tokens, self.manifest.max_seq_len)  # every result says so in stats.stop_reason
 
     def _check_open(self) -> None:
         if self._closed:

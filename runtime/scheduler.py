@@ -288,6 +288,10 @@ class ThreadedExecutor(Executor):
         self.error: BaseException | None = None  # a side lane's error, raised by lane 0
 
     # --- lane 0: the base's steps, under the lock where they touch shared state ---------------------------------------
+    def step(self) -> None:
+        with self.ctx.backend.sharing(1 + len(self.side_lanes)):  # the side lanes compute at the same time
+            super().step()
+
     def plan(self) -> Step | None:
         with self.lock:
             self.raise_side_error()
@@ -384,9 +388,10 @@ class ThreadedExecutor(Executor):
                 self.in_flight += 1
             final, error = None, None
             try:
-                out = ctx.layer(lane, layer, hidden, start)
-                if layer == self.L:
-                    final = ctx.head(lane, "final", out, start, logits=self.logits)
+                with ctx.backend.sharing(1 + len(self.side_lanes)):
+                    out = ctx.layer(lane, layer, hidden, start)
+                    if layer == self.L:
+                        final = ctx.head(lane, "final", out, start, logits=self.logits)
                 self.publish()
             except BaseException as err:  # handed to lane 0, which raises it
                 error = err

@@ -34,6 +34,7 @@ each launch documents the per-lane state it keeps. `row_form` is worked out once
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
@@ -239,6 +240,11 @@ class Backend(ABC):
 
         Returns every output that is not in place (`SubgraphCall.produced`) by name, and whether those
         tensors are buffers the backend reuses on its next call (`run` copies out the ones asked for)."""
+
+    def sharing(self, lanes: int):
+        """A context manager: the calling thread's calls inside it run while `lanes` lanes in all compute at once
+        (ParaDecode's side lanes), so a backend whose calls take several cores may give each call its share."""
+        return contextlib.nullcontext()
 
     def _refusal(self, name: str, feeds: Mapping[str, torch.Tensor]) -> UserInputError:
         """Why `run` refuses this call: what arrived against what the subgraph's contract expects."""

@@ -19,6 +19,7 @@ stream (`user_compute_stream`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -51,8 +52,11 @@ BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (
 # threads sleep pays a wake-up per operator, more than a small product gains from a second thread (the layers had run
 # on one thread for that), and pools that keep spinning after their call take the cores from the next call's pool
 # (0.63x, tools/results/cpu-2core/position-costs.md). Calls that compute at once on several threads (the `streams`
-# and `both` overlaps, a server's replicas) spin on each other's cores unless their threads add up to the cores:
-# the server shares the cores out so (runtime/serve/config.py). Not used: onnxruntime's global thread pools, one pool
+# and `both` overlaps, a server's replicas) spin on each other's cores unless their threads add up to the cores: the
+# server shares the cores out so (runtime/serve/config.py), and ParaDecode's side lanes make their calls and lane
+# 0's inside `sharing(lanes)`, which runs them through sessions of `threads // lanes` threads (made at their first
+# such call: a second pre-packed copy of those graphs' weights; on pools of every core the overlaps ran at under
+# half of ar's speed, tools/results/cpu-2core/thread-pools.md). Not used: onnxruntime's global thread pools, one pool
 # for every session of the process, within noise of this here (tools/results/cpu-2core/thread-pools.md), because once
 # a process has them every onnxruntime session it makes must use them, the caller's own included: a library cannot
 # impose that on the process that loads it.
@@ -122,7 +126,8 @@ class Bound:
 
 
 class Bindings(dict):
-    """One thread's `Bound`s by (subgraph, batch, tokens, lane) (a dict that a WeakSet can hold: by identity)."""
+    """One thread's `Bound`s by (subgraph, batch, tokens, lane, threads) (a dict that a WeakSet can hold: by
+    identity)."""
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
@@ -155,19 +160,21 @@ class OnnxRuntimeBackend(Backend):
         self.threads = threads or policy.onnxruntime_threads(max(1, os.cpu_count() or 1))  # per call: see THREADS
         self.options = self._options()
         self.sessions: dict[str, ort.InferenceSession] = {}  # CPU: created on a subgraph's first call
+        # CPU: (subgraph, threads) -> the session for calls made while several lanes compute at once (`sharing`)
+        self._sharing_sessions: dict[tuple[str, int], ort.InferenceSession] = {}
         self._lane_sessions: dict[tuple[str, str], ort.InferenceSession] = {}  # GPU: (subgraph, lane)
-        # CPU: each calling thread's bindings, (subgraph, batch, tokens, lane) -> Bound: engines of one model decode on
-        # threads of their own at once, and a thread's bindings go with it (`_bindings` only sees live ones)
+        # CPU: each calling thread's bindings, (subgraph, batch, tokens, lane, threads) -> Bound: engines of one model
+        # decode on threads of their own at once, and a thread's bindings go with it (`_bindings` only sees live ones)
         self._local = threading.local()
         self._bindings: weakref.WeakSet[Bindings] = weakref.WeakSet()
         self._creating = threading.Lock()  # sessions are created by whichever lane calls first
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
 
-    def _options(self):
+    def _options(self, threads: int | None = None):
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        options.intra_op_num_threads = self.threads
+        options.intra_op_num_threads = threads or self.threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")  # within a call alone: see THREADS
         options.add_session_config_entry("session.force_spinning_stop", "1")
@@ -219,17 +226,32 @@ class OnnxRuntimeBackend(Backend):
                 "re-export the model."
             )
 
-    def _cpu_session(self, name: str):
-        """The subgraph's session, made at its first call."""
-        session = self.sessions.get(name)
+    def _cpu_session(self, name: str, threads: int):
+        """The subgraph's session for calls of `threads` threads (see THREADS), made at its first such call."""
+        sessions, key = (self.sessions, name) if threads == self.threads else (self._sharing_sessions, (name, threads))
+        session = sessions.get(key)
         if session is None:
             with self._creating:
-                session = self.sessions.get(name)
+                session = sessions.get(key)
                 if session is None:
-                    session = self.sessions[name] = self._create_session(self.subgraphs[name].onnx)
+                    options = self.options if threads == self.threads else self._options(threads)
+                    session = sessions[key] = self._create_session(self.subgraphs[name].onnx, options=options)
         return session
 
-    def _create_session(self, relative: str, stream: int | None = None):
+    @contextlib.contextmanager
+    def sharing(self, lanes: int):
+        before = getattr(self._local, "lanes", 1)
+        self._local.lanes = lanes
+        try:
+            yield
+        finally:
+            self._local.lanes = before
+
+    def _call_threads(self) -> int:
+        """Threads for the calling thread's next call: its share where lanes compute at once (`sharing`)."""
+        return max(1, self.threads // getattr(self._local, "lanes", 1))
+
+    def _create_session(self, relative: str, stream: int | None = None, options=None):
         providers: list = ["CPUExecutionProvider"]
         if self.device.type == "cuda":
             cuda = {"device_id": self.device.index or 0}
@@ -237,7 +259,7 @@ class OnnxRuntimeBackend(Backend):
                 cuda["user_compute_stream"] = str(stream)
             providers.insert(0, ("CUDAExecutionProvider", cuda))
         try:
-            return ort.InferenceSession(self.graphs[relative], self.options, providers=providers)
+            return ort.InferenceSession(self.graphs[relative], options or self.options, providers=providers)
         except Exception as err:  # onnxruntime raises its own exception types
             raise ManifestError(
                 f"onnxruntime cannot load {relative} ({str(err).splitlines()[0]}); re-export the model."
@@ -249,7 +271,8 @@ class OnnxRuntimeBackend(Backend):
         return tensor_from_safetensors(self.weights, name, self.manifest.weights)
 
     def open_subgraphs(self) -> set[str]:
-        return set(self.sessions) | {name for name, _ in self._lane_sessions}
+        shared = {name for name, _ in self._sharing_sessions}
+        return set(self.sessions) | shared | {name for name, _ in self._lane_sessions}
 
     def close_subgraphs(self, names) -> None:
         """Drop the subgraphs' sessions and bindings; their weights go with them."""
@@ -257,6 +280,8 @@ class OnnxRuntimeBackend(Backend):
         with self._creating:
             for key in [k for k in self.sessions if k in names]:
                 del self.sessions[key]
+            for key in [k for k in self._sharing_sessions if k[0] in names]:
+                del self._sharing_sessions[key]
             for key in [k for k in self._lane_sessions if k[0] in names]:
                 del self._lane_sessions[key]
             for bindings in list(self._bindings):
@@ -266,6 +291,7 @@ class OnnxRuntimeBackend(Backend):
     def close(self) -> None:
         self._forget_bindings()
         self.sessions.clear()
+        self._sharing_sessions.clear()
         self._lane_sessions.clear()
 
     def allocate_cache(self, batch: int = 1) -> KVCache:
@@ -283,10 +309,12 @@ class OnnxRuntimeBackend(Backend):
             if bindings is None:
                 bindings = self._local.bindings = Bindings()
                 self._bindings.add(bindings)
-            key = (name, batch, tokens, lane)
+            threads = self._call_threads()
+            key = (name, batch, tokens, lane, threads)
             bound = bindings.get(key)
             if bound is None:
-                bound = bindings[key] = Bound(self._cpu_session(name), self.subgraphs[name].io, batch, tokens)
+                session = self._cpu_session(name, threads)
+                bound = bindings[key] = Bound(session, self.subgraphs[name].io, batch, tokens)
             return bound(feeds)
         feeds = {k: v.contiguous() for k, v in feeds.items()}  # bound by address, kept alive until the run
         result = self.output_buffers(name, feeds)
@@ -306,7 +334,7 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, name: str, lane: str):
         """The CPU session, or on a GPU this lane's own session on its CUDA stream."""
         if self.device.type != "cuda":
-            return self._cpu_session(name)
+            return self._cpu_session(name, self._call_threads())
         key = (name, lane)
         if key not in self._lane_sessions:
             stream = torch.cuda.current_stream(self.device).cuda_stream
