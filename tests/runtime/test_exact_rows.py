@@ -211,7 +211,7 @@ def test_a_prefill_gives_a_position_its_own_bits_on_every_core(quantized_exports
 def test_lanes_computing_at_once_share_the_cores(quantized_exports, monkeypatch):
     """In the `streams` overlap lane 0 and the side lane compute at once, so their calls run through sessions of
     their share of the threads (onnxruntime_backend's THREADS): 4 cores pretended, 2 lanes, 2 threads a call. A
-    `batched` request makes no such session. Both keep plain decoding's output."""
+    `batched` request makes no such session. Both keep plain decoding's output, to the bits of its margins."""
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     with load(quantized_exports["llama", "gguf-int8"][0]) as model:
         backend = model.backend
@@ -222,6 +222,7 @@ def test_lanes_computing_at_once_share_the_cores(quantized_exports, monkeypatch)
             prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True
         )
         assert streams.token_ids == ar.token_ids and sum(streams.stats.exits_per_layer.values()) > 0
+        assert streams.margins == ar.margins  # the same bits at 2 threads a call as at 4 (a row form's premise)
         assert backend._sharing_sessions and {threads for _, threads in backend._sharing_sessions} == {2}
         options = [s.get_session_options() for s in backend._sharing_sessions.values()]
         assert all(o.intra_op_num_threads == 2 for o in options)
