@@ -185,7 +185,7 @@ class GenerationConfig:
             return self.adaptive
         return self.thresholds is None and policy.adapts(device, overlap, self.temperature, self.lookup_tokens)
 
-    def speculates_plainly(self, alone: bool, overlap: str) -> bool:
+    def decodes_plainly(self, alone: bool, overlap: str) -> bool:
         """Whether `adaptive` None, with the export's thresholds, decides that ParaDecode decodes as plain decoding:
         where the machine's row form runs every position `alone` in the resolved `overlap` (runtime/policy.py)."""
         if self.adaptive is not None or self.thresholds is not None:

@@ -321,7 +321,7 @@ class ParaDecodeModel:
         if config.mode == "paradecode" and form is None:
             self._say_once("inexact", self.export.path.name)
             config = replace(config, mode="ar")
-        if config.mode == "paradecode" and config.speculates_plainly(alone, self.overlap_of(config)):
+        if config.mode == "paradecode" and config.decodes_plainly(alone, self.overlap_of(config)):
             self._say_once("alone", self.export.path.name)
             config = replace(config, mode="ar")
         thresholds = {}
