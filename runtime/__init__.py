@@ -26,6 +26,7 @@ _WHERE = {
     "Mismatch": "paradecode.runtime.stats",
     "ParaDecodeModel": "paradecode.runtime.model",
     "StreamedToken": "paradecode.runtime.engine",
+    "Tracing": "paradecode.runtime.lanes",
     "load": "paradecode.runtime.model",
 }
 
@@ -39,6 +40,7 @@ __all__ = [
     "Mismatch",
     "ParaDecodeModel",
     "StreamedToken",
+    "Tracing",
     "load",
 ]
 
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from paradecode.runtime.chat import ChatTemplate
     from paradecode.runtime.config import NEVER, GenerationConfig
     from paradecode.runtime.engine import StreamedToken
+    from paradecode.runtime.lanes import Tracing
     from paradecode.runtime.model import GenerationStream, ParaDecodeModel, load
     from paradecode.runtime.stats import GenerationResult, GenerationStats, Mismatch
 

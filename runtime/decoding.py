@@ -1,21 +1,29 @@
-"""What every decoder shares: the subgraph calls (`DecodeContext`), the prefill, and the final head's choice.
+"""A request's calls: the subgraph calls every decoder makes (`DecodeContext`), the prefill, the final head's
+choice, and ParaDecode's executor (`Executor`).
 
-Plain decoding steps in an engine (runtime/engine.py); ParaDecode's decoder (runtime/scheduler.py) is a generator of
-verified tokens `(token, margin, stop)`: it takes the request's `Stops` (an EOS token, `max_new_tokens`, the
-cache's end), decides after each token and ends after the one whose `stop` is not None. Its caller applies what
-only text shows (stop strings) and closes the generator to stop it sooner.
+Plain decoding steps in an engine (runtime/engine.py) through a `DecodeContext`. ParaDecode of one request is an
+`Executor` over its planner (runtime/planner.py: what each call computes) and proposers (runtime/proposers.py):
+it makes the calls the planner plans, hands their results back, asks the exit heads for their proposals, judges
+finished groups with `runtime.verification.verify` and keeps the KV cache's lengths (docs/design.md §3, §10).
+`Executor.run` is a generator of verified tokens `(token, margin, stop)`: it takes the request's `Stops` (an EOS
+token, `max_new_tokens`, the cache's end), decides after each token and ends after the one whose `stop` is not
+None. Its caller applies what only text shows (stop strings) and closes the generator to stop it sooner.
+
+Threading model: one thread per `Executor` and no lock; the `streams` and `both` overlaps, with side lanes beside
+lane 0, are `ThreadedExecutor` (runtime/overlaps.py), whose docstring has their threading model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
+from paradecode.graphs.errors import SchedulerStallError
 from paradecode.graphs.tensors import (
     HIDDEN,
     HIDDEN_OUT,
@@ -30,10 +38,17 @@ from paradecode.graphs.tensors import (
     of_layer,
 )
 from paradecode.runtime.backends.base import Backend
+from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.lookup import LookupConfig, SharedSuffixIndex
+from paradecode.runtime.planner import Group, Planner, Step
+from paradecode.runtime.proposers import ExitHeads, LookupProposer
 from paradecode.runtime.row_exactness import AS_IS, RowForm
-from paradecode.runtime.sampling import SAMPLE, Draws, SamplingParams, distribution
+from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams, distribution
+from paradecode.runtime.speculation import Speculation
+from paradecode.runtime.stats import GenerationStats
+from paradecode.runtime.verification import verify
 
 MAIN = "main"
 HEAD_OUTPUTS = (TOKEN, PROB, MARGIN)
@@ -251,3 +266,206 @@ def prefill(
             ctx.cache.written(layer, len(prompt))
         out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1, logits=sampling is not None)
     return choose(out, 0, len(prompt) - 1, sampling, draws), out.margin[0]
+
+
+# --- ParaDecode ----------------------------------------------------------------------------------------------------
+def _join(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """Two consecutive groups' hidden states [1, T, D] as one group's."""
+    return torch.cat([before, after], dim=1)
+
+
+class Executor:
+    """ParaDecode on lane 0 alone: each step computes the group the planner names as far as it can go, through
+    `ctx`; a pending group's remaining layers run in the frontier's own calls once it reaches their depth (the two
+    groups merge). One thread, no lock: `ThreadedExecutor` (runtime/overlaps.py) adds side lanes."""
+
+    def __init__(
+        self,
+        ctx: DecodeContext,
+        prompt: list[int],
+        stops: Stops,
+        planner: Planner,
+        exits: ExitHeads,
+        sampler: Sampler | None,
+    ):
+        self.ctx = ctx
+        self.prompt = list(prompt)
+        self.stops = stops
+        self.planner = planner
+        self.exits = exits
+        self.sampler = sampler  # None: greedy
+        self.logits = sampler is not None  # the heads' logits are needed (sampling)
+        self.L = ctx.num_layers
+        self.sync = ctx.backend.device.type == "cuda"  # publish GPU results only once their stream is done
+
+    @classmethod
+    def of(
+        cls,
+        ctx: DecodeContext,
+        prompt: list[int],
+        stops: Stops,
+        stats: GenerationStats,
+        *,
+        thresholds: dict[int, float],
+        max_unverified: int,
+        merge: bool,
+        lookup: LookupConfig | None = None,
+        shared: SharedSuffixIndex | None = None,
+        sampling: SamplingParams | None = None,
+        speculation: Speculation | None = None,
+        exit_policy=None,
+        **executor,
+    ) -> Executor:
+        """ParaDecode of one request over `ctx` after `prompt`, until `stops` say so, counting into `stats`: its
+        planner and proposers, and this executor over them (`executor`: a subclass's own arguments).
+
+        `thresholds`: per exit layer (above 1: never); `max_unverified`: K; `merge`: a pending group's remaining
+        layers join the frontier's calls (`batched`, `both`); `lookup` / `shared`: lookup proposals from the
+        request's tokens / earlier requests'; `sampling`: None is greedy; `speculation`: adaptive speculation's
+        estimates (None: always exit and propose); `exit_policy`: replaces the threshold test (`Tracing`)."""
+        sampler = Sampler(sampling, ctx.backend.exit_vocab()) if sampling is not None else None
+        exits = ExitHeads(thresholds, ctx.backend.subgraph_names, sampler, exit_policy)
+        planner = Planner(
+            prompt,
+            num_layers=ctx.num_layers,
+            exits=exits,
+            max_unverified=max_unverified,
+            merge=merge,
+            last_position=stops.last_position - 1,
+            eos=stops.eos,
+            stats=stats,
+            lookup=LookupProposer(lookup, shared) if lookup is not None else None,
+            speculation=speculation,
+            join=_join,
+        )
+        return cls(ctx, prompt, stops, planner, exits, sampler, **executor)
+
+    # --- the generator lane 0 runs ------------------------------------------------------------------------------------
+    def run(self, resume: int | None = None) -> Iterator[tuple[int, float, str | None]]:
+        """The verified tokens after the prompt, the first from its prefill, each with the stop decision after it
+        (`Stops`): it ends after the one that stops. `resume`: the prompt is already in the cache at every layer (an
+        engine hands a request back to ParaDecode) and `resume` is the token after it, verified and already
+        returned: decoding goes on from there, yielding only the tokens after it."""
+        planner, n = self.planner, len(self.prompt)
+        if resume is None:
+            sampler = self.sampler
+            params, draws = (sampler.params, sampler.draws) if sampler is not None else (None, None)
+            token, margin = prefill(self.ctx, self.prompt, params, draws)
+        else:
+            token = resume
+            for layer in range(1, self.L + 1):
+                self.ctx.cache.written(layer, n)
+        planner.begin(token)
+        position = n  # the newest verified token's
+        if resume is None:
+            stop = self.stops.after(token, position)
+            yield token, margin, stop
+            if stop is not None:
+                return
+        planner.start_frontier(n, token)
+        self.start_side_lanes()
+        failed = False
+        try:
+            while True:
+                for token, margin in self.verify_finished():
+                    position += 1
+                    stop = self.stops.after(token, position)
+                    yield token, margin, stop
+                    if stop is not None:
+                        return  # nothing after it was started (the planner's `start_frontier`, `propose`, `settle`)
+                self.step()
+        except BaseException:  # closing early (GeneratorExit) included: the stop below must not mask it
+            failed = True
+            raise
+        finally:
+            self.stop_side_lanes(raise_errors=not failed)
+
+    def step(self) -> None:
+        """Compute the planner's next step (`Planner.next_step`) and hand it the results."""
+        step = self.plan()
+        if step is None:
+            return
+        group, last, exit_now, fused = step
+        ctx, start, end, depth, hidden = self.ctx, group.start, group.end, group.depth, group.hidden
+        first, final, early = depth + 1, None, None
+        if depth == -1:
+            hidden, depth, first = ctx.embed(MAIN, self.planner.tokens[start:end], start), 0, 1
+        if depth < last - fused:  # the layers before: segments where they cover them, else one call each
+            hidden, depth = ctx.layers(MAIN, depth + 1, last - fused, hidden, start), last - fused
+        if fused and depth < last:  # the exit layer in one call with its head
+            hidden, early = ctx.layer_exit(MAIN, last, hidden, start)
+            depth = last
+        if depth == self.L:
+            final = ctx.head(MAIN, "final", hidden, start, logits=self.logits)
+        self.publish()
+        self.computed(group, first, depth, hidden, final)
+        if exit_now and depth == last:
+            if early is None:
+                early = ctx.head(MAIN, self.exits.head[last], hidden[:, -1:], end - 1, logits=self.logits)
+            self.exited(group, last, self.exits.propose(end - 1, last, early))
+
+    def plan(self) -> Step | None:
+        step = self.planner.next_step()
+        if step is None:  # only a side lane could advance a group, and there is none
+            raise SchedulerStallError(
+                f"the ParaDecode scheduler has nothing to compute (groups: {self.describe()}). This is a bug: "
+                "please report it with the settings used."
+            )
+        return step
+
+    def computed(self, group: Group, first: int, depth: int, hidden: torch.Tensor, final: HeadOutput | None) -> None:
+        """`group` computed layers first..depth: the cache holds them, the planner has the result."""
+        for layer in range(first, depth + 1):
+            self.ctx.cache.written(layer, group.end)
+        self.planner.computed(group, depth, hidden, final)
+
+    def exited(self, group: Group, layer: int, token: int | None) -> None:
+        self.planner.exit_proposed(group, layer, token)
+
+    def publish(self) -> None:
+        """On a GPU, wait for this lane's stream so another lane may read what it computed (lane 0
+        alone waits too, as it always has: whether it can skip that is not measured)."""
+        if self.sync:
+            torch.cuda.current_stream().synchronize()
+
+    # --- verdicts -----------------------------------------------------------------------------------------------------
+    def verify_finished(self) -> list[tuple[int, float]]:
+        """Verify, in position order, every group that has its final head's output; roll back on a rejection."""
+        verified: list[tuple[int, float]] = []
+        planner, ctx = self.planner, self.ctx
+        while (group := planner.take_verifiable()) is not None:
+            if ctx.annotate is not None:
+                now = time.perf_counter()
+                ctx.timeline.add("phases", "verify", now, now, (group.start, group.end))
+            bonus = planner.wants_successor(group)
+            accepted, token = verify(group.final, planner.tokens, group.start, group.end, bonus, self.sampler)
+            position = planner.settle(group, accepted, token, verified)
+            if position >= 0:
+                with ctx.phase("rollback", (position + 1, len(planner.tokens))):
+                    self.rollback(position, token)
+                verified.append((token, group.final.margin[accepted]))
+                planner.index_verified()
+                return verified
+        planner.index_verified()
+        return verified
+
+    def rollback(self, position: int, token: int) -> None:
+        """tokens[position + 1] was wrong: the planner continues from `token`, the cache forgets the later positions."""
+        self.planner.rollback(position, token)
+        self.discard_in_flight()
+        self.ctx.cache.rollback(position + 1)
+        if self.sampler is not None:
+            self.sampler.discard_from(position)
+
+    def discard_in_flight(self) -> None:
+        """Make sure no call of a discarded position is still to land (none: every call here has)."""
+
+    def describe(self) -> str:
+        return ", ".join(f"{g.start}-{g.end - 1}@{g.depth}{' busy' if g.busy else ''}" for g in self.planner.groups)
+
+    # --- side lanes: none here ----------------------------------------------------------------------------------------
+    def start_side_lanes(self) -> None:
+        pass
+
+    def stop_side_lanes(self, *, raise_errors: bool) -> None:
+        pass

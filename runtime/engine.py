@@ -10,10 +10,10 @@ every call takes one view of the cache's first n rows, never a gather.
 One `step` gives every sequence its next verified token:
 
 - **Alone** (one `paradecode` sequence, nothing waiting for a row): it decodes with ParaDecode, one verified token
-  of its `ParaDecoder` (runtime/scheduler.py) per step, as it would in an engine of its own. When another request
+  of its ParaDecode `Executor` (runtime/decoding.py) per step, as it would in an engine of its own. When another request
   joins, its decoder is closed after its newest verified token and the row goes on in the batched calls from there
   (the cache holds every position before that token at every layer; what it held beyond is overwritten); when the
-  others leave, a new decoder takes the row over from its newest token (`ParaDecoder.run(resume=...)`), without a
+  others leave, a new decoder takes the row over from its newest token (`Executor.run(resume=...)`), without a
   prefill.
 - **Together** (otherwise: plain decoding, or several sequences): every sequence's newest token goes through every
   layer in one call per segment of batch n, each row at its own position (the layer contract: positions [B, T] per
@@ -30,7 +30,7 @@ machine (its cost grows far less than its rows), and ParaDecode's extra position
 
 A joining request is prefilled alone in its row (batch 1, its whole prompt at once) before the next step. Each
 sequence stops by the same rules however it decodes (its `Stops`, decided by the engine for its rows and by its
-ParaDecoder while alone, and its `Completion`'s stop strings); greedy outputs equal the request decoded alone up to
+executor while alone, and its `Completion`'s stop strings); greedy outputs equal the request decoded alone up to
 near ties of the final head's logits (a batched call's products may round otherwise than a batch-1 call's: the same
 contract as ParaDecode's, docs/design.md §3). A sequence's `timeline` records the calls made for it alone (its
 prefill, its steps alone); a batched call of several rows is recorded in the engine's.
@@ -45,7 +45,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,7 +56,7 @@ from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.decoding import MAIN, DecodeContext, choose, prefill
 from paradecode.runtime.kvcache import KVCache
-from paradecode.runtime.lanes import Lane, Timeline
+from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
 from paradecode.runtime.sampling import Draws
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
@@ -92,26 +91,26 @@ class Sequence:
     each `StreamedToken`, then the `GenerationResult`, or an exception if decoding failed; `cancelled()` is asked
     before each step.
 
-    `timeline` records the calls made for it alone (with spans, for `generate(trace=True)`); `annotate(name)` (a
-    context manager factory, such as an NVTX range) wraps each of those calls and the scheduler's phases, and
-    `exit_policy` replaces ParaDecode's threshold test: both for measurements only (tools/profiler.py,
-    tools/characterise.py)."""
+    `tracing` is what a measuring tool asks of it (`runtime.lanes.Tracing`: spans of its calls in its `timeline`, an
+    annotation around each call and phase, an exit policy); `timeline` records the calls made for it alone."""
 
     request: Request
     sink: Callable[[object], None]
     cancelled: Callable[[], bool] = lambda: False
     with_text: bool = True
-    timeline: Timeline = field(default_factory=Timeline)
-    annotate: Callable[[str], AbstractContextManager] | None = None
-    exit_policy: Callable | None = None
+    tracing: Tracing = NO_TRACING
+    timeline: Timeline = field(init=False)
     completion: Completion = field(init=False)
     stops: Stops = field(init=False)
     stats: GenerationStats = field(init=False)
     sampling: object = field(init=False)
     draws: Draws | None = field(init=False)
     position: int = 0  # the newest token's position: every position before it is in the row's cache
-    decoder: Iterator[tuple[int, float, str | None]] | None = None  # its ParaDecoder while it decodes alone
+    decoder: Iterator[tuple[int, float, str | None]] | None = None  # its executor's tokens while it decodes alone
     started: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.timeline = Timeline(record_spans=self.tracing.spans)
 
     @property
     def speculates(self) -> bool:
@@ -280,7 +279,7 @@ class Engine:
                 stats=sequence.stats,
                 side_lanes=self.side_lanes(),
                 speculation=self.speculation,
-                exit_policy=sequence.exit_policy,
+                exit_policy=sequence.tracing.exit_policy,
             )
             sequence.decoder = decoder.run(resume=completion.tokens[-1])
         self.steps[ALONE] += 1
@@ -359,7 +358,9 @@ class Engine:
     def _alone_context(self, row: int, sequence: Sequence) -> DecodeContext:
         cache = self.cache.rows(row, row + 1)
         cache.reset()
-        return DecodeContext(self.backend, cache, sequence.timeline, annotate=sequence.annotate, observe=self._observe)
+        return DecodeContext(
+            self.backend, cache, sequence.timeline, annotate=sequence.tracing.annotate, observe=self._observe
+        )
 
     def _deliver(self, sequence: Sequence, token: int, margin: float, stop: str | None) -> None:
         """Hand `sequence` its next verified token and the decoder's stop decision after it."""
@@ -371,7 +372,7 @@ class Engine:
             self.leave(sequence, stop)
 
     def _hand_over(self, sequence: Sequence) -> None:
-        """Close a sequence's ParaDecoder (it goes on in batched calls from its newest token, or leaves)."""
+        """Close a sequence's ParaDecode executor (it goes on in batched calls from its newest token, or leaves)."""
         if sequence.decoder is not None:
             sequence.decoder.close()
             sequence.decoder = None

@@ -45,12 +45,12 @@ from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
 from paradecode.runtime.completion import Stops
 from paradecode.runtime.config import GenerationConfig, check_token_ids
-from paradecode.runtime.decoding import DecodeContext
+from paradecode.runtime.decoding import DecodeContext, Executor
 from paradecode.runtime.engine import CANCELLED, CLOSED, Engine, Request, Sequence, StreamedToken, generate_batched
-from paradecode.runtime.lanes import Lane, Timeline
+from paradecode.runtime.lanes import NO_TRACING, Lane, Tracing
 from paradecode.runtime.loader import ExportFolder, open_export
 from paradecode.runtime.lookup import SharedSuffixIndex
-from paradecode.runtime.scheduler import STALL_SECONDS, ParaDecoder
+from paradecode.runtime.overlaps import STALL_SECONDS, ThreadedExecutor
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextTokenizer
@@ -210,19 +210,14 @@ class ParaDecodeModel:
         prompt_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         config: GenerationConfig | None = None,
-        trace: bool = False,
-        annotate=None,
-        exit_policy=None,
+        tracing: Tracing | None = None,
         **settings,
     ) -> GenerationResult:
-        """Decode greedily after `prompt` (text), `prompt_ids` or `messages` (a chat, rendered with the
-        export's chat template); settings override `config`'s fields.
-
-        `trace=True` keeps every subgraph call's span in `result.timeline`; `annotate(name)` (a context
-        manager factory, such as an NVTX range) wraps every call and scheduler phase while profiling.
-        `exit_policy` replaces the threshold test, for controlled measurements only (see ParaDecoder).
-        """
-        stream = self._stream(prompt, prompt_ids, config, trace, settings, False, annotate, exit_policy, messages)
+        """Decode after `prompt` (text), `prompt_ids` or `messages` (a chat, rendered with the export's chat
+        template); settings override `config`'s fields. `tracing` (`runtime.lanes.Tracing`) is for measuring tools:
+        spans of every call in `result.timeline`, NVTX-style annotations, an exit policy; it never changes the
+        output."""
+        stream = self._stream(prompt, prompt_ids, messages, config, tracing, settings, text=False)
         for _ in stream:
             pass
         return stream.result
@@ -234,30 +229,23 @@ class ParaDecodeModel:
         prompt_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
         config: GenerationConfig | None = None,
-        trace: bool = False,
+        tracing: Tracing | None = None,
         **settings,
     ) -> GenerationStream:
         """Like `generate`, but yields each token as soon as it is verified."""
-        return self._stream(prompt, prompt_ids, config, trace, settings, True, messages=messages)
+        return self._stream(prompt, prompt_ids, messages, config, tracing, settings, text=True)
 
     def _stream(
-        self,
-        prompt,
-        prompt_ids,
-        config,
-        trace: bool,
-        settings: dict,
-        text: bool,
-        annotate=None,
-        exit_policy=None,
-        messages=None,
+        self, prompt, prompt_ids, messages, config, tracing: Tracing | None, settings: dict, *, text: bool
     ) -> GenerationStream:
         """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
         self._check_open()
         self.files.check()
         request = self.request(prompt, prompt_ids, messages, config, **settings)
         stream = GenerationStream()
-        stream._tokens = self._run(request, Timeline(record_spans=trace), stream, text, annotate, exit_policy)
+        if tracing is not None and not isinstance(tracing, Tracing):
+            raise UserInputError(f"tracing must be a paradecode.runtime.Tracing, got {type(tracing).__name__}.")
+        stream._tokens = self._run(request, tracing or NO_TRACING, stream, text)
         return stream
 
     def warm_up(self, config: GenerationConfig | None = None, engine: Engine | None = None) -> None:
@@ -347,28 +335,31 @@ class ParaDecodeModel:
         side_lanes: list[Lane] = (),
         speculation: Speculation | None = None,
         exit_policy=None,
-    ) -> ParaDecoder:
+    ) -> Executor:
         """ParaDecode of `request` after `ids` (its prompt, or everything verified so far when an engine hands a
         request back to ParaDecode) over `ctx` until `stops` (the request's), with `side_lanes` beside the calling
         thread (for `streams` and `both`) and `speculation`'s estimates (the model's by default), counting into
-        `stats`. `overlap`: the request's (None: its config's, `auto` resolved for this device)."""
+        `stats`. `overlap`: the request's (None: its config's, `auto` resolved for this device); `exit_policy`: its
+        `Tracing`'s."""
         config = request.config
         overlap = overlap or self.overlap_of(config)
         adaptive = config.adapts(self.backend.device.type, overlap) and exit_policy is None
-        return ParaDecoder(
+        lanes = list(side_lanes) if overlap in ("streams", "both") else []
+        executor, more = (ThreadedExecutor, {"side_lanes": lanes}) if lanes else (Executor, {})
+        return executor.of(
             ctx,
             ids,
             stops,
             stats,
             thresholds=request.thresholds,
             max_unverified=config.max_unverified,
-            overlap=overlap,
-            side_lanes=list(side_lanes),
+            merge=overlap in ("batched", "both"),
             exit_policy=exit_policy,
             lookup=config.lookup_config(),
             shared=self.shared_index if config.lookup_shared else None,
             sampling=sampling,
             speculation=(speculation or self.speculation) if adaptive else None,
+            **more,
         )
 
     def remember(self, request: Request, tokens: list[int]) -> None:
@@ -473,16 +464,12 @@ class ParaDecodeModel:
     def _run(
         self,
         request: Request,
-        timeline: Timeline,
+        tracing: Tracing,
         stream: GenerationStream,
         with_text: bool,
-        annotate=None,
-        exit_policy=None,
     ) -> Iterator[StreamedToken]:
         events: deque = deque()  # what the engine hands the sequence: its tokens, then its result or an error
-        sequence = Sequence(
-            request, events.append, with_text=with_text, timeline=timeline, annotate=annotate, exit_policy=exit_policy
-        )
+        sequence = Sequence(request, events.append, with_text=with_text, tracing=tracing)
         with self._state:
             self._check_open()
             self._streams.add(stream)

@@ -42,11 +42,12 @@ which are plain statistics.
 
 Threading model
 ---------------
-The planner has no lock of its own: its executor serialises the calls (runtime/scheduler.py). With side lanes,
-`groups`, `frontier` and every field of a `Group` in `groups` are read and changed only under the executor's lock;
-everything else (`tokens`, `verified`, `source_of`, `lookup_depth`, `stats`, the lookup proposer) belongs to lane
-0, which alone calls `exit_proposed(..., None)` without that lock. The speculation estimates and a shared lookup index
-are the model's, used by every request decoding at once (runtime/model.py's threading model says how).
+The planner has no lock of its own: its executor serialises the calls (runtime/decoding.py; with side lanes
+runtime/overlaps.py). With side lanes, `groups`, `frontier` and every field of a `Group` in `groups` are read and
+changed only under the executor's lock; everything else (`tokens`, `verified`, `source_of`, `lookup_depth`, `stats`,
+the lookup proposer) belongs to lane 0, which alone calls `exit_proposed(..., None)` without that lock. The
+speculation estimates and a shared lookup index are the model's, used by every request decoding at once
+(runtime/model.py's threading model says how).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class GenerationResult:
     text: str | None
     stats: GenerationStats
     margins: list[float]  # final-head top-1/top-2 logit margin of each new token
-    timeline: Any = None  # the calls' Timeline when generate(trace=True)
+    timeline: Any = None  # the calls' Timeline, under Tracing(spans=True); else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict()}

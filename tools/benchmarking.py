@@ -4,7 +4,7 @@ The harness (`paradecode.tools.harness`) runs the modes made here interleaved an
 statistics. `stream_mode` times every verified token (tokens/s is (new tokens - 1) over the time
 from the first new token to the last; latency is the gap between consecutive tokens), as `hf_mode`
 does through a streamer; `generate_mode` takes the runtime's own measurement (`GenerationStats`) and
-accepts every `generate` setting, `exit_policy` included. `load_with_ar_baselines` loads a model with
+accepts every `generate` setting, `tracing` included. `load_with_ar_baselines` loads a model with
 the plain-decoding baselines worth measuring beside it; the harness picks the faster as *the* ar.
 """
 
@@ -224,7 +224,7 @@ def summarize(
         p50, p95 = results.latency_ms(mode.name, (50, 95))
         row: dict[str, Any] = {
             "kind": mode.kind,
-            "settings": {k: v for k, v in mode.settings.items() if not callable(v)},
+            "settings": {k: v for k, v in mode.settings.items() if k != "tracing" and not callable(v)},
             "tokens_per_second": results.tokens_per_second(mode.name).median,
             "latency_ms_p50": p50,
             "latency_ms_p95": p95,

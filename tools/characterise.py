@@ -186,6 +186,7 @@ def run(args) -> str:
 def measure(args, depths: list[int], pd_model, ar_models: dict) -> dict:
     """ar (each baseline) and every (exit layer, acceptance, overlap) case, interleaved, after a warm-up
     pass at full length; every case must reproduce ar's tokens. Returns the baseline and the rows."""
+    from paradecode.runtime import Tracing
     from paradecode.tools import harness
     from paradecode.tools.benchmarking import generate_mode
 
@@ -203,7 +204,7 @@ def measure(args, depths: list[int], pd_model, ar_models: dict) -> dict:
                     "overlap": o,
                     "thresholds": {d: (0.0 if d == e else float("inf")) for d in depths},
                     "max_unverified": args.max_unverified,
-                    "exit_policy": oracle(reference, e, a),
+                    "tracing": Tracing(exit_policy=oracle(reference, e, a)),
                     "lookup_tokens": 0,  # controlled exits alone: lookup proposals would add tokens of their own
                     "ignore_eos": True,
                 }

@@ -83,7 +83,7 @@ def nvtx_annotator():
 def run(args) -> str:
     import torch
 
-    from paradecode.runtime import GenerationConfig, load
+    from paradecode.runtime import GenerationConfig, Tracing, load
     from paradecode.runtime.config import parse_threshold
     from paradecode.tools.reporting import save_figure, save_json
 
@@ -109,8 +109,7 @@ def run(args) -> str:
             prompt,
             prompt_ids=ids,
             config=config,
-            trace=True,
-            annotate=annotate or (lambda name: contextlib.nullcontext()),
+            tracing=Tracing(spans=True, annotate=annotate or (lambda name: contextlib.nullcontext())),
         )
     if args.torch_profiler:
         args.torch_profiler.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ different costs: measured call costs (`call_costs.CallCosts`), the idealised one
 Units: one decoder layer call at T = 1 (one position). A token calls the head of every active exit layer
 it reaches and exits at the first whose threshold its top-1 probability reaches; the next token then
 starts at layer 1. What happens to the early token's upper layers depends on the overlap (docs/design.md §3;
-runtime/scheduler.py):
+runtime/decoding.py, runtime/overlaps.py):
 
 - `batched` (one lane, the default on a CPU): when the next token reaches the early token's depth the two
   share one call per layer from there on, and one final head call. Every layer call's fixed part is paid

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.runtime import NEVER, load
+from paradecode.runtime import NEVER, Tracing, load
 from paradecode.runtime.decoding import DecodeContext
 from paradecode.runtime.kvcache import KVCache
 
@@ -97,7 +97,9 @@ def test_never_exit_runs_no_exit_head(exports):
     folder, _ = exports["gpt2"]
     with load(folder) as model:
         available = model.backend.subgraph_names
-        result = model.generate(prompt_ids=[1, 2], max_new_tokens=12, thresholds=NEVER, trace=True, ignore_eos=True)
+        result = model.generate(
+            prompt_ids=[1, 2], max_new_tokens=12, thresholds=NEVER, tracing=Tracing(spans=True), ignore_eos=True
+        )
     assert any(n.startswith("exit_") for n in available) and any(n.startswith("layer_exit_") for n in available)
     names = {span.name for span in result.timeline.spans}
     layers = {f"layer_{i}" for i in range(1, model.manifest.spec.num_layers + 1)}

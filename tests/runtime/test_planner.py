@@ -1,6 +1,6 @@
 """The ParaDecode planner without a backend or a model: a scripted model gives each position's true next token, scripted
 exit heads and lookup proposals give tentative ones, and `Decode` below is the single-thread executor
-(runtime/scheduler.py's `Executor`) with its calls recorded, not made: its verdicts and rollbacks are the executor's
+(runtime/decoding.py's `Executor`) with its calls recorded, not made: its verdicts and rollbacks are the executor's
 own. Then the verification function alone."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, Stops
+from paradecode.runtime.decoding import Executor
 from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import ExitHeads, LookupProposer
 from paradecode.runtime.sampling import ACCEPT, RESAMPLE, SAMPLE, Draws, Proposal, Sampler, SamplingParams
-from paradecode.runtime.scheduler import Executor
 from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
 from paradecode.runtime.verification import verify
 

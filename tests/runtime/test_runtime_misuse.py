@@ -11,7 +11,7 @@ import pytest
 
 from paradecode.graphs.errors import ModelClosedError, SchedulerStallError, UserInputError
 from paradecode.runtime import GenerationConfig, load
-from paradecode.runtime import scheduler as scheduler_module
+from paradecode.runtime import overlaps as overlaps_module
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,8 +206,8 @@ def test_bindings_are_bounded_by_lanes_and_live_threads(model):
 
 
 def test_a_stall_raises_a_named_error_not_a_hang(model, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "WAIT_SECONDS", 0.05)
-    monkeypatch.setattr(scheduler_module, "STALL_SECONDS", 0.3)
+    monkeypatch.setattr(overlaps_module, "WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(overlaps_module, "STALL_SECONDS", 0.3)
     real = model.backend.run
 
     def slow_side_lane(name, feeds, lane="main", outputs=None):
@@ -223,7 +223,7 @@ def test_a_stall_raises_a_named_error_not_a_hang(model, monkeypatch):
 
 
 def test_the_first_error_is_not_hidden_by_a_side_lane_that_does_not_stop(model, monkeypatch, caplog):
-    monkeypatch.setattr(scheduler_module, "STALL_SECONDS", 0.3)
+    monkeypatch.setattr(overlaps_module, "STALL_SECONDS", 0.3)
     real = model.backend.run
     calls = []
 

@@ -10,7 +10,7 @@ each reference (Hugging Face greedy, ar) is decoded once and shared by the setti
 import pytest
 import torch
 
-from paradecode.runtime import NEVER, load
+from paradecode.runtime import NEVER, Tracing, load
 from tests.conftest import Cache
 from tests.parity import OVERLAPS, SETTINGS, assert_same_tokens, export_scorer, hf_scorer
 from tests.tiny_models import TINY_CONFIGS, tiny_model
@@ -198,7 +198,12 @@ def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
             ar = model.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
             for overlap in OVERLAPS:
                 result = model.generate(
-                    prompt_ids=prompt, max_new_tokens=30, thresholds=0.5, overlap=overlap, ignore_eos=True, trace=True
+                    prompt_ids=prompt,
+                    max_new_tokens=30,
+                    thresholds=0.5,
+                    overlap=overlap,
+                    ignore_eos=True,
+                    tracing=Tracing(spans=True),
                 )
                 assert result.token_ids == ar.token_ids, (label, overlap)
                 names = {s.name for s in result.timeline.spans}

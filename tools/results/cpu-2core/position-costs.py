@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from paradecode.runtime import load
+from paradecode.runtime import Tracing, load
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.lanes import Timeline
 
@@ -106,7 +106,7 @@ def decoding(path: str) -> None:
         given = labelled.prompt
         ids = model.prompt_ids(messages=given) if isinstance(given, list) else model.prompt_ids(prompt=given)
         for mode in by_call:
-            result = model.generate(prompt_ids=ids, mode=mode, max_new_tokens=128, trace=True)
+            result = model.generate(prompt_ids=ids, mode=mode, max_new_tokens=128, tracing=Tracing(spans=True))
             spans = sorted(result.timeline.spans, key=lambda s: s.start)
             prefill_end = next(i for i, s in enumerate(spans) if s.name == "final")  # the prefill's head
             decode = spans[prefill_end + 1 :]
