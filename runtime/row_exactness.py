@@ -270,68 +270,131 @@ def probe(backend) -> RowForm | None:
     decoding uses, and of OTHER_GRAPHS_SIZES through the per-layer graphs and the fused exit graphs, after a prefill
     of up to PREFIX positions; None if none does, or if the cache is too small to tell (a verification needs two
     positions and the slots after them)."""
-    from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
-    from paradecode.runtime.kvcache import KVCache
-    from paradecode.runtime.lanes import Timeline
-
-    spec, manifest = backend.spec, backend.manifest
-    slots = manifest.max_seq_len
-    positions = min(max(SIZES), slots - ROOM - 1)  # compared, after a prefix of at least one
-    prefix = min(PREFIX, slots - ROOM - positions)
-    if positions < 2:
-        logger.warning("%s: a cache of %d slots is too small to probe", backend.export.path.name, slots)
+    positions = _Positions.of(backend)
+    if positions is None:
         return None
-    sizes = [size for size in SIZES if size <= positions]
-    ids = torch.randint(0, spec.vocab_size, (prefix + positions,), generator=torch.Generator().manual_seed(0))
-    ids = ids.tolist()
-    shape = (1, spec.num_kv_heads, slots, spec.head_dim)
-    cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, zeroed=backend.reads_whole_cache)
-    timeline = Timeline(record_spans=False)
-    layers = spec.num_layers
-    fused_exits = sorted(sub.io.layer for sub in manifest.subgraphs if sub.io.kind == "layer_exit")
-
-    def through(ctx: DecodeContext, path: str, hidden: torch.Tensor, first: int) -> torch.Tensor:
-        if path == "segments":  # what plain decoding and the main lane run
-            return ctx.layers(MAIN, 1, layers, hidden, first)
-        if path == "layer graphs":  # what side lanes, and ranges no segment covers, run
-            for layer in range(1, layers + 1):
-                hidden = ctx.layer(MAIN, layer, hidden, first)
-            return hidden
-        done = 0  # "exit graphs": a frontier that exits at every fused exit layer
-        for layer in fused_exits:
-            if layer - 1 > done:
-                hidden = ctx.layers(MAIN, done + 1, layer - 1, hidden, first)
-            hidden, _ = ctx.layer_exit(MAIN, layer, hidden, first)
-            done = layer
-        return ctx.layers(MAIN, done + 1, layers, hidden, first) if done < layers else hidden
-
-    def results(form: RowForm, size: int, path: str) -> tuple[torch.Tensor, list]:
-        """The compared positions in calls of `size` (padded as `form` says) through `path`."""
-        ctx = DecodeContext(backend, cache, timeline, form=form)
-        hidden, heads = [], []
-        for first in range(prefix, prefix + positions, size):
-            last = min(first + size, prefix + positions)
-            out = through(ctx, path, ctx.embed(MAIN, ids[first:last], first), first).clone()
-            head = ctx.head(MAIN, "final", out, first)
-            hidden.append(out)
-            heads += zip(head.token, head.prob, head.margin)
-        return torch.cat(hidden, 1), heads
-
-    prefill = DecodeContext(backend, cache, timeline, form=AS_IS)  # slots 0..prefix-1, read by every later call
-    prefill.layers(MAIN, 1, layers, prefill.embed(MAIN, ids[:prefix], 0), 0)
-    paths = ["layer graphs"] + (["exit graphs"] if fused_exits else [])
     before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
     try:
         for form in candidates(backend):
-            reference = results(form, 1, "segments")
-            if not all(_same(reference, results(form, size, "segments")) for size in sizes[1:]):
+            reference = positions.results(form, 1, "segments")
+            if not all(_same(reference, positions.results(form, size, "segments")) for size in positions.sizes[1:]):
                 continue
-            if all(_same(reference, results(form, size, path)) for path in paths for size in OTHER_GRAPHS_SIZES):
+            others = positions.paths[1:]
+            if all(
+                _same(reference, positions.results(form, size, path)) for path in others for size in OTHER_GRAPHS_SIZES
+            ):
                 return form
         return None
     finally:  # the per-layer and fused exit graphs the probe opened: decoding opens them again where it uses them
         kinds = ("layer", "layer_exit")
         backend.close_subgraphs({n for n in backend.open_subgraphs() - before if backend.subgraphs[n].io.kind in kinds})
+
+
+def shares_exactly(backend, threads: int) -> bool:
+    """Whether calls on `threads` threads, fewer than the backend's (its calls while lanes compute at once:
+    `Backend.sharing`), give the bits its calls on all of them give, under its row form: every compared position's
+    last hidden state and final head's outputs, through each path the overlaps use (segments and fused exit graphs on
+    lane 0, per-layer graphs on the side lanes), in calls of OTHER_GRAPHS_SIZES, against plain decoding's calls of
+    one position on every thread. onnxruntime's CPU kernels split their work by output, never by a summed dimension,
+    as far as we know; this checks it on the machine, once per export and thread count (cached as the row forms are).
+    The sessions of `threads` it opens are the ones the overlaps then use."""
+    form = backend.row_form
+    if form is None:  # ParaDecode decodes as plain decoding here: nothing runs on a share
+        return True
+    key = hashlib.sha256(f"{verdict_key(backend)}\nshare of {threads} threads".encode()).hexdigest()
+    path = cache_path()
+    verdicts = _read_cache(path)
+    if key not in verdicts:
+        with backend.calls_on(backend.threads):  # the prompt's prefill and plain decoding's calls
+            positions = _Positions.of(backend)
+            exact = positions is not None
+            reference = positions.results(form, 1, "segments") if exact else None
+        if exact:
+            with backend.calls_on(threads):
+                exact = all(
+                    _same(reference, positions.results(form, size, path))
+                    for path in positions.paths
+                    for size in OTHER_GRAPHS_SIZES
+                )
+        verdicts[key] = form.name if exact else NONE_NAME
+        _write_cache(path, verdicts)
+    exact = verdicts[key] != NONE_NAME
+    logger.info(
+        "%s on this machine: calls on %d of %d threads %s",
+        backend.export.path.name,
+        threads,
+        backend.threads,
+        "give every position the same bits"
+        if exact
+        else "give positions other bits: lanes computing at once each take every thread",
+    )
+    return exact
+
+
+class _Positions:
+    """The positions a probe compares: a fixed prompt's, after a prefill of up to PREFIX in one call, in a KV cache of
+    its own; `results` computes them in calls of a size, through a path (`paths`: what decoding runs)."""
+
+    @classmethod
+    def of(cls, backend) -> _Positions | None:
+        """None if the export's cache is too small to tell (a verification needs two positions and the slots after
+        them)."""
+        slots = backend.manifest.max_seq_len
+        positions = min(max(SIZES), slots - ROOM - 1)  # compared, after a prefix of at least one
+        if positions < 2:
+            logger.warning("%s: a cache of %d slots is too small to probe", backend.export.path.name, slots)
+            return None
+        return cls(backend, positions, min(PREFIX, slots - ROOM - positions))
+
+    def __init__(self, backend, positions: int, prefix: int):
+        from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
+        from paradecode.runtime.kvcache import KVCache
+        from paradecode.runtime.lanes import Timeline
+
+        spec, manifest = backend.spec, backend.manifest
+        self.backend, self.positions, self.prefix = backend, positions, prefix
+        self.sizes = [size for size in SIZES if size <= positions]
+        ids = torch.randint(0, spec.vocab_size, (prefix + positions,), generator=torch.Generator().manual_seed(0))
+        self.ids = ids.tolist()
+        shape = (1, spec.num_kv_heads, manifest.max_seq_len, spec.head_dim)
+        self.cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, zeroed=backend.reads_whole_cache)
+        self.timeline = Timeline(record_spans=False)
+        self.fused_exits = sorted(sub.io.layer for sub in manifest.subgraphs if sub.io.kind == "layer_exit")
+        # segments: what plain decoding and the main lane run; layer graphs: what side lanes, and ranges no segment
+        # covers, run; exit graphs: a frontier that exits at every fused exit layer
+        self.paths = ["segments", "layer graphs"] + (["exit graphs"] if self.fused_exits else [])
+        self._context, self._main = DecodeContext, MAIN
+        prefill = DecodeContext(backend, self.cache, self.timeline, form=AS_IS)  # slots 0..prefix-1, read by all
+        prefill.layers(MAIN, 1, spec.num_layers, prefill.embed(MAIN, self.ids[:prefix], 0), 0)
+
+    def _through(self, ctx, path: str, hidden: torch.Tensor, first: int) -> torch.Tensor:
+        main, layers = self._main, self.backend.spec.num_layers
+        if path == "segments":
+            return ctx.layers(main, 1, layers, hidden, first)
+        if path == "layer graphs":
+            for layer in range(1, layers + 1):
+                hidden = ctx.layer(main, layer, hidden, first)
+            return hidden
+        done = 0
+        for layer in self.fused_exits:
+            if layer - 1 > done:
+                hidden = ctx.layers(main, done + 1, layer - 1, hidden, first)
+            hidden, _ = ctx.layer_exit(main, layer, hidden, first)
+            done = layer
+        return ctx.layers(main, done + 1, layers, hidden, first) if done < layers else hidden
+
+    def results(self, form: RowForm, size: int, path: str) -> tuple[torch.Tensor, list]:
+        """The compared positions in calls of `size` (padded as `form` says) through `path`."""
+        ctx = self._context(self.backend, self.cache, self.timeline, form=form)
+        hidden, heads = [], []
+        end = self.prefix + self.positions
+        for first in range(self.prefix, end, size):
+            ids = self.ids[first : min(first + size, end)]
+            out = self._through(ctx, path, ctx.embed(self._main, ids, first), first).clone()
+            head = ctx.head(self._main, "final", out, first)
+            hidden.append(out)
+            heads += zip(head.token, head.prob, head.margin)
+        return torch.cat(hidden, 1), heads
 
 
 def _same(a: tuple[torch.Tensor, list], b: tuple[torch.Tensor, list]) -> bool:

@@ -32,7 +32,7 @@ import torch
 from paradecode.graphs.errors import ManifestError, MissingDependencyError, UserInputError
 from paradecode.graphs.ops import TORCH_DTYPES
 from paradecode.graphs.ortvalues import ort_value
-from paradecode.runtime import policy
+from paradecode.runtime import policy, row_exactness
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.loader import ExportFolder
@@ -56,10 +56,11 @@ BOUND_TOKENS = 16  # calls of up to this many tokens reuse a binding made once (
 # server shares the cores out so (runtime/serve/config.py), and ParaDecode's side lanes make their calls and lane
 # 0's inside `sharing(lanes)`, which runs them through sessions of `threads // lanes` threads (made at their first
 # such call: a second pre-packed copy of those graphs' weights; on pools of every core the overlaps ran at under
-# half of ar's speed, tools/results/cpu-2core/thread-pools.md). Not used: onnxruntime's global thread pools, one pool
-# for every session of the process, within noise of this here (tools/results/cpu-2core/thread-pools.md), because once
-# a process has them every onnxruntime session it makes must use them, the caller's own included: a library cannot
-# impose that on the process that loads it.
+# half of ar's speed, tools/results/cpu-2core/thread-pools.md), once the machine is found to give a position the
+# same bits on that share as on every thread (runtime/row_exactness.py's `shares_exactly`; else every thread). Not
+# used: onnxruntime's global thread pools, one pool for every session of the process, within noise of this here
+# (tools/results/cpu-2core/thread-pools.md), because once a process has them every onnxruntime session it makes must
+# use them, the caller's own included: a library cannot impose that on the process that loads it.
 
 
 def return_freed_weights_to_the_system() -> None:
@@ -168,6 +169,8 @@ class OnnxRuntimeBackend(Backend):
         self._local = threading.local()
         self._bindings: weakref.WeakSet[Bindings] = weakref.WeakSet()
         self._creating = threading.Lock()  # sessions are created by whichever lane calls first
+        self._exact_shares: dict[int, bool] = {}  # threads -> whether calls on them give all threads' bits (set once)
+        self._share_probe = threading.Lock()  # held while a share is probed (row_exactness.shares_exactly)
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
 
@@ -238,18 +241,39 @@ class OnnxRuntimeBackend(Backend):
                     session = sessions[key] = self._create_session(self.subgraphs[name].onnx, options=options)
         return session
 
-    @contextlib.contextmanager
     def sharing(self, lanes: int):
-        before = getattr(self._local, "lanes", 1)
-        self._local.lanes = lanes
+        """The calling thread's calls on `threads // lanes` threads, where calls on so few give every position the
+        bits calls on every thread give (row_exactness.shares_exactly, checked at the first such call on a machine);
+        else on every thread, as plain decoding's."""
+        share = max(1, self.threads // lanes)
+        if share != self.threads and self.device.type == "cpu":
+            exact = self._exact_shares.get(share)
+            if exact is None:
+                with self._share_probe:  # one thread probes; another asking for the same share waits for it
+                    exact = self._exact_shares.get(share)
+                    if exact is None:
+                        exact = self._exact_shares[share] = row_exactness.shares_exactly(self, share)
+                        if not exact:  # the sessions the probe made on the share are not used: free them
+                            with self._creating:
+                                for key in [k for k in self._sharing_sessions if k[1] == share]:
+                                    del self._sharing_sessions[key]
+                            self._forget_bindings()
+            share = share if exact else self.threads
+        return self.calls_on(share)
+
+    @contextlib.contextmanager
+    def calls_on(self, threads: int):
+        """The calling thread's calls inside it on sessions of `threads` threads (made at their first such call)."""
+        before = getattr(self._local, "threads", None)
+        self._local.threads = threads
         try:
             yield
         finally:
-            self._local.lanes = before
+            self._local.threads = before
 
     def _call_threads(self) -> int:
         """Threads for the calling thread's next call: its share where lanes compute at once (`sharing`)."""
-        return max(1, self.threads // getattr(self._local, "lanes", 1))
+        return getattr(self._local, "threads", None) or self.threads
 
     def _create_session(self, relative: str, stream: int | None = None, options=None):
         providers: list = ["CPUExecutionProvider"]
