@@ -294,31 +294,31 @@ def shares_exactly(backend, threads: int) -> bool:
     """Whether calls on `threads` threads, fewer than the backend's (its calls while lanes compute at once:
     `Backend.sharing`), give the bits its calls on all of them give, under its row form: every compared position's
     last hidden state and final head's outputs, through each path the overlaps use (segments and fused exit graphs on
-    lane 0, per-layer graphs on the side lanes), in calls of OTHER_GRAPHS_SIZES, against plain decoding's calls of
-    one position on every thread. onnxruntime's CPU kernels split their work by output, never by a summed dimension,
-    as far as we know; this checks it on the machine, once per export and thread count (cached as the row forms are).
-    The sessions of `threads` it opens are the ones the overlaps then use."""
+    lane 0, per-layer graphs on the side lanes), in calls of the sizes `probe` compares on each path, against plain
+    decoding's calls of one position on every thread. onnxruntime's CPU kernels split their work by output, never by
+    a summed dimension, as far as we know; this checks it on the machine, once per export and thread count (cached as
+    the row forms are). The sessions of `threads` it opens are the ones the overlaps then use."""
     form = backend.row_form
-    if form is None:  # ParaDecode decodes as plain decoding here: nothing runs on a share
-        return True
+    if form is None:  # no exact form: ParaDecode decodes as plain decoding, and nothing should run on a share
+        return False
     key = hashlib.sha256(f"{verdict_key(backend)}\nshare of {threads} threads".encode()).hexdigest()
     path = cache_path()
     verdicts = _read_cache(path)
-    if key not in verdicts:
+    if verdicts.get(key) not in (form.name, NONE_NAME):  # not checked yet, or under another form
         with backend.calls_on(backend.threads):  # the prompt's prefill and plain decoding's calls
             positions = _Positions.of(backend)
             exact = positions is not None
             reference = positions.results(form, 1, "segments") if exact else None
         if exact:
-            with backend.calls_on(threads):
+            with backend.calls_on(threads):  # the sizes decoding's calls take on each path, as `probe` compares
                 exact = all(
                     _same(reference, positions.results(form, size, path))
                     for path in positions.paths
-                    for size in OTHER_GRAPHS_SIZES
+                    for size in (positions.sizes if path == "segments" else OTHER_GRAPHS_SIZES)
                 )
         verdicts[key] = form.name if exact else NONE_NAME
         _write_cache(path, verdicts)
-    exact = verdicts[key] != NONE_NAME
+    exact = verdicts[key] == form.name
     logger.info(
         "%s on this machine: calls on %d of %d threads %s",
         backend.export.path.name,

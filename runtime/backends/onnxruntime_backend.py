@@ -20,6 +20,7 @@ stream (`user_compute_stream`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import weakref
@@ -42,6 +43,8 @@ try:
     import onnxruntime as ort
 except ImportError as err:  # backend_class turns this into an install hint
     raise ImportError(f"onnxruntime is not installed: {err}") from err
+
+logger = logging.getLogger(__name__)
 
 NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 MMAP_THRESHOLD = 256 << 10  # see `return_freed_weights_to_the_system`
@@ -252,14 +255,33 @@ class OnnxRuntimeBackend(Backend):
                 with self._share_probe:  # one thread probes; another asking for the same share waits for it
                     exact = self._exact_shares.get(share)
                     if exact is None:
-                        exact = self._exact_shares[share] = row_exactness.shares_exactly(self, share)
-                        if not exact:  # the sessions the probe made on the share are not used: free them
-                            with self._creating:
-                                for key in [k for k in self._sharing_sessions if k[1] == share]:
-                                    del self._sharing_sessions[key]
-                            self._forget_bindings()
+                        exact = self._exact_shares[share] = self._shares_exactly(share)
             share = share if exact else self.threads
         return self.calls_on(share)
+
+    def _shares_exactly(self, share: int) -> bool:
+        """row_exactness.shares_exactly, once per share; a check that fails (memory, say) counts as inexact: the
+        lanes then keep every thread, as plain decoding's calls run. An inexact share's sessions are freed, with the
+        calling thread's bindings to them (the check made its calls on this thread)."""
+        try:
+            exact = row_exactness.shares_exactly(self, share)
+        except Exception as err:  # onnxruntime raises its own exception types
+            logger.warning(
+                "%s: checking calls on %d of %d threads failed (%s): lanes computing at once keep every thread",
+                self.export.path.name,
+                share,
+                self.threads,
+                str(err).splitlines()[0] if str(err) else type(err).__name__,
+            )
+            exact = False
+        if not exact:
+            with self._creating:
+                for key in [k for k in self._sharing_sessions if k[1] == share]:
+                    del self._sharing_sessions[key]
+            bindings = getattr(self._local, "bindings", None) or {}
+            for key in [k for k in bindings if k[4] == share]:
+                del bindings[key]
+        return exact
 
     @contextlib.contextmanager
     def calls_on(self, threads: int):

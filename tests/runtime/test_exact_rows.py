@@ -19,7 +19,8 @@ from onnx import TensorProto, helper
 
 from paradecode.export.exact_rows import pad_attention_rows
 from paradecode.graphs.tensors import HIDDEN_OUT
-from paradecode.runtime import load
+from paradecode.runtime import load, row_exactness
+from paradecode.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.engine import generate_batched
 from paradecode.runtime.lanes import Timeline
@@ -230,6 +231,43 @@ def test_lanes_computing_at_once_share_the_cores(quantized_exports, monkeypatch)
         assert shared == ({2} if backend._exact_shares == {2: True} else set()) and backend._exact_shares
         options = [s.get_session_options() for s in backend._sharing_sessions.values()]
         assert all(o.intra_op_num_threads == 2 for o in options)
+
+
+def test_a_share_that_gives_every_threads_bits_is_used(quantized_exports, monkeypatch, tmp_path):
+    """The check passes a share whose calls compute as calls on every thread (here made so: its sessions take every
+    thread whatever they are asked), and the lanes then call on it."""
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    options = OnnxRuntimeBackend._options
+    monkeypatch.setattr(OnnxRuntimeBackend, "_options", lambda self, threads=None: options(self))
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        backend = model.backend
+        ar = model.generate(prompt_ids=PROMPT, max_new_tokens=12, mode="ar", ignore_eos=True)
+        streams = model.generate(
+            prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True
+        )
+        assert backend._exact_shares == {2: True} and {t for _, t in backend._sharing_sessions} == {2}
+        assert streams.token_ids == ar.token_ids and streams.margins == ar.margins
+
+
+def test_a_share_whose_check_fails_is_not_used(quantized_exports, monkeypatch, caplog, tmp_path):
+    """A check that raises (out of memory, say) fails no request: the share counts as inexact, said once."""
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def failing(backend, threads):
+        raise MemoryError("no room for the check's cache")
+
+    monkeypatch.setattr(row_exactness, "shares_exactly", failing)
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        ar = model.generate(prompt_ids=PROMPT, max_new_tokens=12, mode="ar", ignore_eos=True)
+        settings = dict(max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True)
+        with caplog.at_level("WARNING"):
+            runs = [model.generate(prompt_ids=PROMPT, **settings) for _ in range(2)]
+        assert model.backend._exact_shares == {2: False} and not model.backend._sharing_sessions
+        said = [r.getMessage() for r in caplog.records if "checking calls on 2 of 4 threads failed" in r.getMessage()]
+        assert len(said) == 1 and "no room for the check's cache" in said[0], said
+        assert all(run.token_ids == ar.token_ids and run.margins == ar.margins for run in runs)
 
 
 def test_lanes_keep_every_thread_where_a_share_would_change_the_bits(quantized_exports, monkeypatch, caplog, tmp_path):

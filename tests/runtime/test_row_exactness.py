@@ -271,10 +271,15 @@ with load(sys.argv[1]) as model:
     prompt = [5, 17, 42, 9, 3, 61, 8]
     ar = model.generate(prompt_ids=prompt, max_new_tokens=24, mode="ar", ignore_eos=True)
     ours = model.generate(prompt_ids=prompt, max_new_tokens=24, thresholds=0.0, ignore_eos=True)
+    streams = model.generate(prompt_ids=prompt, max_new_tokens=24, thresholds=0.0, overlap="streams", ignore_eos=True)
     print(json.dumps({
         "form": model.backend.row_form.name,
         "equal": ours.token_ids == ar.token_ids and ours.margins == ar.margins,
         "exits": sum(ours.stats.exits_per_layer.values()),
+        "streams equal": streams.token_ids == ar.token_ids and streams.margins == ar.margins,
+        "streams exits": sum(streams.stats.exits_per_layer.values()),
+        "threads": model.backend.threads,
+        "shares": {str(k): v for k, v in model.backend._exact_shares.items()},
         "cpu": {name: features[name] for name in ("AVX2", "FMA3", "AVX512F")},
     }))
 """
@@ -294,7 +299,8 @@ def test_paradecode_equals_ar_on_an_avx2_cpu_without_avx512(quantized_exports, t
     """The engine issue's defect, on the CPU kind it was found on, whatever CPU runs the tests: onnxruntime's int8
     kernels on AVX2 compute a lone row otherwise, the probe sees it and picks TWO_ROWS, and ParaDecode's output is
     ar's bit for bit. QEMU's user-mode emulation runs this very Python on a CPU model without AVX-512 (its AVX2 and
-    FMA are exact emulations: the same bits as the hardware's)."""
+    FMA are exact emulations: the same bits as the hardware's). The `streams` overlap, whose lanes call on a share of
+    the threads where that share gives the same bits there, keeps them too."""
     if reason := emulator_missing():
         pytest.skip(reason)
     folder = quantized_exports["llama", "gguf-int8"][0]
@@ -306,3 +312,6 @@ def test_paradecode_equals_ar_on_an_avx2_cpu_without_avx512(quantized_exports, t
     assert result["cpu"] == {"AVX2": True, "FMA3": True, "AVX512F": False}, result  # what the test is about
     assert result["form"] == TWO_ROWS.name, result  # the int8 kernels compute a lone row otherwise there
     assert result["exits"] > 0 and result["equal"], result
+    # the streams overlap too, its lanes on a share of the threads where the share was found exact there
+    assert result["streams exits"] > 0 and result["streams equal"], result
+    assert result["threads"] == 1 or list(result["shares"]) == [str(max(1, result["threads"] // 2))], result
