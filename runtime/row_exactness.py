@@ -276,13 +276,7 @@ def probe(backend) -> RowForm | None:
     before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
     try:
         for form in candidates(backend):
-            reference = positions.results(form, 1, "segments")
-            if not all(_same(reference, positions.results(form, size, "segments")) for size in positions.sizes[1:]):
-                continue
-            others = positions.paths[1:]
-            if all(
-                _same(reference, positions.results(form, size, path)) for path in others for size in OTHER_GRAPHS_SIZES
-            ):
+            if positions.agree(form, positions.results(form, 1, "segments"), reference_included=True):
                 return form
         return None
     finally:  # the per-layer and fused exit graphs the probe opened: decoding opens them again where it uses them
@@ -310,12 +304,8 @@ def shares_exactly(backend, threads: int) -> bool:
             exact = positions is not None
             reference = positions.results(form, 1, "segments") if exact else None
         if exact:
-            with backend.calls_on(threads):  # the sizes decoding's calls take on each path, as `probe` compares
-                exact = all(
-                    _same(reference, positions.results(form, size, path))
-                    for path in positions.paths
-                    for size in (positions.sizes if path == "segments" else OTHER_GRAPHS_SIZES)
-                )
+            with backend.calls_on(threads):
+                exact = positions.agree(form, reference, reference_included=False)
         verdicts[key] = form.name if exact else NONE_NAME
         _write_cache(path, verdicts)
     exact = verdicts[key] == form.name
@@ -382,6 +372,17 @@ class _Positions:
             hidden, _ = ctx.layer_exit(main, layer, hidden, first)
             done = layer
         return ctx.layers(main, done + 1, layers, hidden, first) if done < layers else hidden
+
+    def agree(self, form: RowForm, reference: tuple[torch.Tensor, list], *, reference_included: bool) -> bool:
+        """Whether every path, in calls of each size compared on it (the segments at every size in SIZES, the other
+        paths at OTHER_GRAPHS_SIZES), gives `reference`'s bits, the first difference ending the comparison;
+        `reference_included`: `reference` is these calls' own one-position segments, not computed again."""
+        return all(
+            _same(reference, self.results(form, size, path))
+            for path in self.paths
+            for size in (self.sizes if path == "segments" else OTHER_GRAPHS_SIZES)
+            if not (reference_included and path == "segments" and size == 1)
+        )
 
     def results(self, form: RowForm, size: int, path: str) -> tuple[torch.Tensor, list]:
         """The compared positions in calls of `size` (padded as `form` says) through `path`."""
