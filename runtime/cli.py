@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch backend: compile the model's modules with torch.compile (faster decoding on a GPU once compiled; "
         "the first calls of each shape compile)",
     )
+    parser.add_argument(
+        "--int4-kernels",
+        action="store_true",
+        help="torch backend: read an export's 4-bit weights with torch's int4 kernels instead of dequantizing them "
+        "(CUDA: bfloat16 products, compute capability 8.0+; ParaDecode then runs as the machine's probe says)",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after an end-of-sequence token")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument(
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             lanes=args.lanes,
             threads=args.threads,
             torch_compile=args.compile,
+            int4_kernels=args.int4_kernels,
             verify=not args.no_verify,
         ) as model:
             if args.prompt_ids is None and model.tokenizer is None:

@@ -120,6 +120,7 @@ class ParaDecodeModel:
         threads: int | None = None,
         cuda_graphs: bool = True,
         torch_compile: bool = False,
+        int4_kernels: bool = False,
         verify: bool = True,
     ):
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
@@ -136,6 +137,11 @@ class ParaDecodeModel:
                 f"torch_compile compiles the torch backend's modules; the {backend!r} backend runs the export's own "
                 "graphs. Use backend='torch' (--backend torch), or leave torch_compile off."
             )
+        if int4_kernels and backend != "torch":
+            raise UserInputError(
+                f"int4_kernels reads 4-bit weights with torch's int4 kernels; the {backend!r} backend runs the "
+                "export's own graphs. Use backend='torch' (--backend torch), or leave int4_kernels unset."
+            )
         options = {}
         if backend == "onnxruntime":
             # None: every core per call (onnxruntime_backend's THREADS, measured); lane 0 alone computes in ar and in
@@ -144,6 +150,7 @@ class ParaDecodeModel:
         elif backend == "torch":
             options["cuda_graphs"] = cuda_graphs
             options["torch_compile"] = torch_compile
+            options["int4_kernels"] = int4_kernels
         self.backend = backend_class(backend)(self.export, device=device, **options)
         self.lanes = lanes  # per engine: the decoding thread and lanes - 1 side lanes (`streams` and `both`)
         self.capacity = self.backend.cache_capacity  # the positions a request may take (a KV cache's slots)

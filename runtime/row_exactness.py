@@ -33,11 +33,15 @@ request decodes as plain decoding does, and says so once: never silently inexact
 
 The verdict is cached per machine and export (`$XDG_CACHE_HOME/paradecode/row-exactness.json`, keyed by the
 manifest's content, the backend and its threads, the kernels' library versions and the CPU's model and flags), so a
-later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine. On CUDA the
-form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every overlap,
-tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too, and there ParaDecode's
-output is plain decoding's up to near ties of the final head's logits, the decoding contract's general form (no
-padding makes its attention's sums alike: see above).
+later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine, and for the
+torch backend wherever torch's int4 kernels read some of its weights (`Backend.probes_rows`;
+runtime/backends/int4_kernels.py): on an H100, compiled, ParaDecode's output on them differed from plain decoding's
+in 2 of 12 SmolLM2 prompts without the probe (tools/results/NVIDIA-H100-80GB-HBM3/README.md, 2026-11-28; which call
+gave a row other bits was not found). Elsewhere on CUDA the form is `AS_IS`, what the GPU tests check (ParaDecode
+equals plain decoding in every overlap, tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch
+reference) is `AS_IS` too without int4 kernels, and there ParaDecode's output is plain decoding's up to near ties of
+the final head's logits, the decoding contract's general form (no padding makes its attention's sums alike: see
+above; with int4 kernels the probe finds a position alone exact on this project's CPUs).
 """
 
 from __future__ import annotations
@@ -167,8 +171,13 @@ def machine_identity() -> str:
     return json.dumps([platform.machine(), fields], sort_keys=True)
 
 
-def kernels_version() -> str:
-    """onnxruntime's version and build, whichever package installed it (onnxruntime, onnxruntime-gpu, ...)."""
+def kernels_version(backend=None) -> str:
+    """onnxruntime's version and build, whichever package installed it (onnxruntime, onnxruntime-gpu, ...); for the
+    torch backend torch's version, and on CUDA the device's name and CUDA's version."""
+    if backend is not None and backend.name == "torch":
+        device = backend.device
+        gpu = f" {torch.cuda.get_device_name(device)} CUDA {torch.version.cuda}" if device.type == "cuda" else ""
+        return f"torch {torch.__version__}{gpu}"
     try:
         import onnxruntime
     except ImportError:
@@ -186,7 +195,7 @@ def verdict_key(backend) -> str:
         hashlib.sha256(manifest).hexdigest(),
         backend.name,
         json.dumps(getattr(backend, "threads", None)),
-        kernels_version(),
+        kernels_version(backend),
         machine_identity(),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
@@ -240,9 +249,9 @@ def _write_cache(path: Path, verdicts: dict[str, str]) -> None:
 def row_form(backend) -> RowForm | None:
     """The form under which `backend` computes every position alike on this machine (None: none does): from the
     cache of verdicts, else probed and recorded there."""
-    if backend.device.type != "cpu":
-        return AS_IS
-    if backend.name != "onnxruntime":
+    if not backend.probes_rows:
+        if backend.device.type != "cpu":
+            return AS_IS
         logger.info(
             "%s: the %s backend on a CPU is not probed for row exactness: ParaDecode's output is plain decoding's up "
             "to near ties of the final head's logits there (the onnxruntime backend's is bit for bit)",

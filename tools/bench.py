@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="torch backend: compile every subgraph module with torch.compile; ar also runs uncompiled ('ar (eager)')",
     )
+    parser.add_argument(
+        "--int4-kernels",
+        action="store_true",
+        help="torch backend: read the export's 4-bit weights with torch's int4 kernels; ar also runs on the same "
+        "export dequantized ('ar (dequantized)', instead of 'ar (eager)')",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every figure and sample as JSON")
     parser.add_argument("--plot", type=Path, metavar="OUT.png", help="write the speedup and exits plot")
@@ -237,7 +243,13 @@ def run(args) -> tuple[str, list[str]]:
     peers = peer_settings(args)
     prompts = load_prompts(args.prompts) if args.prompts else None
     with (
-        opened_with_ar_baselines(args.export, backend=args.backend, device=args.device, torch_compile=args.compile) as (
+        opened_with_ar_baselines(
+            args.export,
+            backend=args.backend,
+            device=args.device,
+            torch_compile=args.compile,
+            int4_kernels=args.int4_kernels,
+        ) as (
             main_model,
             ar_models,
         ),

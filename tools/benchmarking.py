@@ -37,7 +37,14 @@ DEFAULT_PROMPTS = (
 UNCATEGORISED = "uncategorised"  # the group of prompts without a category, where others have one
 
 
-def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str = "cpu", torch_compile: bool = False):
+def load_with_ar_baselines(
+    export,
+    *,
+    backend: str = "onnxruntime",
+    device: str = "cpu",
+    torch_compile: bool = False,
+    int4_kernels: bool = False,
+):
     """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every core per call, but one
     for the layers of int8-activation exports), plus the ar baselines worth measuring beside it.
 
@@ -45,12 +52,30 @@ def load_with_ar_baselines(export, *, backend: str = "onnxruntime", device: str 
     1-lane model whose calls use one thread each, and one whose calls use every core: which is the faster plain
     decoding depends on the model and the machine. The harness reports the fastest as *the* ar
     (`Results.baseline`). With `torch_compile` (the torch backend), the model's modules are compiled, and ar also
-    runs on a model without compilation, `ar (eager)`, so the two are measured side by side.
+    runs on a model without compilation, `ar (eager)`, so the two are measured side by side; where the torch
+    backend reads 4-bit weights with int4 kernels (`int4_kernels`), ar also runs on the same export dequantized,
+    `ar (dequantized)`, instead.
     """
     from paradecode.runtime import load
 
     cores = os.cpu_count() or 1
-    model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile)
+    options = {"int4_kernels": True} if int4_kernels else {}
+    model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile, **options)
+    if int4_kernels:  # the same export dequantized beside them
+        try:
+            dequantized = load(
+                export,
+                backend=backend,
+                device=device,
+                lanes=1,
+                torch_compile=torch_compile,
+                int4_kernels=False,
+                verify=False,
+            )
+        except BaseException:
+            model.close()
+            raise
+        return model, {"ar": model, "ar (dequantized)": dequantized}
     if torch_compile:
         try:
             eager = load(export, backend=backend, device=device, lanes=1, verify=False)
@@ -80,11 +105,9 @@ def close_all(model, baselines: dict) -> None:
 
 
 @contextmanager
-def opened_with_ar_baselines(
-    export, *, backend: str = "onnxruntime", device: str = "cpu", torch_compile: bool = False
-) -> Iterator[tuple]:
+def opened_with_ar_baselines(export, **options) -> Iterator[tuple]:
     """`load_with_ar_baselines` as a context manager: (model, {label: model}), all closed on leaving."""
-    model, baselines = load_with_ar_baselines(export, backend=backend, device=device, torch_compile=torch_compile)
+    model, baselines = load_with_ar_baselines(export, **options)
     try:
         yield model, baselines
     finally:

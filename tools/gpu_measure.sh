@@ -23,6 +23,14 @@
 #                leaves it eager), on the eval prompts: ar against ParaDecode with the export's thresholds
 #                (--adaptive off: on CUDA the defaults call no exit heads) and lookup, heads alone, lookup alone
 #                (`batched`)
+#   defaults     SmolLM2-135M-Instruct's real weights (the GGUF at $PARADECODE_SMOLLM2) with the shipped exit heads,
+#                compiled: plain decoding and ParaDecode's defaults (adaptive auto) and with the exit heads always on
+#                (adaptive off), lookup 5, `batched`; then a second process on the same export, to time a first
+#                generate that reads Inductor's cache (bench-smollm2-second-process.json)
+#   int4         the same export with its Q4_1 layers read by torch's int4 kernels (--int4-kernels) beside it
+#                dequantized ('ar (dequantized)'), plain decoding and ParaDecode's defaults; then which calls give a
+#                position other bits in a call of several (tools/lab/row_bits.py: int4 kernels on and off, eager and
+#                compiled, and what the row probe finds)
 #   peers        Hugging Face transformers' static-cache generate (compiled by transformers on CUDA) beside
 #                paradecode's ar (torch backend, --compile) and ParaDecode's defaults, on random-weight Llamas of
 #                real shapes (tools/peer_shapes.py), each against the copy bound and the read-bandwidth bound; one
@@ -111,13 +119,34 @@ stage_compile() {
   run $py tools/lab/where_time_goes.py "$out" --device "$device" --compile
 }
 
-stage_method() {
-  [[ -d $work/smollm2-heads ]] || run $py -m paradecode.export.cli "$smollm2" -o "$work/smollm2-heads" --heads tools/models/smollm2/heads.safetensors \
-      --max-seq-len 1024 --force -q
+smollm2_heads() {  # SmolLM2's GGUF with the shipped exit heads, exported once per $WORK
+  [[ -d $work/smollm2-heads ]] || run $py -m paradecode.export.cli "$smollm2" -o "$work/smollm2-heads" \
+      --heads tools/models/smollm2/heads.safetensors --max-seq-len 1024 --force -q
+}
+
+smollm2_bench() {  # the bench of the SmolLM2 export on the torch backend, compiled unless COMPILE= is set
   run $py -m paradecode.tools.bench "$work/smollm2-heads" --backend torch --device "$device" ${COMPILE---compile} \
-      --prompts eval --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-2}" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
-      --thresholds default,never --adaptive off --overlaps batched --lookup 0,5 --no-hf \
-      --json "$out/bench-smollm2-method.json" --plot "$out/bench-smollm2-method.png"
+      --prompts eval --max-new-tokens "${MAX_NEW_TOKENS:-128}" --overlaps batched --no-hf "$@"
+}
+
+stage_method() {
+  smollm2_heads
+  smollm2_bench --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-2}" --thresholds default,never --adaptive off \
+      --lookup 0,5 --json "$out/bench-smollm2-method.json" --plot "$out/bench-smollm2-method.png"
+}
+
+stage_defaults() {
+  smollm2_heads
+  smollm2_bench --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-3}" --thresholds default --adaptive auto,off \
+      --lookup 5 --json "$out/bench-smollm2-defaults.json" --plot "$out/bench-smollm2-defaults.png"
+  smollm2_bench --per-category 1 --repeat 1 --thresholds never --lookup 0 --json "$out/bench-smollm2-second-process.json"
+}
+
+stage_int4() {
+  smollm2_heads
+  smollm2_bench --int4-kernels --per-category "${PER_CATEGORY:-2}" --repeat "${REPEAT:-3}" --thresholds default \
+      --lookup 5 --json "$out/bench-smollm2-int4.json"
+  run $py tools/lab/row_bits.py "$work/smollm2-heads" "$out/row-bits-smollm2.json" --device "$device"
 }
 
 stage_peers() {  # each case measured while the next one's model and export are made on the CPU
@@ -156,7 +185,7 @@ stage_profile() {
 }
 
 for stage in "${stages[@]}"; do
-  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile method peers)" >&2; exit 2; }
+  declare -F "stage_$stage" >/dev/null || { echo "unknown stage $stage (tests tiny smollm2 characterise profile segments compile method defaults int4 peers)" >&2; exit 2; }
   echo "== $stage on $gpu, results in $out"
   "stage_$stage" 2>&1 | tee "$out/log-$stage.txt" || echo "== $stage FAILED (see $out/log-$stage.txt); going on"
 done

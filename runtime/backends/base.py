@@ -105,6 +105,12 @@ class Backend(ABC):
         self._row_form_lock = threading.Lock()  # the first ask probes; a second asker waits for its verdict
 
     @property
+    def probes_rows(self) -> bool:
+        """Whether this backend's row form is probed on the machine (runtime/row_exactness.py) rather than taken to
+        be `AS_IS`: where its kernels are known to give a lone row other bits (each backend says where)."""
+        return False
+
+    @property
     def row_form(self) -> row_exactness.RowForm | None:
         """How calls must be made for a position to get the same bits in a call of its own and among others on this
         machine (runtime/row_exactness.py), None where no form does: probed (or read from the cache of verdicts) at

@@ -140,6 +140,11 @@ class Bindings(dict):
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
+    @property
+    def probes_rows(self) -> bool:
+        """On a CPU, the CPU engine, whose quantized kernels choose their code path by row count."""
+        return self.device.type == "cpu"
+
     def __init__(self, export: ExportFolder, device: str = "cpu", threads: int | None = None):
         super().__init__(export, device)
         providers = ort.get_available_providers()

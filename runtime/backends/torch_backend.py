@@ -2,7 +2,10 @@
 
 It is the reference the other backends are compared with, and the GPU path where TensorRT is
 absent. Weights come from the export's `weights.safetensors`, under the canonical names; quantized
-ones are dequantized on load (graphs/quantized.py), so they are held in float.
+ones are dequantized on load (graphs/quantized.py), so they are held in float, except that with `int4_kernels`
+the 4-bit ones are read as 4-bit values by torch's int4 kernels (int4_kernels.py), and then the backend's row form
+is probed as the onnxruntime backend's is on a CPU (runtime/row_exactness.py: on an H100 ParaDecode's output on
+them differed from plain decoding's in 2 of 12 prompts without it).
 
 On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count, lane)
 is captured at its first use, from that very call's inputs (so the warm-up runs before the capture
@@ -48,10 +51,11 @@ import torch
 
 from paradecode.graphs.cache_dir import user_cache
 from paradecode.graphs.errors import ManifestError, ParadecodeError, UserInputError
-from paradecode.graphs.modules import build_subgraph
-from paradecode.graphs.quantized import dequantized
+from paradecode.graphs.modules import build_subgraph, subgraph_state
+from paradecode.graphs.quantized import QuantizedWeight, dequantized
 from paradecode.graphs.tensors import LOGITS, subgraph_io
 from paradecode.runtime.backends.base import Backend, Launched
+from paradecode.runtime.backends.int4_kernels import Int4Kernels, unavailable
 from paradecode.runtime.loader import ExportFolder
 
 logger = logging.getLogger(__name__)
@@ -190,8 +194,14 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(
-        self, export: ExportFolder, device: str = "cpu", cuda_graphs: bool = True, torch_compile: bool = False
+        self,
+        export: ExportFolder,
+        device: str = "cpu",
+        cuda_graphs: bool = True,
+        torch_compile: bool = False,
+        int4_kernels: bool = False,
     ):
+        """`int4_kernels`: 4-bit weights read by torch's int4 kernels (int4_kernels.py) rather than dequantized."""
         super().__init__(export, device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UserInputError("device 'cuda' was asked for, but torch sees no CUDA GPU. Use --device cpu.")
@@ -203,9 +213,11 @@ class TorchBackend(Backend):
             raise ManifestError(f"cannot read {self.manifest.weights} ({err}); re-export the model.") from err
         self._exit_vocab_weights = weights.get("exits.vocab")  # the one tensor decoding asks for (`weights_tensor`)
         manifest = self.manifest
+        quantized = self._int4_weights(weights, int4_kernels)
         # Quantized weights run dequantized (to float32, then the export's dtype): the reference their
         # onnxruntime graphs were validated against.
         weights = dequantized(weights, manifest.quantization)
+        self.int4 = Int4Kernels(quantized, weights, self.dtype, self.device) if quantized else None
         self.modules: dict[str, torch.nn.Module] = {}
         for sub in manifest.subgraphs:
             with_logits = LOGITS in sub.io.output_names
@@ -221,6 +233,8 @@ class TorchBackend(Backend):
             )
             self.check_names(sub, contract.input_names, contract.output_names, "the torch module")
             module = build_subgraph(self.spec, sub.io, weights, dtype=self.dtype, with_logits=with_logits)
+            if self.int4 is not None:
+                self.int4.apply(module, subgraph_state(self.spec, sub.io, weights))
             self.modules[sub.io.name] = module.to(self.device)
         self.torch_compile = torch_compile
         self.reads_whole_cache = torch_compile or self.device.type != "cpu"  # compiled: graphs/ops.py, attention
@@ -234,6 +248,23 @@ class TorchBackend(Backend):
         self.graphs: dict[tuple, GraphedCall] = {}
         self.pools: dict[str, object] = {}  # lane -> CUDA graph memory pool
         self._capture = threading.Lock()
+
+    @property
+    def probes_rows(self) -> bool:
+        """Probed where int4 kernels read some weights (module docstring); elsewhere `AS_IS`."""
+        return self.int4 is not None and bool(self.int4.replaced)
+
+    def _int4_weights(self, stored: dict[str, torch.Tensor], wanted: bool) -> dict[str, QuantizedWeight]:
+        """The quantized weights int4 kernels are to read (none unless `wanted`)."""
+        quantization = self.manifest.quantization
+        if not isinstance(wanted, bool):
+            raise UserInputError(f"int4_kernels must be True or False, got {wanted!r}.")
+        if not wanted or quantization is None:
+            return {}
+        reason = unavailable(self.device, self.dtype)
+        if reason is not None:
+            raise UserInputError(f"int4_kernels was asked for, but {reason}. Leave int4_kernels off.")
+        return {name: QuantizedWeight.from_stored(name, fmt, stored) for name, fmt in quantization.weights.items()}
 
     def weights_tensor(self, name: str) -> torch.Tensor:
         if name == "exits.vocab" and self._exit_vocab_weights is not None:

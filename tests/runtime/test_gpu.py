@@ -148,3 +148,25 @@ def test_compiled_modules_on_cuda(family, cpu_ar, exports):
             )
             what = f"{family} compiled cuda {overlap} vs ar"
             assert_same_tokens(ours.token_ids, ar, what, prompt=PROMPT, score=score)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("source", ["gguf", "int4"])
+def test_int4_kernels_on_cuda(source, compiled, quantized_exports):
+    """A quantized export's 4-bit weights read by torch's CUDA int4 kernel (`int4_kernels=True`,
+    runtime/backends/int4_kernels.py): they are used, plain decoding stays the CPU reference's greedy decoding up
+    to near ties (the kernel computes in bfloat16), the backend's row form is probed, and ParaDecode (every token
+    exiting, every overlap, CUDA graphs) gives exactly plain decoding's tokens on them."""
+    folder, _, _ = quantized_exports["llama", source]
+    options = {"device": "cuda", "torch_compile": compiled, "int4_kernels": True}
+    with load(folder, backend="torch") as cpu, load(folder, backend="torch", **options) as gpu:
+        assert gpu.backend.int4.replaced and gpu.backend.probes_rows
+        print(f"{source} int4 cuda, compiled {compiled}: row form {gpu.backend.row_form}")
+        expected = cpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+        ar = gpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
+        assert_same_tokens(ar, expected, f"{source} int4 cuda ar vs cpu", prompt=PROMPT, score=export_scorer(cpu))
+        for overlap in OVERLAPS:
+            ours = gpu.generate(
+                prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, thresholds=0.0, overlap=overlap, ignore_eos=True
+            )
+            assert ours.token_ids == ar, f"{source} int4 cuda {overlap}: {ours.token_ids} against ar's {ar}"
