@@ -32,16 +32,17 @@ Where no candidate holds (`None`), ParaDecode cannot verify several positions in
 request decodes as plain decoding does, and says so once: never silently inexact.
 
 The verdict is cached per machine and export (`$XDG_CACHE_HOME/paradecode/row-exactness.json`, keyed by the
-manifest's content, the backend and its threads, the kernels' library versions and the CPU's model and flags), so a
-later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine, and for the
-torch backend wherever torch's int4 kernels read some of its weights (`Backend.probes_rows`;
+manifest's content, the backend and its threads, its kernels (`Backend.kernels_identity`) and the CPU's model and
+flags), so a later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine,
+and for the torch backend wherever torch's int4 kernels read some of its weights (`Backend.probes_rows`;
 runtime/backends/int4_kernels.py): on an H100, compiled, ParaDecode's output on them differed from plain decoding's
-in 2 of 12 SmolLM2 prompts without the probe (tools/results/NVIDIA-H100-80GB-HBM3/README.md, 2026-11-28; which call
-gave a row other bits was not found). Elsewhere on CUDA the form is `AS_IS`, what the GPU tests check (ParaDecode
-equals plain decoding in every overlap, tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch
-reference) is `AS_IS` too without int4 kernels, and there ParaDecode's output is plain decoding's up to near ties of
-the final head's logits, the decoding contract's general form (no padding makes its attention's sums alike: see
-above; with int4 kernels the probe finds a position alone exact on this project's CPUs).
+in 1 of 12 SmolLM2 prompts with its defaults, 2 with the exit heads always on, without the probe
+(tools/results/NVIDIA-H100-80GB-HBM3/README.md, 2026-11-28; which call gave a row other bits was not found).
+Elsewhere on CUDA the form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every overlap,
+tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too without int4 kernels,
+and there ParaDecode's output is plain decoding's up to near ties of the final head's logits, the decoding
+contract's general form (no padding makes its attention's sums alike: see above; with int4 kernels the probe decides
+there too).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def candidates(backend) -> tuple[RowForm, ...]:
     so a position alone comes before any padding there. Elsewhere padding is cheap (the int8 kernel's second row
     costs little) and keeps ParaDecode's verifications in one call."""
     quantization = backend.manifest.quantization
-    if quantization is not None and quantization.activations_of("layer") == "float":
+    if backend.name == "onnxruntime" and quantization is not None and quantization.activations_of("layer") == "float":
         return (AS_IS, ALONE, *(form for form in CANDIDATES if form not in (AS_IS, ALONE)))
     return CANDIDATES
 
@@ -171,13 +172,8 @@ def machine_identity() -> str:
     return json.dumps([platform.machine(), fields], sort_keys=True)
 
 
-def kernels_version(backend=None) -> str:
-    """onnxruntime's version and build, whichever package installed it (onnxruntime, onnxruntime-gpu, ...); for the
-    torch backend torch's version, and on CUDA the device's name and CUDA's version."""
-    if backend is not None and backend.name == "torch":
-        device = backend.device
-        gpu = f" {torch.cuda.get_device_name(device)} CUDA {torch.version.cuda}" if device.type == "cuda" else ""
-        return f"torch {torch.__version__}{gpu}"
+def kernels_version() -> str:
+    """onnxruntime's version and build, whichever package installed it (onnxruntime, onnxruntime-gpu, ...)."""
     try:
         import onnxruntime
     except ImportError:
@@ -187,15 +183,16 @@ def kernels_version(backend=None) -> str:
 
 
 def verdict_key(backend) -> str:
-    """What a verdict depends on: the export (its manifest lists every file's hash), the backend, its threads, the
-    kernels' libraries and the machine."""
+    """What a verdict depends on: the export (its manifest lists every file's hash), the backend, its threads, its
+    kernels (`Backend.kernels_identity`: onnxruntime's version and build; torch's, its device, compilation, CUDA
+    graphs and which weights int4 kernels read) and the machine."""
     manifest = json.dumps(backend.manifest.to_dict(), sort_keys=True).encode()  # it lists every file's hash
     parts = [
         str(PROBE_VERSION),
         hashlib.sha256(manifest).hexdigest(),
         backend.name,
         json.dumps(getattr(backend, "threads", None)),
-        kernels_version(backend),
+        backend.kernels_identity(),
         machine_identity(),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()

@@ -9,6 +9,7 @@ exits per layer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import math
@@ -272,8 +273,6 @@ def run(args) -> tuple[str, list[str]]:
 def compared_export_modes(args, export: Path, main_model, stack: ExitStack) -> list:
     """ar on `export` (a --compare-export), in each thread setting the main export's ar runs in, as reference rows
     (kind "peer": another engine's plain decoding, not a baseline). Its models are closed with `stack`."""
-    import dataclasses
-
     from paradecode.tools import benchmarking as bm
 
     other, baselines = stack.enter_context(
@@ -376,6 +375,8 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     # one seed for every run: draws are keyed by (seed, position, purpose), so the ar rows sample alike
     sampling = {"temperature": args.temperature, "seed": 0} if args.temperature else {}
     modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
+    # the dequantized weights beside int4 kernels: another engine's plain decoding, a reference row, not a baseline
+    modes = [dataclasses.replace(m, kind="peer") if m.name == bm.DEQUANTIZED else m for m in modes]
     for overlap in args.overlaps:
         for threshold in thresholds:
             for (lookup, match, factor), adaptive in itertools.product(variants, args.adaptive):

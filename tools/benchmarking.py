@@ -37,6 +37,9 @@ DEFAULT_PROMPTS = (
 UNCATEGORISED = "uncategorised"  # the group of prompts without a category, where others have one
 
 
+DEQUANTIZED = "ar (dequantized)"  # `load_with_ar_baselines`' row of the same export without int4 kernels
+
+
 def load_with_ar_baselines(
     export,
     *,
@@ -54,12 +57,13 @@ def load_with_ar_baselines(
     (`Results.baseline`). With `torch_compile` (the torch backend), the model's modules are compiled, and ar also
     runs on a model without compilation, `ar (eager)`, so the two are measured side by side; where the torch
     backend reads 4-bit weights with int4 kernels (`int4_kernels`), ar also runs on the same export dequantized,
-    `ar (dequantized)`, instead.
+    `ar (dequantized)` (DEQUANTIZED), instead: another engine's plain decoding (other numerics, other tokens), which
+    the bench reports beside ar as a reference row, never as the baseline.
     """
     from paradecode.runtime import load
 
     cores = os.cpu_count() or 1
-    options = {"int4_kernels": True} if int4_kernels else {}
+    options = {"int4_kernels": True} if int4_kernels else {}  # the option exists for the torch backend only
     model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile, **options)
     if int4_kernels:  # the same export dequantized beside them
         try:
@@ -75,7 +79,7 @@ def load_with_ar_baselines(
         except BaseException:
             model.close()
             raise
-        return model, {"ar": model, "ar (dequantized)": dequantized}
+        return model, {"ar": model, DEQUANTIZED: dequantized}
     if torch_compile:
         try:
             eager = load(export, backend=backend, device=device, lanes=1, verify=False)

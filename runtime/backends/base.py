@@ -104,6 +104,11 @@ class Backend(ABC):
         self._row_form_known = False
         self._row_form_lock = threading.Lock()  # the first ask probes; a second asker waits for its verdict
 
+    def kernels_identity(self) -> str:
+        """What this backend's calls' bits depend on besides the export and the CPU, in a row-form verdict's key
+        (runtime/row_exactness.py): onnxruntime's version and build, unless a backend says otherwise."""
+        return row_exactness.kernels_version()
+
     @property
     def probes_rows(self) -> bool:
         """Whether this backend's row form is probed on the machine (runtime/row_exactness.py) rather than taken to

@@ -19,10 +19,13 @@ runs one configuration for every row count and reduces each output's K in one or
 never mix); tests/runtime/test_int4_kernels.py checks rows alone and together on the CPU kernel, and
 tests/runtime/test_gpu.py ParaDecode against plain decoding with the CUDA kernel.
 
-Which weights: 4-bit, a block size the kernels take (32, 64, 128, 256), whole blocks (K a multiple of the
-block size and of 32), N a multiple of 8. Others (a Q8_0 embedding, a Q6_K head) stay dequantized. Each shape
-is checked once at load against its dequantized product (`_agrees`); a shape whose product disagrees stays
-dequantized, with a warning, so a kernel that packs or computes otherwise on some build is never used silently.
+Which weights: a layer's, 4-bit, a block size the kernels take (32, 64, 128, 256), whole blocks (K a multiple of
+the block size and of 32), N a multiple of 8 (CUDA) or 16 (CPU). Others (a Q8_0 embedding, 8-bit blocks, the
+heads' unembeddings) stay dequantized. Each shape is checked once at load against its dequantized product
+(`_agrees`); a shape whose product disagrees, or that a kernel refuses, stays dequantized, with a warning, so a
+kernel that packs or computes otherwise on some build is never used silently. Loading still dequantizes every
+weight once (the modules are built from the float weights, then their 4-bit Linears replaced), so loading takes
+the float model's memory at its peak; decoding holds and reads the 4-bit values.
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why int4 kernels cannot run on `device` for an export of `dtype`; None where they can."""
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (8, 0):
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            name = torch.cuda.get_device_name(device)
             return (
-                f"torch's CUDA int4 kernel needs compute capability 8.0, {torch.cuda.get_device_name(device)} has less"
+                f"torch's CUDA int4 kernel needs compute capability 8.0, and {name} has {capability[0]}.{capability[1]}"
             )
         return None
     if device.type == "cpu":
@@ -61,8 +66,9 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return f"torch has no int4 kernel for {device.type}"
 
 
-def fits(weight: QuantizedWeight) -> bool:
-    """Whether the kernels take this weight's blocks as they are."""
+def fits(weight: QuantizedWeight, device: torch.device) -> bool:
+    """Whether the kernels on `device` take this weight's blocks as they are (the CPU packer needs N a multiple of
+    16, the CUDA one of 8)."""
     fmt = weight.format
     n, k = fmt.shape
     return (
@@ -70,7 +76,7 @@ def fits(weight: QuantizedWeight) -> bool:
         and fmt.block_size in GROUP_SIZES
         and k == fmt.blocks * fmt.block_size
         and k % 32 == 0
-        and n % 8 == 0
+        and n % (8 if device.type == "cuda" else 16) == 0
     )
 
 
@@ -79,6 +85,8 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        if not fits(weight, device):
+            raise ValueError(f"torch's int4 kernels on {device.type} do not take a weight of {weight.format}.")
         fmt = weight.format
         self.compute = compute_dtype(device, dtype)
         self.out_features, self.in_features = fmt.shape
@@ -132,13 +140,19 @@ class Int4Kernels:
     """Puts int4 products in place of a backend's modules' Linears whose weights are 4-bit (module docstring).
 
     `quantized`: the export's quantized weights by canonical name; `dequantized`: the canonical weights the
-    modules were built from (graphs/modules.py `subgraph_state` hands these very tensors to each module)."""
+    modules were built from (graphs/modules.py `subgraph_state` hands these very tensors to each module). Only a
+    layer's weights: a head's unembedding stays dequantized (bfloat16 logits on CUDA would tie and blur the
+    probabilities exit thresholds compare). One `Int4Linear` per weight, shared by every module reading it (a
+    layer graph, its segment, its fused exit graph). `finish` drops what only loading needed."""
 
     def __init__(self, quantized: dict[str, QuantizedWeight], dequantized: dict[str, torch.Tensor], dtype, device):
         self.dtype, self.device = dtype, torch.device(device)
-        self._by_tensor = {id(dequantized[name]): name for name, w in quantized.items() if fits(w)}
-        self._quantized = quantized
-        self._checked: dict[tuple, bool] = {}  # (N, K, block size) -> the product agreed on the load check
+        self._quantized = {
+            name: w for name, w in quantized.items() if name.startswith("layers.") and fits(w, self.device)
+        }
+        self._by_tensor = {id(dequantized[name]): name for name in self._quantized}
+        self._linears: dict[str, Int4Linear | None] = {}  # canonical name -> its module (None: stays dequantized)
+        self._checked: dict[tuple, bool] = {}  # (N, K, block size) -> whether its product agreed on the load check
         self.replaced: set[str] = set()  # canonical names now read as 4-bit values
 
     def apply(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -148,21 +162,46 @@ class Int4Kernels:
             owner, _, leaf = key.rpartition(".")
             if name is None or leaf != "weight" or not isinstance(module.get_submodule(owner), nn.Linear):
                 continue
-            linear = module.get_submodule(owner)
-            weight = self._quantized[name]
-            replacement = Int4Linear(weight, linear.bias, self.dtype, self.device)
-            shape = (*weight.format.shape, weight.format.block_size)
-            if shape not in self._checked:
-                self._checked[shape] = _agrees(replacement, linear.weight, self.dtype)
-                if not self._checked[shape]:
-                    logger.warning(
-                        "torch's int4 kernel disagrees with the dequantized weights on %s (shape %s, blocks of %d) "
-                        "here: weights of that shape stay dequantized.",
-                        name,
-                        list(weight.format.shape),
-                        weight.format.block_size,
-                    )
-            if self._checked[shape]:
+            if name not in self._linears:
+                self._linears[name] = self._built(name, module.get_submodule(owner))
+            if self._linears[name] is not None:
                 parent, _, child = owner.rpartition(".")
-                setattr(module.get_submodule(parent) if parent else module, child, replacement)
+                setattr(module.get_submodule(parent) if parent else module, child, self._linears[name])
                 self.replaced.add(name)
+
+    def finish(self) -> None:
+        """Log what was replaced and drop the stored parts and modules kept for loading."""
+        kept = len(self._quantized) - len(self.replaced)
+        if self.replaced:
+            logger.info("int4 kernels read %d 4-bit weights; %d stay dequantized", len(self.replaced), kept)
+        else:
+            logger.warning(
+                "int4 kernels were asked for, but no weight of this export is read by them (none 4-bit in blocks the "
+                "kernels take, or every shape failed its check): every weight stays dequantized."
+            )
+        self._quantized, self._by_tensor, self._linears = {}, {}, {}
+
+    def _built(self, name: str, linear: nn.Linear) -> Int4Linear | None:
+        """`name`'s int4 module, or None where its shape's product disagrees with the dequantized one or the kernels
+        refuse it (a warning says which)."""
+        weight = self._quantized[name]
+        shape = (*weight.format.shape, weight.format.block_size)  # mins or zero points: the same kernel inputs
+        if self._checked.get(shape) is False:
+            return None
+        error = None
+        try:
+            built = Int4Linear(weight, linear.bias, self.dtype, self.device)
+            agrees = self._checked[shape] = self._checked.get(shape) or _agrees(built, linear.weight, self.dtype)
+        except (RuntimeError, ValueError) as err:  # a kernel that refuses a shape on this build
+            built, agrees, error = None, False, err
+            self._checked[shape] = False
+        if not agrees:
+            logger.warning(
+                "torch's int4 kernel %s on %s (shape %s, blocks of %d) here: weights of that shape stay dequantized.",
+                f"failed ({error})" if error else "disagrees with the dequantized weights",
+                name,
+                list(weight.format.shape),
+                weight.format.block_size,
+            )
+            return None
+        return built

@@ -5,7 +5,7 @@ absent. Weights come from the export's `weights.safetensors`, under the canonica
 ones are dequantized on load (graphs/quantized.py), so they are held in float, except that with `int4_kernels`
 the 4-bit ones are read as 4-bit values by torch's int4 kernels (int4_kernels.py), and then the backend's row form
 is probed as the onnxruntime backend's is on a CPU (runtime/row_exactness.py: on an H100 ParaDecode's output on
-them differed from plain decoding's in 2 of 12 prompts without it).
+them differed from plain decoding's in 1 of 12 prompts, 2 with exit heads, without it).
 
 On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count, lane)
 is captured at its first use, from that very call's inputs (so the warm-up runs before the capture
@@ -236,6 +236,8 @@ class TorchBackend(Backend):
             if self.int4 is not None:
                 self.int4.apply(module, subgraph_state(self.spec, sub.io, weights))
             self.modules[sub.io.name] = module.to(self.device)
+        if self.int4 is not None:
+            self.int4.finish()
         self.torch_compile = torch_compile
         self.reads_whole_cache = torch_compile or self.device.type != "cpu"  # compiled: graphs/ops.py, attention
         self.compile_cache: Path | None = None  # Inductor's cache folder, with torch_compile
@@ -248,6 +250,19 @@ class TorchBackend(Backend):
         self.graphs: dict[tuple, GraphedCall] = {}
         self.pools: dict[str, object] = {}  # lane -> CUDA graph memory pool
         self._capture = threading.Lock()
+
+    def kernels_identity(self) -> str:
+        """torch's version, the device (a GPU's name and CUDA's version; a CPU's threads), compilation, CUDA graphs and
+        the weights int4 kernels read: what a position's bits depend on here."""
+        if self.device.type == "cuda":
+            where = f"{torch.cuda.get_device_name(self.device)}, CUDA {torch.version.cuda}"
+        else:
+            where = f"CPU, {torch.get_num_threads()} threads"
+        int4 = sorted(self.int4.replaced) if self.int4 is not None else []
+        return (
+            f"torch {torch.__version__}, {where}, compiled {self.torch_compile}, CUDA graphs {self.cuda_graphs}, "
+            f"int4 kernels on {int4}"
+        )
 
     @property
     def probes_rows(self) -> bool:

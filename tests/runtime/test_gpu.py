@@ -162,6 +162,7 @@ def test_int4_kernels_on_cuda(source, compiled, quantized_exports):
     with load(folder, backend="torch") as cpu, load(folder, backend="torch", **options) as gpu:
         assert gpu.backend.int4.replaced and gpu.backend.probes_rows
         print(f"{source} int4 cuda, compiled {compiled}: row form {gpu.backend.row_form}")
+        assert gpu.backend.row_form is not None, "no row form keeps a position's bits with int4 kernels on CUDA"
         expected = cpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
         ar = gpu.generate(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, mode="ar", ignore_eos=True).token_ids
         assert_same_tokens(ar, expected, f"{source} int4 cuda ar vs cpu", prompt=PROMPT, score=export_scorer(cpu))

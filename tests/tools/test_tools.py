@@ -609,3 +609,32 @@ def test_bench_lookup_match_settings_multiply_only_where_lookup_is_on(tmp_path, 
     for option, value in (("--lookup-ngram", "0"), ("--lookup-length-factor", "-1"), ("--lookup-ngram", "a")):
         assert bench.main([str(tmp_path / "no-export"), option, value]) == 2  # refused before anything loads
         assert option in capsys.readouterr().err
+
+
+def test_bench_with_int4_kernels_reports_the_dequantized_weights_as_a_reference_row(stories_dir, tmp_path):
+    """--int4-kernels (torch backend): ar runs on the 4-bit weights read by int4 kernels, and the same export
+    dequantized beside it as a reference row (kind "peer": other numerics), never the baseline ParaDecode is
+    compared with."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    int4 = tmp_path / "int4"
+    export_model(ExportConfig(model=str(stories_dir / "hf"), output=int4, max_seq_len=128, weights="int4"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    argv = ["--prompts", str(prompts), "--max-new-tokens", "6", "--repeat", "1", "--thresholds", "default"]
+    argv += [
+        "--overlaps",
+        "batched",
+        "--no-hf",
+        "--backend",
+        "torch",
+        "--int4-kernels",
+        "--json",
+        str(tmp_path / "b.json"),
+    ]
+    assert bench.main([str(int4), *argv]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    summary = report["summary"]
+    assert summary["ar"]["kind"] == "ar" and summary["ar (dequantized)"]["kind"] == "peer", sorted(summary)
+    assert summary["_baseline"]["ar"] == "ar", summary["_baseline"]  # what ParaDecode's speedups are against

@@ -7,7 +7,8 @@ some) read by torch's int4 kernels: the same positions of a fixed prompt compute
 probe compares (runtime/row_exactness.py), through each path decoding uses, each against the calls of one
 position: whether the bits agree and the largest difference of the last hidden state; then what the probe itself
 finds. Written for the question the H100 run of 2026-11-28 left open (ParaDecode on int4 kernels, compiled, gave
-another output than plain decoding in 2 of 12 SmolLM2 prompts): which call, which size, eager or compiled.
+another output than plain decoding in 1 of 12 SmolLM2 prompts, 2 with the exit heads always on): which call, which
+size, eager or compiled.
 """
 
 import argparse
@@ -23,6 +24,8 @@ from paradecode.runtime.loader import open_export
 def sizes_compared(backend) -> dict:
     """{"path size": {"same", "max_abs_diff"}} for every path and size the probe compares, under `AS_IS`."""
     positions = row_exactness._Positions.of(backend)
+    if positions is None:
+        raise SystemExit(f"{backend.export.path}: its KV cache is too small to compare positions (see the warning).")
     reference = positions.results(row_exactness.AS_IS, 1, "segments")
     report = {}
     for path in positions.paths:
