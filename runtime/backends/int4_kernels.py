@@ -171,9 +171,14 @@ class Int4Kernels:
 
     def finish(self) -> None:
         """Log what was replaced and drop the stored parts and modules kept for loading."""
-        kept = len(self._quantized) - len(self.replaced)
+        failed = len(self._quantized) - len(self.replaced)  # layer weights that fit but whose shape failed its check
         if self.replaced:
-            logger.info("int4 kernels read %d 4-bit weights; %d stay dequantized", len(self.replaced), kept)
+            logger.info(
+                "int4 kernels read %d 4-bit weights (%d more fit but failed their shape's check); the rest stay "
+                "dequantized",
+                len(self.replaced),
+                failed,
+            )
         else:
             logger.warning(
                 "int4 kernels were asked for, but no weight of this export is read by them (none 4-bit in blocks the "
