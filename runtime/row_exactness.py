@@ -385,10 +385,14 @@ class _Positions:
         `reference_included`: `reference` is these calls' own one-position segments, not computed again."""
         return all(
             _same(reference, self.results(form, size, path))
-            for path in self.paths
-            for size in (self.sizes if path == "segments" else OTHER_GRAPHS_SIZES)
+            for path, size in self.compared()
             if not (reference_included and path == "segments" and size == 1)
         )
+
+    def compared(self) -> list[tuple[str, int]]:
+        """(path, call size) for every comparison: the segments at every size in SIZES, other paths at
+        OTHER_GRAPHS_SIZES."""
+        return [(p, size) for p in self.paths for size in (self.sizes if p == "segments" else OTHER_GRAPHS_SIZES)]
 
     def results(self, form: RowForm, size: int, path: str) -> tuple[torch.Tensor, list]:
         """The compared positions in calls of `size` (padded as `form` says) through `path`."""

@@ -63,8 +63,9 @@ def load_with_ar_baselines(
     from paradecode.runtime import load
 
     cores = os.cpu_count() or 1
-    options = {"int4_kernels": True} if int4_kernels else {}  # the option exists for the torch backend only
-    model = load(export, backend=backend, device=device, lanes=2, torch_compile=torch_compile, **options)
+    model = load(
+        export, backend=backend, device=device, lanes=2, torch_compile=torch_compile, int4_kernels=int4_kernels
+    )
     if int4_kernels:  # the same export dequantized beside them
         try:
             dequantized = load(

@@ -181,8 +181,9 @@ class Int4Kernels:
             )
         else:
             logger.warning(
-                "int4 kernels were asked for, but no weight of this export is read by them (none 4-bit in blocks the "
-                "kernels take, or every shape failed its check): every weight stays dequantized."
+                "int4 kernels were asked for, but no weight of this export is read by them (no quantized layer "
+                "weight 4-bit in blocks the kernels take, or every shape failed its check): every weight stays "
+                "dequantized. Export with --weights int4, or from a GGUF file with 4-bit blocks, to use them."
             )
         self._quantized, self._by_tensor, self._linears = {}, {}, {}
 

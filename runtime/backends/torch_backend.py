@@ -217,7 +217,7 @@ class TorchBackend(Backend):
         # Quantized weights run dequantized (to float32, then the export's dtype): the reference their
         # onnxruntime graphs were validated against.
         weights = dequantized(weights, manifest.quantization)
-        self.int4 = Int4Kernels(quantized, weights, self.dtype, self.device) if quantized else None
+        self.int4 = Int4Kernels(quantized, weights, self.dtype, self.device) if int4_kernels else None
         self.modules: dict[str, torch.nn.Module] = {}
         for sub in manifest.subgraphs:
             with_logits = LOGITS in sub.io.output_names

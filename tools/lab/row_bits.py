@@ -28,13 +28,12 @@ def sizes_compared(backend) -> dict:
         raise SystemExit(f"{backend.export.path}: its KV cache is too small to compare positions (see the warning).")
     reference = positions.results(row_exactness.AS_IS, 1, "segments")
     report = {}
-    for path in positions.paths:
-        for size in positions.sizes if path == "segments" else row_exactness.OTHER_GRAPHS_SIZES:
-            got = positions.results(row_exactness.AS_IS, size, path)
-            report[f"{path} {size}"] = {
-                "same": row_exactness._same(reference, got),
-                "max_abs_diff": (got[0].float() - reference[0].float()).abs().max().item(),
-            }
+    for path, size in positions.compared():
+        got = positions.results(row_exactness.AS_IS, size, path)
+        report[f"{path} {size}"] = {
+            "same": row_exactness._same(reference, got),
+            "max_abs_diff": (got[0].float() - reference[0].float()).abs().max().item(),
+        }
     return report
 
 
