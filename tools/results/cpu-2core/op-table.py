@@ -145,15 +145,12 @@ def ours(path: str, tokens: int, folder: str) -> dict:
         threads = model.backend.threads
     plain = backend_class._create_session
 
-    def profiled(self, relative, stream=None):
-        fresh = self._options()
+    def profiled(self, relative, stream=None, options=None):
+        threads = options.intra_op_num_threads if options is not None else self.threads
+        fresh = self._options(threads)
         fresh.enable_profiling = True
-        fresh.profile_file_prefix = f"{folder}/ours-{Path(relative).stem}-{self.threads}"
-        saved, self.options = self.options, fresh
-        try:
-            return plain(self, relative, stream)
-        finally:
-            self.options = saved
+        fresh.profile_file_prefix = f"{folder}/ours-{Path(relative).stem}-{threads}"
+        return plain(self, relative, stream, options=fresh)
 
     backend_class._create_session = profiled
     try:
@@ -194,43 +191,13 @@ def peer(folder_path: str, tokens: int, folder: str, threads: int) -> dict:
             setattr(options, key, value)
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(genai / decoder["filename"]), options, providers=["CPUExecutionProvider"])
-    inputs = {i.name: i for i in session.get_inputs()}
-    layers = decoder["num_hidden_layers"]
-    kv, head_dim = decoder["num_key_value_heads"], decoder["head_size"]
     model = og.Model(str(genai))
     tokenizer = og.Tokenizer(model)
     prompt = tokenizer.apply_chat_template(json.dumps(MESSAGES), add_generation_prompt=True)
     ids = list(tokenizer.encode(prompt))
 
     def run_ort(sess) -> tuple[list[float], list[int]]:
-        past = {
-            f"past_key_values.{i}.{kind}": np.zeros((1, kv, 0, head_dim), np.float32)
-            for i in range(layers)
-            for kind in ("key", "value")
-        }
-        feed_ids, out, walls, length = ids, [], [], 0
-        for step in range(tokens + 1):
-            began = time.perf_counter()
-            feeds = {"input_ids": np.array([feed_ids], np.int64), **past}
-            length += len(feed_ids)
-            if "attention_mask" in inputs:
-                feeds["attention_mask"] = np.ones((1, length), np.int64)
-            if "position_ids" in inputs:
-                feeds["position_ids"] = np.arange(length - len(feed_ids), length, dtype=np.int64)[None]
-            names = [o.name for o in sess.get_outputs()]
-            values = dict(zip(names, sess.run(names, feeds)))
-            token = int(values["logits"][0, -1].argmax())
-            past = {
-                name.replace("present", "past_key_values"): v
-                for name, v in values.items()
-                if name.startswith("present")
-            }
-            if step:
-                walls.append(time.perf_counter() - began)
-            out.append(token)
-            feed_ids = [token]
-        return walls, out
+        return decode_peer(sess, decoder, ids, tokens)
 
     plain_session = ort.InferenceSession(
         str(genai / decoder["filename"]), _unprofiled(options), providers=["CPUExecutionProvider"]
@@ -272,6 +239,39 @@ def peer(folder_path: str, tokens: int, folder: str, threads: int) -> dict:
         session_options=decoder.get("session_options", {}),
     )
     return result
+
+
+def decode_peer(sess, decoder: dict, ids: list[int], tokens: int, forced: list[int] | None = None):
+    """The peer's graph decoding `ids`' continuation greedily for `tokens` steps after its prefill, fed as
+    onnxruntime-genai feeds it on a CPU (past key/values in, present out); `forced`: the tokens to feed instead of
+    its own. Returns each step's wall time (the prefill's left out) and the tokens it chose."""
+    inputs = {i.name for i in sess.get_inputs()}
+    layers, kv, head_dim = decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]
+    past = {
+        f"past_key_values.{i}.{kind}": np.zeros((1, kv, 0, head_dim), np.float32)
+        for i in range(layers)
+        for kind in ("key", "value")
+    }
+    names = [o.name for o in sess.get_outputs()]
+    feed_ids, out, walls, length = ids, [], [], 0
+    for step in range(tokens + 1):
+        began = time.perf_counter()
+        feeds = {"input_ids": np.array([feed_ids], np.int64), **past}
+        length += len(feed_ids)
+        if "attention_mask" in inputs:
+            feeds["attention_mask"] = np.ones((1, length), np.int64)
+        if "position_ids" in inputs:
+            feeds["position_ids"] = np.arange(length - len(feed_ids), length, dtype=np.int64)[None]
+        values = dict(zip(names, sess.run(names, feeds)))
+        token = int(values["logits"][0, -1].argmax())
+        past = {
+            name.replace("present", "past_key_values"): v for name, v in values.items() if name.startswith("present")
+        }
+        if step:
+            walls.append(time.perf_counter() - began)
+        out.append(token)
+        feed_ids = [forced[step] if forced else token]
+    return walls, out
 
 
 def _unprofiled(options: ort.SessionOptions) -> ort.SessionOptions:
