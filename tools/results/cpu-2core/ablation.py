@@ -10,6 +10,9 @@ Every load is fed the same tokens (the exported load's greedy continuation of a 
 head says), so each computes the same positions. The peer's graph (onnxruntime-genai's builder output on 2 threads,
 fed as `op-table.py` feeds it) decodes the same number of tokens in the same rounds. Rounds interleave every load
 and the peer; per load, the median wall time of a token in each round, then the median, min and max over rounds.
+The pieces overlap and the runs are noisy (identical graphs loaded twice differed by up to 1 ms a token here), so
+differences between loads are not additive. Where the machine's row form pads lone positions from the host (an
+AVX2 CPU, runtime/row_exactness.py), every load's calls have two rows and the "no row copy" load measures nothing.
 """
 
 import contextlib

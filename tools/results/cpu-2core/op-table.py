@@ -270,7 +270,7 @@ def decode_peer(sess, decoder: dict, ids: list[int], tokens: int, forced: list[i
         if step:
             walls.append(time.perf_counter() - began)
         out.append(token)
-        feed_ids = [forced[step] if forced else token]
+        feed_ids = [forced[step] if forced and step < len(forced) else token]
     return walls, out
 
 
