@@ -9,6 +9,7 @@ interrupted by Ctrl-C, 143 by SIGTERM (128 + the signal number; nothing written)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
 from paradecode.graphs.quantization import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
+
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportConfig)}  # the defaults live in ExportConfig
 
 MODEL_HELP = (
     "a local folder written by save_pretrained, a .gguf file, a Hugging Face Hub id (owner/name), or a known "
@@ -83,23 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--activations",
         choices=ACTIVATIONS,
-        default="int8-heads",
-        help="what quantized weights multiply: int8-heads (default: the heads' activations rounded to 8 bits per "
-        "block, the layers' float32, so ParaDecode's verification of several positions in one call is cheap and its "
-        "output equals plain decoding's up to near ties of the head's logits), float (float32 everywhere: plain "
-        "decoding within float32 rounding of PyTorch on the dequantized weights) or int8 (every product's, as "
-        "onnxruntime-genai and llama.cpp do: cheap calls of several positions; with fused ops the layers compute a "
-        "position alike at any token count, so ParaDecode equals plain decoding exactly, but a batch of requests "
-        "then decodes each row in calls of its own)",
+        default=FIELD_DEFAULTS["activations"],
+        help="what quantized weights multiply: int8 (default: every product's input rounded to 8 bits per block, as "
+        "llama.cpp and onnxruntime-genai do; the fastest, and a position computes alike in any call, so ParaDecode's "
+        "verifications and a batch's requests share calls with outputs equal to plain decoding's), int8-heads (the "
+        "heads' only: the layers' float32 kernel gives a lone position other bits, so every position runs in a call "
+        "of its own) or float (float32 everywhere: plain decoding within float32 rounding of PyTorch on the "
+        "dequantized weights, every position in a call of its own)",
     )
     parser.add_argument(
         "--ops",
         choices=OPS,
         default="auto",
-        help="which operators the graphs use: fused (onnxruntime's fused kernels: RMSNormalization, "
-        "GroupQueryAttention for rotary embeddings, the in-place cache write and attention) or portable "
-        "(elementwise operators and TensorScatter, which TensorRT reads); default auto: fused, portable with "
-        "--engine tensorrt",
+        help="which operators the norms and rotary embeddings use: fused (onnxruntime's RMSNormalization and "
+        "RotaryEmbedding) or portable (elementwise operators, which TensorRT reads); the attention is standard "
+        "operators in both; default auto: fused, portable with --engine tensorrt",
     )
     parser.add_argument(
         "--max-seq-len",

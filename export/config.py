@@ -11,9 +11,9 @@ from paradecode.graphs.tensors import DTYPES
 
 ENGINES = ("onnx", "tensorrt")
 WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/quantize.py
-# Which operators the graphs use: "fused" (onnxruntime's fused kernels: RMSNormalization, GroupQueryAttention
-# for rotary embeddings, the in-place cache write and attention) or "portable" (elementwise ops and
-# TensorScatter, which TensorRT's parser reads); "auto": fused for --engine onnx, portable for tensorrt.
+# Which operators the graphs use: "fused" (onnxruntime's RMSNormalization and RotaryEmbedding for the norms and rotary
+# embeddings) or "portable" (elementwise operators, which TensorRT's parser reads); the attention is the same standard
+# operators in both (export/attention.py). "auto": fused for --engine onnx, portable for tensorrt.
 OPS = ("auto", "fused", "portable")
 MIN_OPSET = 24  # TensorScatter, the in-place KV-cache write, is an opset-24 operator
 MAX_OPSET = 24  # the highest opset the exporter and onnxruntime are tested with here
@@ -31,14 +31,13 @@ class ExportConfig:
     # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
     # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/quantize.py)
     weights: str = "auto"
-    # what quantized graphs compute with (graphs/quantization.py ACTIVATIONS): int8-heads (int8 activations in the
-    # heads, float32 in the layers: cheap batched verification, ParaDecode equal to plain decoding up to near ties
-    # of the head's logits), float (float32
-    # everywhere: plain decoding within float32 rounding of PyTorch) or int8 (everywhere: cheap calls of several
-    # positions; with fused ops the layer graphs compute a position alike at any token count, export/exact_rows.py,
-    # so ParaDecode equals plain decoding exactly; elsewhere a batched call's float rounding can flip an int8
-    # rounding, so it equals plain decoding only up to such near ties)
-    activations: str = "int8-heads"
+    # what quantized weights multiply (graphs/quantization.py ACTIVATIONS): int8 (every product's input rounded to 8
+    # bits per block, as llama.cpp and onnxruntime-genai do: the fastest, and on the CPUs measured a position's bits
+    # are the same in any call, so ParaDecode's verifications and a batch's rows share calls exactly; SmolLM2's
+    # perplexity +0.15% against float, docs/export.md), int8-heads (int8 in the heads, float32 in the layers, whose
+    # CPU kernel gives a lone position other bits: every position then runs in a call of its own) or float (float32
+    # everywhere: plain decoding within float32 rounding of PyTorch on the dequantized weights, and as int8-heads)
+    activations: str = "int8"
     ops: str = "auto"
     max_seq_len: int | None = None  # None: the model's max_position_embeddings, at most DEFAULT_MAX_SEQ_LEN
     # rows a call may carry (independent requests, one token each: graphs/tensors.py): what a server batches. A
@@ -80,7 +79,8 @@ class ExportConfig:
             raise UserInputError(f"ops {self.ops!r} is not supported; expected one of {', '.join(OPS)}.")
         if self.ops == "fused" and self.engine == "tensorrt":
             raise UserInputError(
-                "--ops fused uses onnxruntime's own kernels (GroupQueryAttention), which TensorRT cannot build: "
+                "--ops fused uses onnxruntime's RMSNormalization and RotaryEmbedding operators, which TensorRT may not "
+                "build: "
                 "with --engine tensorrt leave --ops at auto or pass --ops portable."
             )
         if self.engine not in ENGINES:

@@ -27,11 +27,12 @@ from onnx import TensorProto, numpy_helper
 from torch.export import Dim
 
 from paradecode.export import onnx_quant
-from paradecode.export.exact_rows import pad_attention_rows
+from paradecode.export.attention import expand_attention
 from paradecode.graphs.errors import ValidationError
+from paradecode.graphs.ops import ATTENTION_DOMAIN
 from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.quantized import QuantizedWeight
-from paradecode.graphs.tensors import BATCH, POSITIONS, TOKENS, SubgraphIO
+from paradecode.graphs.tensors import BATCH, POSITIONS, SLOTS, TOKENS, SubgraphIO
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,13 @@ ONNX_TYPES = {
 SMALL_CONSTANT = 64  # unmatched float initializers up to this size are structural constants (scales, eps)
 
 
-def example_inputs(io: SubgraphIO, vocab_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Inputs to trace with: batch 2 (where dynamic) and 3 tokens, so no dimension specialises to 1."""
+def example_inputs(io: SubgraphIO, vocab_size: int, dtype: torch.dtype, max_seq_len: int) -> tuple[torch.Tensor, ...]:
+    """Inputs to trace with: batch 2 (where dynamic), 3 tokens and caches of max_seq_len slots, so no dimension
+    specialises to 1."""
     batch, tokens = 2, 3
     args = []
     for t in io.inputs:
-        shape = t.concrete(batch, tokens)
+        shape = t.concrete(batch, tokens, max_seq_len)
         if t.name == POSITIONS:
             args.append((torch.arange(tokens) + 4 * torch.arange(shape[0])[:, None]).to(torch.int64))
         elif t.dtype == "int64":
@@ -77,7 +79,11 @@ def example_inputs(io: SubgraphIO, vocab_size: int, dtype: torch.dtype) -> tuple
 
 
 def dynamic_shapes(io: SubgraphIO, max_batch: int, max_seq_len: int) -> dict[str, dict[int, Dim]]:
-    dims = {BATCH: Dim(BATCH, min=1, max=max(max_batch, 2)), TOKENS: Dim(TOKENS, min=1, max=max_seq_len)}
+    dims = {
+        BATCH: Dim(BATCH, min=1, max=max(max_batch, 2)),
+        TOKENS: Dim(TOKENS, min=1, max=max_seq_len),
+        SLOTS: Dim(SLOTS, min=1, max=max(max_seq_len, 2)),
+    }
     return {t.name: {i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in io.inputs}
 
 
@@ -92,7 +98,7 @@ def onnx_from_module(
     max_seq_len: int,
 ) -> onnx.ModelProto:
     """Trace `module` with the dynamo exporter; the result's inputs and outputs follow `io` exactly."""
-    args = example_inputs(io, vocab_size, dtype)
+    args = example_inputs(io, vocab_size, dtype, max_seq_len)
     chatter = _io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stdout(chatter):
         warnings.simplefilter("ignore")
@@ -109,6 +115,10 @@ def onnx_from_module(
         )
     logger.debug("torch.onnx.export of %s said: %s", io.name, chatter.getvalue())
     model = program.model_proto
+    if expand_attention(model.graph):  # the attention placeholders become standard operators (export/attention.py)
+        kept = [o for o in model.opset_import if o.domain != ATTENTION_DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
     check_contract(model, io)
     return model
 
@@ -226,8 +236,6 @@ class GraphTemplate:
         stored: dict[str, StoredTensor],
         quantization: Quantization | None = None,
         tensorrt: Mapping[str, QuantizedWeight] | None = None,
-        *,
-        pad_attention: bool = False,
     ) -> onnx.ModelProto:
         """This graph for subgraph `io`, its weights read from the weights file.
 
@@ -238,8 +246,7 @@ class GraphTemplate:
         the exporter had cast (a float32 rotary table in a bfloat16 graph) reads the stored dtype through a
         Cast node; onnxruntime folds both when it loads the graph. The readers of a weight that `quantization`
         lists are rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
-        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py). With `pad_attention`, its fused
-        attention computes a one-row call's positions as it does several (export/exact_rows.py).
+        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py).
         """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
@@ -290,8 +297,6 @@ class GraphTemplate:
             onnx_quant.rewrite(graph, readers, part, quantization.activations_of(io.kind), tensorrt)
             if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
-        if pad_attention and tensorrt is None and not pad_attention_rows(graph):
-            raise ValidationError(f"{io.name}: padded attention was asked for, but the graph has no fused attention.")
         check_contract(model, io)
         return model
 

@@ -44,7 +44,7 @@ from paradecode.graphs.manifest import (
     Subgraph,
     onnx_path,
 )
-from paradecode.graphs.modules import build_subgraph, fused_attention_fits, padded_attention, subgraph_state
+from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES, rope_caches
 from paradecode.graphs.quantization import Quantization
 from paradecode.graphs.quantized import QuantizedWeight
@@ -86,7 +86,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
-    if config.resolved_ops == "fused" and spec.positions == "rope" and fused_attention_fits(spec):  # rotary tables
+    if spec.positions == "rope":  # the rotary tables the exported layers read
         weights["rope.cos"], weights["rope.sin"] = rope_caches(
             weights["rope.inv_freq"], spec.rope_scaling, max_seq_len, torch.float32
         )
@@ -176,7 +176,6 @@ def export_model(config: ExportConfig) -> ExportResult:
             tensorrt=tensorrt,
             quantization=quantization,
             ops=config.resolved_ops,
-            padded_attention=padded_attention("layer", quantization, config.resolved_ops == "fused", spec),
             paradecode_version=package_version(),
         )
         manifest.write(folder)
@@ -372,7 +371,7 @@ def write_subgraphs(
     """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
     dtype = TORCH_DTYPES[config.dtype]
     weights, quantization = all_weights.reference, all_weights.quantization
-    fused = config.resolved_ops == "fused"
+    ops = config.resolved_ops
     checklist = validate.Checklist()
     fp32 = {io.name: build_subgraph(spec, io, all_weights.float, with_logits=config.with_logits) for io in plan}
     checklist.add(validate.check_slicing(hf_model, fp32, plan, spec, ids, max_seq_len=max_seq_len))
@@ -401,10 +400,9 @@ def write_subgraphs(
             model, how = segment_from_layers(io, layer_graphs), "composed"
             variant = segment_from_layers(io, layer_variants) if tensorrt_variants else None
         else:
-            template, how = template_for(io, templates, spec, weights, config, fused, generator, export_args)
-            canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, fused=fused).items()}
-            pad = padded_attention(io.kind, quantization, fused, spec)
-            model = template.instantiate(io, canonical, stored, quantization, pad_attention=pad)
+            template, how = template_for(io, templates, spec, weights, config, generator, export_args)
+            canonical = {k: name_of[id(t)] for k, t in subgraph_state(spec, io, weights, ops=ops).items()}
+            model = template.instantiate(io, canonical, stored, quantization)
             variant = None
             if tensorrt_variants:
                 variant = template.instantiate(io, canonical, stored, quantization, tensorrt=all_weights.quantized)
@@ -440,8 +438,7 @@ def write_subgraphs(
                     modules[io.name],
                     io,
                     cases,
-                    validate.tolerance_of(config.dtype, quantization, io.kind, fused=fused),
-                    spare_slot=padded_attention(io.kind, quantization, fused, spec),
+                    validate.tolerance_of(config.dtype, quantization, io.kind),
                 )
             )
         diff = f"max|Δ| {check.max_diff:.1e}" if check.max_diff is not None else check.note
@@ -459,22 +456,23 @@ def write_subgraphs(
 
 
 def template_for(
-    io: SubgraphIO, templates: dict, spec: ModelSpec, weights: dict, config, fused: bool, generator, export_args: dict
+    io: SubgraphIO, templates: dict, spec: ModelSpec, weights: dict, config, generator, export_args: dict
 ) -> tuple[GraphTemplate, str]:
     """The graph template subgraph `io` is instantiated from, and how it was made: traced once per structure
     from random weights, or traced from the subgraph itself where its graph folds weights (not a template)."""
     dtype = TORCH_DTYPES[config.dtype]
+    exported = dict(ops=config.resolved_ops, max_seq_len=export_args["max_seq_len"])
     key = structure_key(io, spec, weights)
     how = "from template"
     if key not in templates:
-        read = {id(t) for t in subgraph_state(spec, io, weights, fused=fused).values()}
+        read = {id(t) for t in subgraph_state(spec, io, weights, ops=config.resolved_ops).values()}
         traced = random_weights(weights, generator, read)
-        random_module = build_subgraph(spec, io, traced, dtype=dtype, with_logits=config.with_logits, fused=fused)
+        random_module = build_subgraph(spec, io, traced, dtype=dtype, with_logits=config.with_logits, **exported)
         templates[key] = GraphTemplate.trace(random_module, io, **export_args)
         how = "traced"
     template = templates[key]
     if template.foreign:  # not a template: trace this subgraph itself; what matches its weights is shared
-        own = build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits, fused=fused)
+        own = build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits, **exported)
         return GraphTemplate.trace(own, io, **export_args), "traced"
     return template, how
 

@@ -3,9 +3,12 @@
 A segment is the layer graphs a..b wired together: layer i's `hidden_out` feeds layer i + 1's `hidden`,
 every layer reads the segment's `positions`, and its caches become the segment's `past_key.i` /
 `past_value.i` -> `present_key.i` / `present_value.i` (graphs/tensors.py). Everything else a layer graph
-names is prefixed with `/layer_i/`, so names never collide. Its weights stay references into the export's
-weights file, as the layers' are; a reference to the same bytes made by several layers (the rotary
-tables) is kept once. The composed graph is then validated like every other, against `SegmentGraph`.
+names is prefixed with `/layer_i/`, so names never collide, except what every layer's attention shares (names
+under `export.attention.SHARED`: the write index, the masks, the rotary tables' rows for the call's positions),
+which the first layer that has it computes once for all (every cache of a call has the same slots: the first
+layer's cache stands for all). Its weights stay references into the export's weights file, as the layers' are; a
+reference to the same bytes made by several layers (the rotary tables) is kept once. The composed graph is then
+validated like every other, against `SegmentGraph`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto
 
+from paradecode.export.attention import SHARED
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.tensors import (
     HIDDEN,
@@ -47,6 +51,8 @@ def segment_from_layers(io: SubgraphIO, layers: dict[int, onnx.ModelProto]) -> o
     del graph.node[:], graph.initializer[:], graph.input[:], graph.output[:], graph.value_info[:]
     graph.name = io.name
     shared: dict[tuple, str] = {}  # external bytes -> the initializer name that holds them
+    made: dict[str, onnx.NodeProto] = {}  # a shared output -> the node that makes it (the first layer's)
+    kept: set[str] = set()  # the shared initializers and value infos already in the graph
     hidden = HIDDEN
     for layer in range(first, last + 1):
         source = layers[layer].graph
@@ -62,6 +68,12 @@ def segment_from_layers(io: SubgraphIO, layers: dict[int, onnx.ModelProto]) -> o
             "": "",  # an omitted optional input or output stays omitted
         }
         for init in source.initializer:
+            if init.name.startswith(SHARED):
+                renamed[init.name] = init.name
+                if init.name not in kept:
+                    kept.add(init.name)
+                    graph.initializer.add().CopyFrom(init)
+                continue
             key = _external_key(init)
             if key is not None and key in shared:
                 renamed[init.name] = shared[key]
@@ -74,20 +86,32 @@ def segment_from_layers(io: SubgraphIO, layers: dict[int, onnx.ModelProto]) -> o
                 shared[key] = copy.name
 
         def name_of(value: str, prefix=prefix, renamed=renamed) -> str:
-            return renamed.get(value, prefix + value)
+            return value if value.startswith(SHARED) else renamed.get(value, prefix + value)
 
         for node in source.node:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
                 raise ValidationError(f"{io.name}: layer {layer}'s node {node.name} holds a subgraph; not composable.")
-            copy = graph.node.add()
+            copy = onnx.NodeProto()
             copy.CopyFrom(node)
-            copy.name = prefix + node.name if node.name else ""
+            copy.name = node.name if node.name.startswith(SHARED) else prefix + node.name if node.name else ""
             copy.input[:] = [name_of(v) for v in node.input]
             copy.output[:] = [name_of(v) for v in node.output]
+            if copy.output and copy.output[0].startswith(SHARED):
+                earlier = made.get(copy.output[0])
+                if earlier is not None:
+                    _check_same(io, layer, earlier, copy)
+                    continue  # made once, by the first layer that has it
+                made[copy.output[0]] = copy
+            graph.node.add().CopyFrom(copy)
         for info in source.value_info:
+            name = name_of(info.name)
+            if name.startswith(SHARED):
+                if name in kept:
+                    continue
+                kept.add(name)
             copy = graph.value_info.add()
             copy.CopyFrom(info)
-            copy.name = name_of(info.name)
+            copy.name = name
         for value in source.input:
             if value.name == HIDDEN and layer != first:
                 continue  # fed by the layer before
@@ -106,6 +130,21 @@ def segment_from_layers(io: SubgraphIO, layers: dict[int, onnx.ModelProto]) -> o
     _order_like(graph.input, io.input_names)
     _order_like(graph.output, io.output_names)
     return model
+
+
+def _check_same(io: SubgraphIO, layer: int, first: onnx.NodeProto, node: onnx.NodeProto) -> None:
+    """A shared node of a later layer must compute what the first one's does: the same operator, attributes and
+    inputs, each layer's cache counting as the first's (they have the same slots)."""
+
+    def key(n: onnx.NodeProto) -> tuple:
+        inputs = [v.split(".")[0] if v.startswith((PAST_KEY, PAST_VALUE)) else v for v in n.input]
+        return n.op_type, n.domain, tuple(inputs), tuple(a.SerializeToString() for a in n.attribute)
+
+    if key(first) != key(node):
+        raise ValidationError(
+            f"{io.name}: layer {layer} computes the shared {node.output[0]} otherwise than an earlier layer "
+            f"({node.op_type} of {list(node.input)} against {first.op_type} of {list(first.input)}); not composable."
+        )
 
 
 def _order_like(values, names: list[str]) -> None:

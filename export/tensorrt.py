@@ -88,12 +88,18 @@ def require_tensorrt() -> TensorRTTarget:
 
 
 def profile_shapes(io: SubgraphIO, settings: ProfileSettings) -> list[dict[str, tuple[tuple[int, ...], ...]]]:
-    """Per profile, (min, opt, max) shapes of every input of `io`."""
+    """Per profile, (min, opt, max) shapes of every input of `io`. A KV cache has max_seq_len slots in every profile:
+    the runtime binds a TensorRT engine's caches at fixed addresses, their whole length (runtime/kvcache.py)."""
     profiles = []
+    slots = settings.max_seq_len
     for lo, opt, hi in settings.token_ranges():
         shapes = {}
         for t in io.inputs:
-            shapes[t.name] = (t.concrete(1, lo), t.concrete(1, opt), t.concrete(settings.max_batch, hi))
+            shapes[t.name] = (
+                t.concrete(1, lo, slots),
+                t.concrete(1, opt, slots),
+                t.concrete(settings.max_batch, hi, slots),
+            )
         profiles.append(shapes)
     return profiles
 

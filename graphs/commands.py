@@ -48,6 +48,7 @@ demo = Command("paradecode-demo", "paradecode.tools.demo")
 footprint = Command("paradecode-footprint", "paradecode.tools.footprint")
 serve = Command("paradecode-serve", "paradecode.runtime.serve.cli")
 loadtest = Command("paradecode-loadtest", "paradecode.tools.load_bench")
+perplexity = Command("paradecode-perplexity", "paradecode.tools.perplexity")
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Any
 from paradecode.graphs.errors import ManifestError, UnsupportedModelError
 from paradecode.graphs.quantization import Quantization, canonical_shape
 from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import BATCH, DTYPES, KINDS, LOGITS, TOKENS, SubgraphIO, TensorSpec, export_plan
+from paradecode.graphs.tensors import BATCH, DTYPES, KINDS, LOGITS, SLOTS, TOKENS, SubgraphIO, TensorSpec, export_plan
 from paradecode.graphs.untrusted import (
     REEXPORT,
     FileRecord,
@@ -61,9 +61,11 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 # 2: files record {"sha256", "bytes"}; the structure is checked against the contract. 3: quantized weights
-# (`quantization`). A version-2 manifest is read as what it is, an export with float weights.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# (`quantization`). 4: one attention of standard operators over a cache of any number of slots up to max_seq_len
+# (graphs/tensors.py), which takes several rows of several positions in one call; earlier exports' graphs
+# (onnxruntime's GroupQueryAttention over a fixed cache) are re-exported.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (4,)
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest of a 100-layer model is well under 1 MiB
 WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external data points into it
 TOKENIZER_DIR = "tokenizer"
@@ -119,8 +121,10 @@ def _tensor(value: Any, where: str) -> TensorSpec:
     for i, dim in enumerate(shape):
         if not isinstance(dim, str):
             json_integer(dim, f"{where}.shape[{i}]")
-        elif dim not in (BATCH, TOKENS):
-            raise ManifestError(f"{where}.shape[{i}] is {show(dim)}; expected an integer, {BATCH!r} or {TOKENS!r}.")
+        elif dim not in (BATCH, TOKENS, SLOTS):
+            raise ManifestError(
+                f"{where}.shape[{i}] is {show(dim)}; expected an integer, {BATCH!r}, {TOKENS!r} or {SLOTS!r}."
+            )
     return TensorSpec(
         json_string(json_field(data, "name", f"{where}."), f"{where}.name"),
         tuple(shape),
@@ -195,11 +199,7 @@ class Manifest:
     calibration: dict[str, Any] | None = None
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
     quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
-    ops: str = "portable"  # "fused": onnxruntime's fused kernels; "portable": operators TensorRT reads too
-    # The layer graphs give the fused attention kernel a copy of a one-row call's last token (export/exact_rows.py):
-    # a one-row call's positions compute bit for bit alike at any token count, the slot after the call is written,
-    # and a call of several rows computes otherwise than the same rows alone. Absent (exports made before): False.
-    padded_attention: bool = False
+    ops: str = "portable"  # "fused": onnxruntime's fused norms and rotary; "portable": operators TensorRT reads too
     paradecode_version: str = "unknown"
     format_version: int = FORMAT_VERSION
 
@@ -248,7 +248,6 @@ class Manifest:
             "tensorrt": self.tensorrt,
             "quantization": None if self.quantization is None else self.quantization.to_dict(),
             "ops": self.ops,
-            "padded_attention": self.padded_attention,
             "files": {name: record.to_dict() for name, record in sorted(self.files.items())},
         }
 
@@ -293,7 +292,6 @@ class Manifest:
             tensorrt=_tensorrt(data.get("tensorrt")),
             quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
             ops=json_string(data.get("ops", "portable"), "ops", OPS),
-            padded_attention=_flag(data.get("padded_attention", False), "padded_attention"),
             calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
             paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
             format_version=json_integer(json_field(data, "format_version", ""), "format_version"),
@@ -406,12 +404,6 @@ class Manifest:
         return path
 
 
-def _flag(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ManifestError(f"{where} is {show(value)}; expected true or false.")
-    return value
-
-
 def _thresholds(value: Any) -> dict[int, float]:
     thresholds = {}
     for key, item in json_object(value, "thresholds").items():
@@ -482,8 +474,6 @@ def read_manifest(folder: str | Path) -> Manifest:
             f"{', '.join(map(str, READABLE_VERSIONS))}{why}. Re-export the model with this version: "
             "`paradecode-export MODEL -o DIR --force`."
         )
-    if version == 2 and isinstance(data, dict) and data.get("quantization") is not None:
-        raise ManifestError(f"{path} is a version-2 manifest with quantized weights, which version 2 cannot have.")
     try:
         return Manifest.from_dict(data)
     except ManifestError as err:

@@ -29,7 +29,7 @@ from torch import nn
 from paradecode.graphs import ops
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.spec import ModelSpec
-from paradecode.graphs.tensors import PAST_KEY, SubgraphIO
+from paradecode.graphs.tensors import SubgraphIO
 
 
 class Norm(nn.Module):
@@ -58,31 +58,36 @@ class Attention(nn.Module):
             self.q_norm = Norm("rms", dim, spec.norm_eps)
             self.k_norm = Norm("rms", dim, spec.norm_eps)
 
-    def fused(self, x, positions, past_key, past_value, caches):
-        """The same attention as onnxruntime's fused kernel (`ops.fused_attention`), for ONNX export only."""
+    def exported(self, x, positions, past_key, past_value, tables, *, fused: bool):
+        """This attention as an exported graph computes it (`ops.exported_attention`), under ONNX export only:
+        `fused`, with onnxruntime's RMSNormalization and RotaryEmbedding operators, else elementwise ones."""
         spec = self.spec
         batch, tokens, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
         if spec.qk_norm:
-            q = ops.onnx_rms_norm(
-                q.view(batch, tokens, spec.num_heads, spec.head_dim), self.q_norm.weight, spec.norm_eps
-            )
-            k = ops.onnx_rms_norm(
-                k.view(batch, tokens, spec.num_kv_heads, spec.head_dim), self.k_norm.weight, spec.norm_eps
-            )
+            q = q.view(batch, tokens, spec.num_heads, spec.head_dim)
+            k = k.view(batch, tokens, spec.num_kv_heads, spec.head_dim)
+            if fused:
+                q = ops.onnx_rms_norm(q, self.q_norm.weight, spec.norm_eps)
+                k = ops.onnx_rms_norm(k, self.k_norm.weight, spec.norm_eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
             q = q.reshape(batch, tokens, spec.num_heads * spec.head_dim)
             k = k.reshape(batch, tokens, spec.num_kv_heads * spec.head_dim)
-        out, present_key, present_value = ops.fused_attention(
+        out, present_key, present_value = ops.exported_attention(
             q,
             k,
             v,
             past_key,
             past_value,
             positions,
-            caches,
+            tables,
             num_heads=spec.num_heads,
+            head_dim=spec.head_dim,
             scale=spec.scale,
             window=self.window,
+            rotary_dim=spec.head_dim,
+            rotary_op=fused,
         )
         return self.o(out), present_key, present_value
 
@@ -137,36 +142,20 @@ class EmbedGraph(nn.Module):
         return hidden
 
 
-def fused_attention_fits(spec: ModelSpec) -> bool:
-    """Whether onnxruntime's GroupQueryAttention runs this model's heads (its CPU kernel needs head_dim % 16 == 0:
-    real models' 64 or 128 do; a layer of a model with other heads exports the portable attention, fused norms)."""
-    return spec.head_dim % 16 == 0
-
-
-def padded_attention(kind: str, quantization, fused: bool, spec: ModelSpec) -> bool:
-    """Whether an export's graph of this kind gives the fused attention kernel a copy of a one-row call's last token
-    (export/exact_rows.py): a graph with layers, int8 activations and onnxruntime's fused attention."""
-    return (
-        kind in ("layer", "layer_exit", "segment")
-        and fused
-        and quantization is not None
-        and quantization.activations_of(kind) == "int8"
-        and fused_attention_fits(spec)
-    )
-
-
 class LayerGraph(nn.Module):
-    """One pre-norm decoder layer with its fixed-size KV cache written in place.
+    """One pre-norm decoder layer with its KV cache written in place.
 
-    `fused` (a cache of `max_seq_len` slots): exported with onnxruntime's fused kernels (one RMSNormalization per
-    norm, and where `fused_attention_fits`, GroupQueryAttention for rotary embeddings, the cache write and
-    attention, from the rotary tables `cos_cache` / `sin_cache`, canonical `rope.cos` / `rope.sin`); eager
-    PyTorch always runs the reference below, which the exported graph is validated against.
+    Eager PyTorch runs the reference below. A module built for export (`ops`: "fused" or "portable") exports its
+    attention as one placeholder that export/attention.py expands into standard operators over the whole cache it
+    is given (`ops.exported_attention`), its rotary embeddings reading the tables `cos_cache` / `sin_cache`
+    (canonical `rope.cos` / `rope.sin`, `max_seq_len` positions); "fused" makes its RMS norms and rotary embeddings
+    onnxruntime's RMSNormalization and RotaryEmbedding operators, "portable" elementwise operators, which TensorRT
+    reads too. Each exported graph is validated against the eager module.
     """
 
-    def __init__(self, spec: ModelSpec, layer: int, *, fused: bool = False, max_seq_len: int | None = None):
+    def __init__(self, spec: ModelSpec, layer: int, *, ops: str | None = None, max_seq_len: int | None = None):
         super().__init__()
-        self.spec, self.fused = spec, fused
+        self.spec, self.fused = spec, ops == "fused"
         self.attn_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
         self.attn = Attention(spec, layer)
         self.mlp_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
@@ -175,10 +164,10 @@ class LayerGraph(nn.Module):
             self.register_buffer("inv_freq", torch.zeros(spec.head_dim // 2))
         else:
             self.inv_freq = None
-        self.fused_attention = fused and fused_attention_fits(spec)
-        if self.fused_attention and spec.positions == "rope":
+        self.tables = ops is not None and spec.positions == "rope"  # the exported graph's rotary tables
+        if self.tables:
             if max_seq_len is None:
-                raise ValueError("a fused layer needs max_seq_len (the length of its rotary tables)")
+                raise ValueError("a layer module for export needs max_seq_len (the length of its rotary tables)")
             self.register_buffer("cos_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
             self.register_buffer("sin_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
 
@@ -188,12 +177,14 @@ class LayerGraph(nn.Module):
         return norm(x)
 
     def forward(self, hidden, positions, past_key, past_value):
-        if self.fused_attention and torch.onnx.is_in_onnx_export():
-            caches = None  # float32 tables, cast to the activations' dtype as the kernel needs
+        if torch.onnx.is_in_onnx_export():
+            tables = None  # float32 tables, cast to the activations' dtype
             if self.inv_freq is not None:
-                caches = (self.cos_cache.to(hidden.dtype), self.sin_cache.to(hidden.dtype))
-            attn, present_key, present_value = self.attn.fused(
-                self.norm(self.attn_norm, hidden), positions, past_key, past_value, caches
+                if not self.tables:
+                    raise ValueError("a layer module built without `ops` cannot be exported (no rotary tables)")
+                tables = (self.cos_cache.to(hidden.dtype), self.sin_cache.to(hidden.dtype))
+            attn, present_key, present_value = self.attn.exported(
+                self.norm(self.attn_norm, hidden), positions, past_key, past_value, tables, fused=self.fused
             )
         else:
             attn, present_key, present_value = self.attn(
@@ -255,11 +246,11 @@ class LayerExitGraph(nn.Module):
         *,
         transform: bool,
         vocab: int | None = None,
-        fused: bool = False,
+        ops: str | None = None,
         max_seq_len: int | None = None,
     ):
         super().__init__()
-        self.layer = LayerGraph(spec, layer, fused=fused, max_seq_len=max_seq_len)
+        self.layer = LayerGraph(spec, layer, ops=ops, max_seq_len=max_seq_len)
         self.head = HeadGraph(spec, transform=transform, vocab=vocab)
 
     def forward(self, hidden, positions, past_key, past_value):
@@ -291,15 +282,15 @@ class SegmentGraph(nn.Module):
 
 
 def subgraph_state(
-    spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor], *, fused: bool = False
+    spec: ModelSpec, io: SubgraphIO, weights: dict[str, torch.Tensor], *, ops: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """The module-local state dict of one subgraph, taken from the canonical weights (`fused`: of the module
-    that exports with fused kernels, which also reads the rotary tables)."""
+    """The module-local state dict of one subgraph, taken from the canonical weights (`ops`: of the module built
+    for export with those operators, which also reads the rotary tables)."""
     if io.kind == "layer_exit":
         layer = SubgraphIO(f"layer_{io.layer}", "layer", io.layer, io.inputs, io.outputs[:3])
         head = SubgraphIO(f"exit_{io.layer}", "exit", io.layer, io.inputs[:1], io.outputs[3:])
         return {
-            **{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights, fused=fused).items()},
+            **{f"layer.{k}": v for k, v in subgraph_state(spec, layer, weights, ops=ops).items()},
             **{f"head.{k}": v for k, v in subgraph_state(spec, head, weights).items()},
         }
     if io.kind == "embed":
@@ -316,7 +307,7 @@ def subgraph_state(
         state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         if spec.positions == "rope":
             state["inv_freq"] = weights["rope.inv_freq"]
-            if fused and fused_attention_fits(spec):
+            if ops is not None:
                 state["cos_cache"], state["sin_cache"] = weights["rope.cos"], weights["rope.sin"]
         return state
     state = {k: v for k, v in weights.items() if k.startswith(("norm.", "unembed."))}
@@ -327,14 +318,6 @@ def subgraph_state(
     if io.kind == "exit" and "exits.vocab" in weights:
         state["unembed.weight"], state["vocab"] = weights["exits.unembed"], weights["exits.vocab"]
     return state
-
-
-def cache_length(io: SubgraphIO) -> int | None:
-    """The KV cache's number of slots in a layer's contract (S_max), None for other subgraphs."""
-    for t in io.inputs:
-        if t.name == PAST_KEY:
-            return int(t.shape[2])
-    return None
 
 
 def head_vocab(weights: dict[str, torch.Tensor]) -> int | None:
@@ -377,27 +360,29 @@ def build_subgraph(
     *,
     dtype: torch.dtype = torch.float32,
     with_logits: bool = False,
-    fused: bool = False,
+    ops: str | None = None,
+    max_seq_len: int | None = None,
 ) -> nn.Module:
-    """Build the torch module of one subgraph, loaded from canonical weights, in `dtype`.
+    """Build the torch module of one subgraph, loaded from canonical weights, in `dtype`; `ops` ("fused" or
+    "portable"): the module to export with those operators, whose rotary tables hold `max_seq_len` positions.
 
     Parameters take `dtype`; buffers (the rotary inverse frequencies) stay float32.
     """
     if io.kind == "embed":
         module = EmbedGraph(spec)
     elif io.kind == "layer":
-        module = LayerGraph(spec, io.layer, fused=fused, max_seq_len=cache_length(io))
+        module = LayerGraph(spec, io.layer, ops=ops, max_seq_len=max_seq_len)
     elif io.kind == "segment":
         module = SegmentGraph(spec, io.layer, io.last)
     elif io.kind == "layer_exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = LayerExitGraph(
-            spec, io.layer, transform=transform, vocab=head_vocab(weights), fused=fused, max_seq_len=cache_length(io)
+            spec, io.layer, transform=transform, vocab=head_vocab(weights), ops=ops, max_seq_len=max_seq_len
         )
     elif io.kind == "exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = HeadGraph(spec, transform=transform, vocab=head_vocab(weights), with_logits=with_logits)
     else:
         module = HeadGraph(spec, with_logits=with_logits)
-    load_exact(module, subgraph_state(spec, io, weights, fused=fused), io.name, dtype)
+    load_exact(module, subgraph_state(spec, io, weights, ops=ops), io.name, dtype)
     return module.eval()

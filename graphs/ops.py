@@ -34,56 +34,62 @@ def onnx_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rope_caches(inv_freq: torch.Tensor, scaling: float, length: int, dtype: torch.dtype) -> tuple:
-    """cos and sin [length, D_h / 2] for every position up to `length`, as `rope_cos_sin` computes them
-    (half of each row: the other half repeats it): the tables a fused attention kernel reads."""
+    """cos and sin [length, rotary_dim / 2] for every position up to `length`, as `rope_cos_sin` computes them
+    (half of each row: the other half repeats it): the tables an exported layer's rotary embeddings read."""
     freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None]
     return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
 
 
-def fused_attention(
+ATTENTION_DOMAIN = "paradecode"  # the placeholder's domain: expanded into standard operators at export
+ATTENTION_OP = "CacheAttention"
+ONNX_ELEMENT_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}  # onnx.TensorProto's codes
+
+
+def exported_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     past_key: torch.Tensor,
     past_value: torch.Tensor,
     positions: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor] | None,
+    tables: tuple[torch.Tensor, torch.Tensor] | None,
     *,
     num_heads: int,
+    head_dim: int,
     scale: float,
     window: int | None,
+    rotary_dim: int,
+    rotary_op: bool,
 ):
-    """onnxruntime's GroupQueryAttention over the fixed-size cache, written in place, under `torch.onnx.export`.
+    """The attention of a layer graph, under `torch.onnx.export`: one placeholder node, `paradecode::CacheAttention`,
+    which export/attention.py expands into standard operators (docs/design.md §4):
 
-    q [B, T, H*D_h], k and v [B, T, H_kv*D_h], caches [B, H_kv, S, D_h]; rotary embeddings applied inside from
-    `caches` (cos and sin tables, `rope_caches`; None: no rotary). Positions are contiguous per row, so the
-    kernel derives them from each row's length: `seqlens_k` = the last position, the total = the highest
-    position + 1. The keys and values of positions[b, 0] .. are written into the cache passed in (the runtime
-    binds `present_*` to it), and a query sees the slots up to its own position (and within `window`): the
-    same as `attention` with `write_cache`, checked against it for every exported graph. The kernel also
-    takes per-row query lengths and an attention bias, which batched requests and candidate trees need.
+    q [B, T, H*D_h], k and v [B, T, H_kv*D_h] before rotary embeddings; `tables` the rotary cos and sin tables
+    [positions, rotary_dim / 2] (`rope_caches`; None: no rotary); caches [B, H_kv, S, D_h]. The keys and values of
+    positions[b, 0] .. are written into the cache passed in (the runtime binds `present_*` to it) and every query
+    attends over the whole cache it is given, a slot visible where it is at or before the query's position (and
+    within `window`): what `attention` computes with `write_cache`, each graph checked against it at export.
+    `rotary_op`: rotary embeddings as onnxruntime's RotaryEmbedding operator, else as elementwise operators.
     """
-    kv_heads = past_key.shape[1]
-    seqlens = positions[:, -1].to(torch.int32)
-    total = (positions.max() + 1).to(torch.int32)
-    cos, sin = caches if caches is not None else (None, None)
+    cos, sin = tables if tables is not None else (None, None)
     attrs = {
         "num_heads": num_heads,
-        "kv_num_heads": kv_heads,
+        "kv_num_heads": past_key.shape[1],
+        "head_dim": head_dim,
         "scale": float(scale),
-        "do_rotary": int(caches is not None),
+        "window": int(window or 0),
+        "rotary_dim": int(rotary_dim if tables is not None else 0),
+        "rotary_op": int(rotary_op),
+        "dtype": ONNX_ELEMENT_TYPES[q.dtype],
     }
-    if window is not None:
-        attrs["local_window_size"] = int(window) - 1  # the window counts the query's own slot; the kernel does not
-    out, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
-        "com.microsoft::GroupQueryAttention",
-        (q, k, v, past_key, past_value, seqlens, total, cos, sin),
+    return torch.onnx.ops.symbolic_multi_out(
+        f"{ATTENTION_DOMAIN}::{ATTENTION_OP}",
+        (q, k, v, past_key, past_value, positions, cos, sin),
         attrs,
         dtypes=(q.dtype, past_key.dtype, past_value.dtype),
         shapes=(q.shape, past_key.shape, past_value.shape),
         version=1,
     )
-    return out, present_key, present_value
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -26,20 +26,15 @@ QUANTIZABLE = re.compile(
     r"layers\.\d+\.attn\.[qkvo]\.weight|layers\.\d+\.mlp\.(gate|up|down)\.weight"
     r"|embed\.tokens\.weight|unembed\.weight|exits\.unembed"
 )
-# What the graphs compute with: "float" keeps a MatMul's activations in float32 (checked against PyTorch on the
-# dequantized weights; ParaDecode's batched calls then differ from plain decoding's single-token ones by float32
-# rounding only); "int8" rounds them to int8 per block (onnxruntime's accuracy_level 4, as onnxruntime-genai's
-# CPU models and llama.cpp do: faster, but a batched call's float rounding can flip an int8 rounding, which the
-# layers after it amplify, so ParaDecode equals plain decoding only up to such near ties); "int8-heads" (the
-# default) rounds only the heads' (the final head's and the exit heads' own graphs; a fused layer_exit graph
-# keeps float activations): onnxruntime's float kernel dequantizes the whole matrix for a call of several
-# positions (SmolLM2's Q8_0 head: 8.1 ms for 2 positions against 2.8 for 1), its int8 kernel does not (1.72
-# against 1.64: tools/results/cpu-2core/call-costs-smollm2-activations.md), which is what ParaDecode's batched
-# verification needs; a head is the last product of a token, so a rounding that a batched call's float32
-# rounding flips changes only a top-1 at a near tie of the logits, and nothing after it is amplified (measured
-# on SmolLM2: ParaDecode equalled plain decoding in every run, 36 of 36; that plain decoding left the
-# float-activation export's greedy path in 8 of 18 answers). ParaDecode equals plain decoding up to such near
-# ties, as with float activations, but the ties are wider (the int8 rounding's size, not float32's).
+# What the graphs compute with: "int8" (the default) rounds every quantized product's input to int8 per block
+# (onnxruntime's accuracy_level 4, as onnxruntime-genai's CPU models and llama.cpp do): the fastest, its kernel
+# computes a row alike in a call of any size on the CPUs measured (runtime/row_exactness.py probes it on each
+# machine), and SmolLM2's perplexity moves +0.15% against float (docs/export.md). "float" keeps the activations in
+# float32 (checked against PyTorch on the dequantized weights), whose kernel gives a lone row other bits than
+# several and dequantizes the whole matrix for a call of several rows (SmolLM2's Q8_0 head: 8.1 ms for 2 positions
+# against 2.8 for 1, tools/results/cpu-2core/call-costs-smollm2-activations.md), so the row probe runs every
+# position of such layers in a call of its own. "int8-heads" rounds only the heads' (the final head's and the exit
+# heads' own graphs; a fused layer_exit graph keeps float activations), the layers' float32.
 ACTIVATIONS = ("float", "int8-heads", "int8")
 
 

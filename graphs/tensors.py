@@ -5,9 +5,12 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
 - ``embed``: ``input_ids`` [B, T] int64 (+ ``positions`` [B, T] for learned positions)
   -> ``hidden`` [B, T, D]
 - ``layer_i``: ``hidden`` [B, T, D], ``positions`` [B, T], ``past_key`` / ``past_value``
-  [B, H_kv, S_max, D_h] -> ``hidden_out``, ``present_key``, ``present_value``. The caches are
+  [B, H_kv, S, D_h] -> ``hidden_out``, ``present_key``, ``present_value``. The caches are
   written in place at slots ``positions[b, 0] .. positions[b, 0] + T - 1`` (the write index is
-  derived from the positions inside the graph); the attention mask is built from the positions.
+  derived from the positions inside the graph); a query attends over every slot of the cache it is
+  given, masked by the positions (a slot at or before its own, within a sliding window). S, the
+  cache's slots, is up to the export's max_seq_len: the runtime may give a cache that holds what
+  the sequence needs so far and grow it (runtime/kvcache.py), since attention costs what it reads.
 - ``exit_e`` (after layer e) and ``final``: ``hidden`` [B, T, D] -> ``token`` [B, T] int64 (top-1),
   ``prob`` [B, T] float32 (its probability), ``margin`` [B, T] float32 (top-1 minus top-2 logit),
   and optionally ``logits`` [B, T, V]. A trained exit head may predict over a reduced vocabulary of
@@ -22,14 +25,9 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
   layer's). An export's segments partition 1..L at its exit layers, so a token moves through a few
   calls instead of one per layer.
 
-Symbolic dimensions are named ``batch`` and ``tokens``; everything else is fixed at export. ``batch`` is symbolic
-in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/engine.py), each at its
-own positions, so each row's cache length is its own. A call of several rows carries one token per row
-(onnxruntime's GroupQueryAttention refuses more on a CPU); a call of one row carries any number.
-
-A layer of an export with int8 activations and fused attention (`Manifest.padded_attention`) may also write the
-slot after a one-row call's last position (a copy of its last token's keys and values, export/exact_rows.py): a
-slot past the layer's length, which the next position overwrites before any query reads it.
+Symbolic dimensions are named ``batch``, ``tokens`` and ``slots``; everything else is fixed at export. ``batch`` is
+symbolic in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/engine.py), each at
+its own positions, so each row's cache length is its own, and every row of a call carries the same number of tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from paradecode.graphs.spec import ModelSpec
 
 BATCH = "batch"
 TOKENS = "tokens"
+SLOTS = "slots"  # a KV cache's slots: up to the export's max_seq_len
 
 INPUT_IDS = "input_ids"
 POSITIONS = "positions"
@@ -77,10 +76,13 @@ class TensorSpec:
     shape: tuple[int | str, ...]
     dtype: str
 
-    def concrete(self, batch: int, tokens: int) -> tuple[int, ...]:
-        """The shape with its symbolic dimensions (`batch`, `tokens`) given values: the one place that
-        substitutes them."""
-        return tuple(batch if d == BATCH else tokens if d == TOKENS else d for d in self.shape)
+    def concrete(self, batch: int, tokens: int, slots: int | None = None) -> tuple[int, ...]:
+        """The shape with its symbolic dimensions (`batch`, `tokens`, a cache's `slots`) given values: the one place
+        that substitutes them."""
+        values = {BATCH: batch, TOKENS: tokens, SLOTS: slots}
+        if SLOTS in self.shape and slots is None:
+            raise ValueError(f"{self.name} has a symbolic number of slots {list(self.shape)}: give `slots`")
+        return tuple(values.get(d, d) if isinstance(d, str) else d for d in self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
@@ -167,7 +169,7 @@ def subgraph_io(
             raise ValueError(f"layer must be in 1..{spec.num_layers}, got {layer}")
         if kind == "layer_exit" and layer == spec.num_layers:
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
-        cache = (batch, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        cache = (batch, spec.num_kv_heads, SLOTS, spec.head_dim)
         inputs = [hidden, positions, TensorSpec(PAST_KEY, cache, dtype), TensorSpec(PAST_VALUE, cache, dtype)]
         outputs = [
             TensorSpec(HIDDEN_OUT, hidden.shape, dtype),
@@ -183,7 +185,7 @@ def subgraph_io(
     elif kind == "segment":
         if layer is None or last is None or not 1 <= layer <= last <= spec.num_layers:
             raise ValueError(f"a segment spans layers first..last within 1..{spec.num_layers}, got {layer}..{last}")
-        cache = (batch, spec.num_kv_heads, max_seq_len, spec.head_dim)
+        cache = (batch, spec.num_kv_heads, SLOTS, spec.head_dim)
         layers = range(layer, last + 1)
         inputs = [hidden, positions]
         inputs += [TensorSpec(of_layer(n, i), cache, dtype) for i in layers for n in (PAST_KEY, PAST_VALUE)]

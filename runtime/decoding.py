@@ -116,6 +116,10 @@ class DecodeContext:
         """The positions [1, tokens] of a call from `start` (a batch of requests has one row per request)."""
         return self.positions[:, start : start + tokens]
 
+    def end(self, start: int, tokens: int) -> int:
+        """One past the highest position of a call of `tokens` positions from `start`: the slots its cache needs."""
+        return start + tokens
+
     def embed(self, lane: str, ids: list[int], start: int) -> torch.Tensor:
         end = start + len(ids)
         feeds = {INPUT_IDS: torch.tensor([ids], dtype=torch.int64)}
@@ -124,15 +128,18 @@ class DecodeContext:
         return self._call(lane, "embed", "embed", start, end, feeds)[HIDDEN]
 
     def rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden states a call computes: `hidden`'s positions, then copies of the last at the positions after
-        it as far as this machine's form says (`form`); the caller keeps `hidden`'s rows of what comes back."""
-        tokens = hidden.shape[1]
-        rows = tokens if self.form.alone else self.form.rows(tokens)  # alone: one position a call, or a prefill
-        if rows == tokens or hidden.shape[0] != 1:  # a batch's rows (one position each) are never padded
+        """The hidden states a call computes: each row's positions, then copies of its last at the positions after
+        it as far as this machine's form says (`form`); the caller keeps `hidden`'s positions of what comes back."""
+        batch, tokens = hidden.shape[:2]
+        if self.form.alone:  # one position a call, or a prefill
+            return hidden
+        rows = self.form.tokens_per_row(batch, tokens)
+        if rows == tokens:
             return hidden
         return torch.cat((hidden, hidden[:, -1:].expand(-1, rows - tokens, -1)), 1)
 
     def _layer_feeds(self, layer: int, hidden: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        self.cache.reserve(self.end(start, hidden.shape[1]))
         key, value = self.cache.layer(layer)
         return {HIDDEN: hidden, POSITIONS: self.at(start, hidden.shape[1]), PAST_KEY: key, PAST_VALUE: value}
 
@@ -177,6 +184,7 @@ class DecodeContext:
             return torch.cat(rows, 1)
         rows = self.rows(hidden)
         feeds = {HIDDEN: rows, POSITIONS: self.at(start, rows.shape[1])}
+        self.cache.reserve(self.end(start, rows.shape[1]))
         for layer in range(first, last + 1):
             feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
         name, label = f"segment_{first}_{last}", f"layers {first}-{last}"
@@ -234,6 +242,35 @@ class DecodeContext:
         with self.annotate(name):
             yield
         self.timeline.add("phases", name, began, time.perf_counter(), positions)
+
+
+class RowsContext(DecodeContext):
+    """The calls over every row of a cache of several sequences (a batch, runtime/engine.py), each row at positions
+    of its own: row b's positions are `starts[b] .. starts[b] + T - 1` (`begin`), so rows of every length share a
+    call (the layers mask by position)."""
+
+    starts: torch.Tensor  # [B, 1]: each row's first position in the next calls
+    last: int  # the highest of them
+
+    def begin(self, starts: list[int]) -> None:
+        """The next calls' rows start at `starts` (one per row)."""
+        self.starts = torch.tensor(starts, dtype=torch.int64)[:, None]
+        self.last = max(starts)
+
+    def at(self, start: int, tokens: int) -> torch.Tensor:
+        return self.starts + self.positions[:, :tokens]
+
+    def end(self, start: int, tokens: int) -> int:
+        return self.last + tokens
+
+    def embed_rows(self, ids: list[list[int]]) -> torch.Tensor:
+        """The rows' tokens (each row the same number) embedded at their positions."""
+        tokens = len(ids[0])
+        feeds = {INPUT_IDS: torch.tensor(ids, dtype=torch.int64)}
+        if self.learned_positions:
+            feeds[POSITIONS] = self.at(0, tokens)
+        first = int(self.starts.min())
+        return self._call(MAIN, "embed", "embed", first, self.last + tokens, feeds)[HIDDEN]
 
 
 def _each(hidden: torch.Tensor) -> range:

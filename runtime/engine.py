@@ -20,10 +20,10 @@ One `step` gives every sequence its next verified token:
   row; a row's cache length is its position, and attention masks by position, so rows of every length share a
   call), then the final head gives each row its token: its top-1, or a draw from its distribution keyed by its
   position (sampling). This is plain decoding per row; a batched call costs little more than one row's (the weights
-  are read once). On an export with int8 activations in its layers (`Manifest.padded_attention`) a call of several
-  rows computes otherwise than the same rows alone (onnxruntime's attention kernel takes its one-token path for
-  them, and int8 rounding amplifies the difference), so there each row's token goes through calls of its own row:
-  the same tokens as the request alone, without the shared reads of the weights.
+  are read once). Where the machine's row form says a call of several sequences computes a row otherwise than the
+  sequence alone (`RowForm.rows_alone`, runtime/row_exactness.py: float-activation layers), each row's token goes
+  through calls of its own row instead: the same tokens as the request alone, without the shared reads of the
+  weights.
 
 So speculation yields to load: with others to decode, a batched call's spare rows are the cheaper way to use the
 machine (its cost grows far less than its rows), and ParaDecode's extra positions would take rows' place.
@@ -48,13 +48,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from paradecode.graphs.errors import UserInputError
-from paradecode.graphs.tensors import HIDDEN, INPUT_IDS, POSITIONS
 from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
 from paradecode.runtime.config import GenerationConfig
-from paradecode.runtime.decoding import MAIN, DecodeContext, choose, prefill
+from paradecode.runtime.decoding import MAIN, DecodeContext, RowsContext, choose, prefill
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
 from paradecode.runtime.sampling import Draws
@@ -117,25 +114,6 @@ class Sequence:
         return self.request.config.mode == "paradecode"
 
 
-class RowsContext(DecodeContext):
-    """The calls over rows 0..n-1 of an engine's cache, one token per row, each at its own position."""
-
-    row_positions: torch.Tensor  # [n, 1], set before each step
-
-    def at(self, start: int, tokens: int) -> torch.Tensor:
-        return self.row_positions
-
-    def rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden  # one position per row, each at its own: nothing to pad (runtime/row_exactness.py)
-
-    def embed_rows(self, ids: list[int]) -> torch.Tensor:
-        feeds = {INPUT_IDS: torch.tensor(ids, dtype=torch.int64)[:, None]}
-        if self.learned_positions:
-            feeds[POSITIONS] = self.row_positions
-        first, last = int(self.row_positions.min()), int(self.row_positions.max())
-        return self._call(MAIN, "embed", "embed", first, last + 1, feeds)[HIDDEN]
-
-
 class Engine:
     def __init__(self, model: ParaDecodeModel, rows: int = 1):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
@@ -147,15 +125,8 @@ class Engine:
         # The estimates ParaDecode adapts by and its calls' costs feed: the model's (a warm-up sets its own).
         self.speculation: Speculation = model.speculation
         self.sequences: list[Sequence] = []  # sequence i decodes in row i
-        # Per row, the slots known to hold finite numbers (written or zeroed). A batched call's attention may read a
-        # row past its own position, up to the batch's highest (masked): on a CPU the cache starts uninitialised
-        # (untouched pages cost nothing), and a masked NaN there would still reach the output (0 x NaN), so those
-        # slots are zeroed once before the first call that reads them.
-        self.finite = [0] * rows
         self.steps = {ALONE: 0, TOGETHER: 0}
         self._together: dict[int, RowsContext] = {}  # batch size -> its context (views of the first rows)
-        # onnxruntime computes a call of several rows otherwise than each row alone here: see `_row_alone`
-        self.rows_alone = model.manifest.padded_attention and self.backend.name == "onnxruntime"
         self._row_contexts: dict[int, DecodeContext] = {}  # row -> the calls of that row alone (views of it)
         self._side_lanes: list[Lane] | None = None  # made at the first `streams`/`both` request
 
@@ -188,7 +159,6 @@ class Engine:
                 self.sequences.remove(sequence)
             self._fail(sequence, err)
             return
-        self.finite[row] = max(self.finite[row], len(request.ids))  # the prefill wrote the prompt's slots
         sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
         sequence.position = len(request.ids)
         self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
@@ -232,7 +202,6 @@ class Engine:
         last = self.sequences.pop()
         if last is not sequence:
             self.cache.move_row(self.size, row, last.position)
-            self.finite[row] = max(self.finite[row], last.position)
             self.sequences[row] = last
         stats, completion, timeline = sequence.stats, sequence.completion, sequence.timeline
         try:
@@ -299,22 +268,18 @@ class Engine:
         sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
-            if self.rows_alone or n == 1:
-                # a lone row's calls are the request's alone (the machine's row form pads them, as it does alone)
+            form = self.backend.row_form
+            if n == 1 or form is None or form.rows_alone:
+                # a lone row's calls are the request's alone (the machine's row form pads them, as it does alone); where
+                # several rows in one call compute otherwise than each alone, every row in calls of its own
                 outs = [self._row_alone(row, s, sampled) for row, s in enumerate(sequences)]
             else:
                 ctx = self._together.get(n)
                 if ctx is None:
                     ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline)
-                span = max(s.position for s in sequences) + 1
-                for row, sequence in enumerate(sequences):
-                    start = max(self.finite[row], sequence.position)  # never below the row's own entries
-                    if start < span:
-                        self.cache.zero(row, start, span)
-                    self.finite[row] = max(start, span)
-                ctx.row_positions = torch.tensor([[s.position] for s in sequences], dtype=torch.int64)
+                ctx.begin([s.position for s in sequences])
                 hidden = ctx.layers(
-                    MAIN, 1, ctx.num_layers, ctx.embed_rows([s.completion.tokens[-1] for s in sequences]), 0
+                    MAIN, 1, ctx.num_layers, ctx.embed_rows([[s.completion.tokens[-1]] for s in sequences]), 0
                 )
                 out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
                 outs = [(out, row) for row in range(n)]
@@ -331,9 +296,9 @@ class Engine:
 
     def _row_alone(self, row: int, sequence: Sequence, sampled: bool) -> tuple:
         """`sequence`'s newest token through every layer in calls of its row alone: a sequence alone in the engine, or
-        any row of an export whose several-row calls compute otherwise than one row's (`Manifest.padded_attention`),
-        so its tokens stay those of the request decoded alone; such a batch shares the machine between requests but
-        not the weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
+        any row where a call of several sequences computes a row otherwise than alone (`RowForm.rows_alone`), so its
+        tokens stay those of the request decoded alone; such a batch shares the machine between requests but not the
+        weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
         ctx = self._row_contexts.get(row)
         if ctx is None:
             rows = self.cache.rows(row, row + 1)

@@ -1,9 +1,22 @@
-"""The KV cache: one fixed-size key and value buffer per layer, written in place by the layer graphs.
+"""The KV cache: per layer, a key and a value buffer [rows, H_kv, slots, D_h], written in place by the layer graphs.
 
-Buffers are allocated once at the export's max length. Each layer has its own length, the number of
-positions computed at that layer: while tokens are pending, shallow layers hold more positions than
-deep ones. Rolling back only shortens lengths: the graphs mask every slot at or after a query's
-position, so stale values past a length never matter and are overwritten when reached again.
+Each layer has its own length, the number of positions computed at that layer: while tokens are pending, shallow
+layers hold more positions than deep ones. Rolling back only shortens lengths: the graphs mask every slot after a
+query's position, so stale values past a length never matter and are overwritten when reached again.
+
+How many slots the buffers hold: an exported layer attends over every slot of the cache it is given, masked
+(export/attention.py), so a call costs what its cache holds, not what the sequence needs. Where the backend's graphs
+take a cache of any length (`grows`: onnxruntime's), the buffers start at GRANULE slots and grow in steps of GRANULE
+to what the next call needs (`reserve`), up to the export's max_seq_len: growing copies every row's slots into new
+buffers, a few times over a sequence. Elsewhere (CUDA graphs and TensorRT engines bind fixed addresses) they hold
+max_seq_len slots from the start. Every slot is a finite number from the start (zeros): a masked slot adds an exact
+zero only if it holds no NaN.
+
+A cache of several rows (a batch's requests, runtime/engine.py) hands out views of some of its rows (`rows`), each
+with lengths of its own; a view sees the buffers its cache has now, grown or not.
+
+Threading model: a cache grows only from the thread that decodes in it; the `streams` and `both` overlaps, whose
+side lanes write into it from other threads, reserve every slot before their lanes start (runtime/overlaps.py).
 """
 
 from __future__ import annotations
@@ -11,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from paradecode.graphs.errors import UserInputError
+
+GRANULE = 64  # slots a growing cache adds at a time
 
 
 class KVCache:
@@ -21,46 +36,77 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device,
         spare: int = 0,
-        zeroed: bool = False,
+        *,
+        grows: bool = False,
     ):
-        self.shape = tuple(shape)
-        # Slots at the end that no position takes, kept for copies written after a call's last position: the graphs'
-        # (padded attention, export/exact_rows.py: one slot) and the runtime's (a row form's padding,
-        # runtime/row_exactness.py: up to `RowForm.spare`). Every position gets a slot of its own before them.
+        """A cache of `num_layers` layers, `shape` = (rows, H_kv, most slots, D_h). `spare`: slots at the end that no
+        position takes, kept for copies written after a call's last position (a row form's padding,
+        runtime/row_exactness.py: up to `RowForm.spare`)."""
+        self.shape = tuple(shape)  # the most it holds: max_seq_len slots
         self.spare = spare
-        # `zeroed`: the buffers start at 0, for a backend whose attention reads every slot, masked (the torch modules
-        # on CUDA and under torch.compile): masked garbage could be NaN, and 0 x NaN would leak through the masked
-        # softmax. Where only written slots are read (the ONNX graphs and the eager modules on a CPU slice the cache
-        # at the call's highest position), they need not be: untouched pages cost no memory until the sequence
-        # reaches them.
-        new = torch.zeros if zeroed else torch.empty
-        self.keys = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_layers
+        self.dtype, self.device = dtype, torch.device(device)
+        self.grows = grows
+        self.generation = 0  # counts the buffers' reallocations (views refresh theirs after one)
+        self._root, self._offset = self, 0
+        slots = min(GRANULE, self.shape[2]) if grows else self.shape[2]
+        self.keys = [self._new(slots) for _ in range(num_layers)]
+        self.values = [self._new(slots) for _ in range(num_layers)]
+        self._seen = self.generation
 
+    def _new(self, slots: int) -> torch.Tensor:
+        rows, heads, _, dim = self._root.shape
+        return torch.zeros((rows, heads, slots, dim), dtype=self._root.dtype, device=self._root.device)
+
+    # --- rows ---------------------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> KVCache:
         """A cache over rows start..stop-1 of this one's buffers (views, no copy), with lengths of its own: a
         batch's requests each decode in their rows of one cache [max_batch, H_kv, S, D_h]."""
         view = KVCache.__new__(KVCache)
         view.shape = (stop - start, *self.shape[1:])
         view.spare = self.spare
-        view.keys = [k[start:stop] for k in self.keys]
-        view.values = [v[start:stop] for v in self.values]
         view.lengths = list(self.lengths)
+        view.dtype, view.device, view.grows = self.dtype, self.device, self.grows
+        view._root, view._offset = self._root, self._offset + start
+        view._refresh()
         return view
 
-    def zero(self, row: int, start: int, stop: int) -> None:
-        """Zero slots start..stop-1 of `row` in every layer (slots a batched call may read, masked, before the row
-        reaches them: see runtime/engine.py)."""
-        for buffers in (self.keys, self.values):
-            for buffer in buffers:
-                buffer[row, :, start:stop] = 0
+    def _refresh(self) -> None:
+        """A view's buffers: its rows of its cache's current ones."""
+        root = self._root
+        first, last = self._offset, self._offset + self.shape[0]
+        whole = first == 0 and last == root.shape[0]
+        self.keys = [k if whole else k[first:last] for k in root.keys]
+        self.values = [v if whole else v[first:last] for v in root.values]
+        self._seen = root.generation
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy row `source`'s first `length` positions of every layer into row `target` (a batch closing a gap)."""
-        for buffers in (self.keys, self.values):
+        for buffers in (self._root.keys, self._root.values):
             for buffer in buffers:
                 buffer[target, :, :length] = buffer[source, :, :length]
+
+    # --- slots --------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """The slots the buffers hold now (at most `shape[2]`)."""
+        return self._root.keys[0].shape[2]
+
+    def reserve(self, end: int) -> None:
+        """Make the buffers hold slots 0..end-1 (a call writing or reading up to position end - 1): a growing cache
+        grows to the next multiple of GRANULE (at most its most slots), copying what it holds; a call past the most
+        slots is the graphs' to refuse."""
+        root = self._root
+        if end <= root.keys[0].shape[2] or not root.grows:
+            return
+        slots = min(root.shape[2], -(-end // GRANULE) * GRANULE)
+        held = root.keys[0].shape[2]
+        for buffers in (root.keys, root.values):
+            for i, old in enumerate(buffers):
+                new = root._new(slots)
+                new[:, :, :held] = old
+                buffers[i] = new
+        root.generation += 1
 
     @property
     def batch(self) -> int:
@@ -68,7 +114,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """The positions a sequence can take: the buffers' slots but the spare ones."""
+        """The positions a sequence can take: the most slots but the spare ones."""
         return self.shape[2] - self.spare
 
     @property
@@ -76,9 +122,12 @@ class KVCache:
         return len(self.lengths)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Key and value buffers of `layer` (1-based)."""
+        """Key and value buffers of `layer` (1-based), as they are now."""
+        if self._seen != self._root.generation:
+            self._refresh()
         return self.keys[layer - 1], self.values[layer - 1]
 
+    # --- lengths ------------------------------------------------------------------------------
     def written(self, layer: int, end: int) -> None:
         """Record that `layer` now holds positions 0 .. end-1."""
         if end > self.capacity:

@@ -125,6 +125,9 @@ class ThreadedExecutor(Executor):
 
     # --- side lanes ---------------------------------------------------------------------------------------------------
     def start_side_lanes(self) -> None:
+        # the side lanes write into the cache from their threads: it holds every slot before they start, and never
+        # grows under them (runtime/kvcache.py)
+        self.ctx.cache.reserve(self.ctx.cache.shape[2])
         self.workers = [lane.submit(self.side_worker, lane.name) for lane in self.side_lanes]
 
     def stop_side_lanes(self, *, raise_errors: bool) -> None:

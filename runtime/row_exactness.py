@@ -55,7 +55,7 @@ import logging
 import os
 import platform
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,22 +67,36 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RowForm:
-    """How a call of one sequence's positions is made: padded to at least `minimum` rows, a multiple of `multiple`;
-    or, `alone`, each position in a call of its own (a prompt's prefill aside)."""
+    """How a call is made so that a position's bits do not depend on the call: padded to at least `minimum` rows, a
+    multiple of `multiple` (rows: a call's positions over all its sequences, what the matrix kernels see); or,
+    `alone`, each position of a sequence in a call of its own (a prompt's prefill aside). `rows_alone`: the
+    sequences of a batch (runtime/engine.py) each in calls of their own, where a call of several sequences computes
+    otherwise than one sequence's under this form."""
 
     minimum: int = 1
     multiple: int = 1
     alone: bool = False  # every position in a call of its own (a prompt's prefill aside: plain decoding shares it)
+    rows_alone: bool = False  # a batch's sequences in calls of their own
 
     def __post_init__(self) -> None:
         if self.minimum < 1 or self.multiple < 1 or (self.alone and (self.minimum, self.multiple) != (1, 1)):
             raise ValueError(f"a row form pads to at least 1 row, a multiple of 1 or more, or splits; got {self}")
+        if self.alone and not self.rows_alone:
+            raise ValueError(f"a form whose positions run alone runs a batch's sequences alone too; got {self}")
 
     def rows(self, tokens: int) -> int:
-        """The rows a call of `tokens` positions runs as (a call of its own each: one)."""
+        """The rows a call of `tokens` positions of one sequence runs as (a call of its own each: one)."""
         if self.alone:
             return 1
-        return max(self.minimum, -(-tokens // self.multiple) * self.multiple)
+        return self.tokens_per_row(1, tokens)
+
+    def tokens_per_row(self, batch: int, tokens: int) -> int:
+        """Positions per sequence in a call of `batch` sequences of `tokens` positions each, padded so that the call's
+        rows (`batch` times as many) are at least `minimum`, a multiple of `multiple`."""
+        padded = max(tokens, -(-self.minimum // batch))
+        while (batch * padded) % self.multiple:
+            padded += 1
+        return padded
 
     @property
     def spare(self) -> int:
@@ -91,11 +105,17 @@ class RowForm:
 
     @property
     def name(self) -> str:
-        return "alone" if self.alone else f"{self.minimum}x{self.multiple}"
+        base = "alone" if self.alone else f"{self.minimum}x{self.multiple}"
+        return base + ("-rows-alone" if self.rows_alone and not self.alone else "")
 
     def describe(self) -> str:
-        if self == AS_IS:
-            return "calls run as they come: a position's results are the same bits alone and among others"
+        batches = (
+            "; a batch's sequences in calls of their own (several sequences in one call compute otherwise here)"
+            if self.rows_alone and not self.alone
+            else ""
+        )
+        if self.minimum == self.multiple == 1 and not self.alone:
+            return "calls run as they come: a position's results are the same bits alone and among others" + batches
         if self.alone:
             return (
                 "every position after a prompt's prefill runs in a call of its own (this machine's kernels compute a "
@@ -108,12 +128,13 @@ class RowForm:
         return (
             f"calls run as {' and '.join(padding)} (copies of their last position), so that a position's results "
             "are the same bits alone and among others (this machine's kernels compute some row counts otherwise)"
+            + batches
         )
 
 
 AS_IS = RowForm()
 TWO_ROWS = RowForm(minimum=2)
-ALONE = RowForm(alone=True)
+ALONE = RowForm(alone=True, rows_alone=True)
 CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm(multiple=8), ALONE)
 
 
@@ -135,8 +156,10 @@ NONE_NAME = "none"
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 17)
 OTHER_GRAPHS_SIZES = (1, 3)  # the per-layer and fused exit graphs, compared at these sizes
 PREFIX = 64  # positions before the compared ones (at most), in one call: a prompt's prefill
-ROOM = max(form.spare for form in CANDIDATES) + 1  # slots after a call: the widest padding and the attention's copy
-PROBE_VERSION = 3  # in the verdict's key: what the probe compares changed, so verdicts are probed again
+ROOM = max(form.spare for form in CANDIDATES) + 1  # slots after a call: the widest padding
+BATCH_SIZES = (1, 3)  # positions per sequence in the batched calls compared (a batch of plain decoding, of ParaDecode)
+BATCH_OFFSET = 5  # the other sequence of a compared batch is this many positions ahead
+PROBE_VERSION = 5  # in the verdict's key: what the probe compares changed, so verdicts are probed again
 CACHE_FILE = "row-exactness.json"
 CACHE_LIMIT = 256  # verdicts kept in the cache file (the oldest go first)
 CACHE_BYTES = 1 << 20  # a cache file larger than this is not read (256 verdicts take about 25 kB)
@@ -198,7 +221,7 @@ def verdict_key(backend) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-FORMS_BY_NAME = {form.name: form for form in CANDIDATES}
+FORMS_BY_NAME = {form.name: form for base in CANDIDATES for form in (base, replace(base, rows_alone=True))}
 
 
 def _read_cache(path: Path) -> dict[str, str]:
@@ -282,8 +305,11 @@ def probe(backend) -> RowForm | None:
     before = backend.open_subgraphs()  # with what a prefill opened: what plain decoding runs
     try:
         for form in candidates(backend):
-            if positions.agree(form, positions.results(form, 1, "segments"), reference_included=True):
-                return form
+            reference = positions.results(form, 1, "segments")
+            if positions.agree(form, reference, reference_included=True):
+                if form.rows_alone or positions.batches_agree(form, reference):
+                    return form
+                return replace(form, rows_alone=True)
         return None
     finally:  # the per-layer and fused exit graphs the probe opened: decoding opens them again where it uses them
         kinds = ("layer", "layer_exit")
@@ -353,7 +379,7 @@ class _Positions:
         ids = torch.randint(0, spec.vocab_size, (prefix + positions,), generator=torch.Generator().manual_seed(0))
         self.ids = ids.tolist()
         shape = (1, spec.num_kv_heads, manifest.max_seq_len, spec.head_dim)
-        self.cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, zeroed=backend.reads_whole_cache)
+        self.cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, grows=backend.grows_cache)
         self.timeline = Timeline(record_spans=False)
         self.fused_exits = sorted(sub.io.layer for sub in manifest.subgraphs if sub.io.kind == "layer_exit")
         # segments: what plain decoding and the main lane run; layer graphs: what side lanes, and ranges no segment
@@ -388,6 +414,44 @@ class _Positions:
             for path, size in self.compared()
             if not (reference_included and path == "segments" and size == 1)
         )
+
+    def batches_agree(self, form: RowForm, reference: tuple[torch.Tensor, list]) -> bool:
+        """Whether the compared positions, computed as the first row of a batch of two sequences (BATCH_SIZES
+        positions a row a call, the other row BATCH_OFFSET positions ahead) in a cache holding every slot, give
+        `reference`'s bits: what a batch of requests (runtime/engine.py) computes. An export that batches no
+        requests (max_batch 1) has nothing to compare."""
+        from paradecode.runtime.decoding import DecodeContext, RowsContext
+        from paradecode.runtime.kvcache import KVCache
+
+        backend, spec, main = self.backend, self.backend.spec, self._main
+        if backend.manifest.max_batch < 2:
+            return True
+        other = torch.randint(
+            0, spec.vocab_size, (len(self.ids) + BATCH_OFFSET,), generator=torch.Generator().manual_seed(1)
+        )
+        rows = [self.ids, other.tolist()]
+        shape = (2, spec.num_kv_heads, backend.manifest.max_seq_len, spec.head_dim)
+        cache = KVCache(spec.num_layers, shape, backend.dtype, backend.device, grows=backend.grows_cache)
+        cache.reserve(shape[2])  # a position's bits must not depend on how many slots the cache holds either
+        for row, length in ((0, self.prefix), (1, self.prefix + BATCH_OFFSET)):
+            prefill = DecodeContext(backend, cache.rows(row, row + 1), self.timeline, form=AS_IS)
+            prefill.layers(main, 1, spec.num_layers, prefill.embed(main, rows[row][:length], 0), 0)
+        ctx = RowsContext(backend, cache, self.timeline, form=form)
+        end = self.prefix + self.positions
+        for size in BATCH_SIZES:
+            hidden, heads = [], []
+            for first in range(self.prefix, end, size):
+                n = min(size, end - first)
+                starts = [first, first + BATCH_OFFSET]
+                ctx.begin(starts)
+                ids = [rows[row][start : start + n] for row, start in enumerate(starts)]
+                out = ctx.layers(main, 1, spec.num_layers, ctx.embed_rows(ids), first)
+                head = ctx.head(main, "final", out, first)
+                hidden.append(out[:1].clone())
+                heads += list(zip(head.token, head.prob, head.margin))[:n]  # row 0's positions come first
+            if not _same(reference, (torch.cat(hidden, 1), heads)):
+                return False
+        return True
 
     def compared(self) -> list[tuple[str, int]]:
         """(path, call size) for every comparison: the segments at every size in SIZES, other paths at

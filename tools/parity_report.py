@@ -48,6 +48,7 @@ def teacher_forced(model, sequence: list[int]) -> dict[str, torch.Tensor]:
     prefill-like call per layer over the whole sequence, in a cache of its own (the model's is untouched)."""
     backend = model.backend
     cache = backend.allocate_cache()
+    cache.reserve(len(sequence))
     positions = torch.arange(len(sequence), device=backend.device)[None]
     feeds = {"input_ids": torch.tensor([sequence], device=backend.device)}
     if backend.spec.positions == "learned":

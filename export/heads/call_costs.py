@@ -110,6 +110,7 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
     form = backend.row_form or AS_IS
     rows = form.rows  # a form of positions `alone`: one row a call, T of them for T positions (timed once, times T)
     context = min(CONTEXT, cache.capacity - sizes[-1])
+    cache.reserve(context + rows(sizes[-1]))  # a cache as long as decoding at that context has (runtime/kvcache.py)
     layers = [(s.io.name, s.io.layer) for s in manifest.subgraphs if s.io.kind == "layer"]
     exit_head = next((s.io.name for s in manifest.subgraphs if s.io.kind == "exit"), "final")
     exit_vocab = manifest.head_vocab if exit_head != "final" and manifest.head_vocab else spec.vocab_size
@@ -157,6 +158,20 @@ def measure_call_costs(backend, cache, tokens: Sequence[int], *, rounds: int = R
     )
 
 
+def exported_layer(spec: ModelSpec, layer: int, capacity: int):
+    """Layer `layer` as an export's graph computes it (fused operators), with random weights and real rotary
+    tables of `capacity` positions."""
+    from paradecode.graphs.modules import LayerGraph
+    from paradecode.graphs.ops import rope_caches
+
+    module = LayerGraph(spec, layer, ops="fused", max_seq_len=capacity)
+    if spec.positions == "rope":
+        half = spec.head_dim // 2
+        module.inv_freq.copy_(1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half)))
+        module.cos_cache, module.sin_cache = rope_caches(module.inv_freq, 1.0, capacity, torch.float32)
+    return module
+
+
 def graphs_from_spec(spec: ModelSpec, exit_vocab: int, folder: Path):
     """The graphs a decode step runs, for `spec` with random weights, written into `folder` as an export the
     runtime opens (`runtime.loader.ExportFolder`): LAYER_COPIES copies of one full-attention layer from the
@@ -165,7 +180,7 @@ def graphs_from_spec(spec: ModelSpec, exit_vocab: int, folder: Path):
     from paradecode.export.config import ExportConfig
     from paradecode.export.onnx_export import onnx_from_module
     from paradecode.graphs.manifest import FileRecord, Manifest, Subgraph
-    from paradecode.graphs.modules import EmbedGraph, HeadGraph, LayerGraph
+    from paradecode.graphs.modules import EmbedGraph, HeadGraph
     from paradecode.graphs.tensors import subgraph_io
     from paradecode.runtime.loader import ExportFolder
 
@@ -177,7 +192,7 @@ def graphs_from_spec(spec: ModelSpec, exit_vocab: int, folder: Path):
     logits = next(f.default for f in dataclasses.fields(ExportConfig) if f.name == "with_logits")  # as exported
     common = dict(dtype="float32", max_seq_len=capacity)
     traced = {  # graph name -> (its contract, its module)
-        f"layer_{layer}": (subgraph_io(spec, "layer", layer, **common), LayerGraph(spec, layer)),
+        f"layer_{layer}": (subgraph_io(spec, "layer", layer, **common), exported_layer(spec, layer, capacity)),
         f"exit_{exit_layer}": (
             subgraph_io(spec, "exit", exit_layer, **common, with_logits=logits, head_vocab=exit_vocab),
             HeadGraph(spec, transform=True, vocab=exit_vocab, with_logits=logits),
@@ -234,8 +249,10 @@ def call_costs_from_spec(spec: ModelSpec, exit_vocab: int, *, rounds: int = ROUN
         backend = backend_type(graphs_from_spec(spec, exit_vocab, Path(tmp)), device="cpu")
         with backend:
             cache = backend.allocate_cache()
-            for buffer in cache.keys + cache.values:  # earlier positions hold values, as while decoding
-                buffer.normal_()
+            cache.reserve(cache.shape[2])
+            for layer in range(1, cache.num_layers + 1):  # earlier positions hold values, as while decoding
+                for buffer in cache.layer(layer):
+                    buffer.normal_()
             return measure_call_costs(backend, cache, SPEC_TOKENS, rounds=rounds)
 
 

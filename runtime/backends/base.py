@@ -96,8 +96,8 @@ class Backend(ABC):
         self.subgraphs = {sub.io.name: sub for sub in self.manifest.subgraphs}
         self.calls = {name: SubgraphCall.of(sub.io) for name, sub in self.subgraphs.items()}
         self._moves_feeds = self.device.type != "cpu"  # CPU feeds are used where they are
-        # Whether attention may read cache slots no position has written (masked): the caches then start at 0. Off a
-        # CPU, as the torch modules on CUDA do (a slice at the highest position would need a device-to-host copy).
+        # Whether attention may read cache slots no position has written (masked). Off a CPU, as the torch modules on
+        # CUDA do (a slice at the highest position would need a device-to-host copy); the exported graphs always.
         self.reads_whole_cache = self.device.type != "cpu"
         self._exit_vocab: torch.Tensor | None = None
         self._row_form: row_exactness.RowForm | None = None
@@ -178,15 +178,20 @@ class Backend(ABC):
                 f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
-        spare = self.cache_spare
-        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, spare, zeroed=self.reads_whole_cache)
+        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, self.cache_spare, grows=self.grows_cache)
+
+    @property
+    def grows_cache(self) -> bool:
+        """Whether this backend's calls take a KV cache of any length up to max_seq_len, so that a cache may hold
+        what its sequences need and grow (runtime/kvcache.py); not where fixed addresses are bound (CUDA graphs,
+        TensorRT engines)."""
+        return False
 
     @property
     def cache_spare(self) -> int:
-        """A KV cache's slots after the last position, for copies of it: the graphs' (padded attention) and the
-        runtime's (this machine's row form, runtime/row_exactness.py)."""
-        form = self.row_form or row_exactness.AS_IS
-        return max(form.spare, 1 if self.manifest.padded_attention else 0)
+        """A KV cache's slots after the last position, for copies of it: this machine's row form's
+        (runtime/row_exactness.py)."""
+        return (self.row_form or row_exactness.AS_IS).spare
 
     @property
     def cache_capacity(self) -> int:

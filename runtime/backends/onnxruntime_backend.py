@@ -139,6 +139,7 @@ class Bindings(dict):
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    grows_cache = True  # its graphs take a cache of any length: attention costs what the cache holds
 
     @property
     def probes_rows(self) -> bool:
@@ -158,6 +159,7 @@ class OnnxRuntimeBackend(Backend):
                 "the onnxruntime backend does not run bfloat16 exports (no CPU kernels, no numpy "
                 "type to bind): use --backend torch or tensorrt, or export float32/float16."
             )
+        self.reads_whole_cache = True  # its graphs attend over every slot of the cache they are given, masked
         return_freed_weights_to_the_system()
         # The export's files in this process's memory, never mapped: sessions are made from these bytes, at load or
         # at a subgraph's first call, whatever the folder holds by then (runtime/watched.py). No weights file where the
@@ -181,6 +183,7 @@ class OnnxRuntimeBackend(Backend):
         self._share_probe = threading.Lock()  # held while a share is probed (row_exactness.shares_exactly)
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
+        self._check_rotary_tables()
 
     def _options(self, threads: int | None = None):
         options = ort.SessionOptions()
@@ -236,6 +239,21 @@ class OnnxRuntimeBackend(Backend):
                 f"{sub.onnx} holds the graph {graph.name!r}, expected {sub.io.name!r}. The export is inconsistent: "
                 "re-export the model."
             )
+
+    def _check_rotary_tables(self) -> None:
+        """The layer graphs' rotary tables (export/attention.py) must cover the manifest's max_seq_len positions, which
+        the manifest alone cannot tell: a larger one would fail at the first call past the tables."""
+        if self.spec.positions != "rope" or self.weights is None:
+            return
+        expected = (self.manifest.max_seq_len, self.spec.head_dim // 2)
+        for name in ("rope.cos", "rope.sin"):
+            shape = tuple(self.weights_tensor(name).shape)
+            if shape != expected:
+                raise ManifestError(
+                    f"{self.manifest.weights}: {name} holds rotary tables of {shape[0]} positions ({list(shape)}), "
+                    f"and the manifest's limits.max_seq_len is {expected[0]} (tables {list(expected)} expected). "
+                    "The export is inconsistent: re-export the model."
+                )
 
     def _cpu_session(self, name: str, threads: int):
         """The subgraph's session for calls of `threads` threads (see THREADS), made at its first such call."""

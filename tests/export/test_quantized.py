@@ -217,7 +217,7 @@ def test_float_activations_reproduce_pytorch_on_the_dequantized_model(tmp_path):
 
 @pytest.mark.slow
 def test_int8_heads_round_only_the_heads(tmp_path):
-    """--activations int8-heads (the default): the heads' quantized products (the final head's, the trained exit
+    """--activations int8-heads: the heads' quantized products (the final head's, the trained exit
     heads') take int8 activations (onnxruntime's accuracy_level 4), every layer's float ones (0), a fused layer_exit
     graph's too, and each graph is validated with its own kind's tolerance."""
     from tests.tiny_models import save_random_heads
@@ -226,7 +226,8 @@ def test_int8_heads_round_only_the_heads(tmp_path):
     write_tiny_gguf(gguf_path, block_types=MIXED_BLOCKS, tied=False, seed=4)
     heads = save_random_heads(gguf_path, tmp_path / "heads.safetensors")
     out = tmp_path / "export"
-    code, printed = run_cli([gguf_path, "-o", out, "--max-seq-len", 64, "--heads", heads, "--fused-exits"])
+    args = ["--max-seq-len", 64, "--heads", heads, "--fused-exits", "--activations", "int8-heads"]
+    code, printed = run_cli([gguf_path, "-o", out, *args])
     assert code == 0, printed
     manifest = read_manifest(out)
     assert manifest.quantization.activations == "int8-heads"

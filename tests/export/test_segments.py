@@ -14,6 +14,7 @@ import onnx
 import pytest
 import torch
 
+from paradecode.export.attention import SHARED
 from paradecode.graphs.errors import ManifestError
 from paradecode.graphs.manifest import read_manifest
 from paradecode.graphs.modules import SegmentGraph, build_subgraph
@@ -112,3 +113,16 @@ def test_segments_that_do_not_fit_the_contract_are_refused(edit, message, segmen
     (folder / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(ManifestError, match=message):
         read_manifest(folder)
+
+
+def test_a_segment_computes_what_its_layers_share_once(segmented):
+    """A segment's layers share one mask, one write index and one rotary table gather (export/segments.py): each
+    shared value is made by one node, and each layer keeps its own softmax."""
+    folder, _ = segmented
+    manifest = read_manifest(folder)
+    segment = next(s for s in manifest.subgraphs if s.io.kind == "segment")
+    nodes = onnx.load(str(folder / segment.onnx), load_external_data=False).graph.node
+    shared = [n.output[0] for n in nodes if n.output and n.output[0].startswith(SHARED)]
+    assert shared and len(shared) == len(set(shared)), shared
+    assert sum(n.op_type == "Softmax" for n in nodes) == segment.io.last - segment.io.layer + 1
+    assert sum(n.op_type == "TensorScatter" for n in nodes) == 2 * (segment.io.last - segment.io.layer + 1)

@@ -1,8 +1,8 @@
 """Graph templates in half precision: every layer of a bfloat16 or float16 export comes from the first layer's
 template, as in float32, and computes what a graph traced from the layer itself computes.
 
-The tiny qwen3 is the tiny model whose heads fit onnxruntime's fused attention (head_dim 16): its layer graphs
-read float32 rotary tables that the exporter casts to the activations' dtype, the cast a template must carry.
+The tiny qwen3's layer graphs read float32 rotary tables (export/attention.py) that the exporter casts to the
+activations' dtype, the cast a template must carry.
 """
 
 import logging
@@ -16,7 +16,7 @@ from paradecode.export.config import ExportConfig
 from paradecode.export.onnx_export import ONNX_DTYPES, GraphTemplate, tensor_of
 from paradecode.export.pipeline import export_model
 from paradecode.graphs.manifest import WEIGHTS_NAME, read_manifest
-from paradecode.graphs.modules import build_subgraph, fused_attention_fits
+from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.ops import TORCH_DTYPES
 
 FAMILY = "qwen3"
@@ -55,7 +55,7 @@ def test_half_precision_layers_come_from_the_template(model_dirs, tmp_path, capl
     out = tmp_path / "export"
     result = export_model(ExportConfig(model=str(model_dirs[FAMILY]), output=out, dtype=dtype, max_seq_len=SEQ_LEN))
     manifest = read_manifest(out)
-    assert fused_attention_fits(manifest.spec), "the test needs a model whose layers export fused attention"
+    assert manifest.spec.positions == "rope", "the test needs a model whose layers read rotary tables"
     layers = [s.io.name for s in manifest.subgraphs if s.io.kind == "layer"]
     how = made(caplog)
     assert [how[name] for name in layers] == ["traced"] + ["from template"] * (len(layers) - 1), how
@@ -81,7 +81,7 @@ def test_half_precision_layers_come_from_the_template(model_dirs, tmp_path, capl
 
 def traced_from_own_weights(manifest, io, weights: dict[str, torch.Tensor]) -> GraphTemplate:
     dtype = TORCH_DTYPES[manifest.dtype]
-    module = build_subgraph(manifest.spec, io, weights, dtype=dtype, fused=True)
+    module = build_subgraph(manifest.spec, io, weights, dtype=dtype, ops=manifest.ops, max_seq_len=manifest.max_seq_len)
     return GraphTemplate.trace(
         module,
         io,

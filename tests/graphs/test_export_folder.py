@@ -116,7 +116,7 @@ def hashed_bytes(monkeypatch) -> list[int]:
 @pytest.mark.timeout(60)
 def test_an_export_records_each_files_size_and_opens_through_checked_paths(folder):
     data = json.loads((folder / "manifest.json").read_text())
-    assert data["format_version"] == FORMAT_VERSION == 3
+    assert data["format_version"] == FORMAT_VERSION == 4
     for name, entry in data["files"].items():
         assert entry == record(folder / name), name
     export = open_export(folder)
@@ -220,10 +220,6 @@ def unknown_dtype(data, folder):
     data["dtype"] = "int4"
 
 
-def tampered_max_seq_len(data, folder):
-    data["limits"]["max_seq_len"] = 65
-
-
 def zero_max_batch(data, folder):
     data["limits"]["max_batch"] = 0
 
@@ -320,7 +316,7 @@ TAMPERED = [
     (
         tampered_cache_shape,
         r"subgraphs\[4\] \(layer_2\): input past_key has shape \['batch', 2, 65, 12\], "
-        r"the contract has \['batch', 2, 64, 12\]; "
+        r"the contract has \['batch', 2, 'slots', 12\]; "
         r"the contract for 4 layers, exit layers \[1, 2, 3\], dtype float32, max_seq_len 64",
     ),
     (float_in_a_shape, r"subgraphs\[4\]\.inputs\[2\]\.shape\[2\] is 64\.0; expected an integer >= 1"),
@@ -330,10 +326,6 @@ TAMPERED = [
         r"subgraphs\[0\] \(embed\): output hidden has dtype 'float32', the contract has 'float16'.*dtype float16",
     ),
     (unknown_dtype, r"dtype is 'int4'; expected one of \['float32', 'float16', 'bfloat16'\]"),
-    (
-        tampered_max_seq_len,
-        r"input past_key has shape \['batch', 2, 64, 12\], the contract has \['batch', 2, 65, 12\].*max_seq_len 65",
-    ),
     (zero_max_batch, r"limits\.max_batch is 0; expected an integer >= 1"),
     (string_max_unverified, r"limits\.max_unverified is '5'; expected an integer >= 1"),
     (max_seq_len_beyond_the_model, r"limits\.max_seq_len is 1000000000; expected at most the model's max_position"),
@@ -464,6 +456,15 @@ def test_a_tampered_folder_is_refused_without_reading_what_it_must_not(folder, t
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.timeout(60)
+def test_a_max_seq_len_its_rotary_tables_do_not_cover_is_refused_at_load(folder):
+    """The manifest's max_seq_len is the length of the rotary tables its graphs read (export/attention.py): a larger
+    one, which the manifest alone cannot tell, is refused when the graphs load, naming both."""
+    rewrite(folder, lambda data: data["limits"].update(max_seq_len=65))
+    with pytest.raises(ManifestError, match=r"rope\.cos holds rotary tables of 64 positions.*max_seq_len is 65"):
+        load(folder)
+
+
 def test_a_version_1_manifest_asks_for_a_re_export(folder):
     def to_version_1(data):
         data["format_version"] = 1
@@ -472,7 +473,7 @@ def test_a_version_1_manifest_asks_for_a_re_export(folder):
     rewrite(folder, to_version_1)
     refused(
         folder,
-        r"manifest\.json has manifest format version 1; this paradecode reads versions 2, 3 "
+        r"manifest\.json has manifest format version 1; this paradecode reads versions 4 "
         r"\(version 1 records no file sizes, which are needed to check files safely\)\. "
         r"Re-export the model with this version: `paradecode-export MODEL -o DIR --force`",
     )

@@ -183,17 +183,20 @@ def test_every_backend_gives_the_same_outputs(backends, tokens):
 
 
 @pytest.mark.parametrize("backend_name", CPU_BACKENDS)
-def test_attention_reads_no_memory_a_new_cache_held(monkeypatch, backends, backend_name):
-    """A CPU cache starts unzeroed (untouched pages cost no memory), so attention must read only written slots (the
-    graphs slice the cache at the call's highest position): a masked slot holding a NaN would reach the output as
-    0 x NaN. The allocator made to return NaN shows it; an export whose graphs lost that slice fails here."""
+def test_a_cache_holds_finite_numbers_in_every_slot_it_hands_out(monkeypatch, backends, backend_name):
+    """An exported layer attends over every slot of the cache it is given, masked (export/attention.py), and a
+    masked NaN would still reach the output (0 x NaN): a cache holds zeros from the start and where it grows, never
+    whatever memory held. The allocator made to return NaN shows it is not what a cache is made of."""
     real_empty = torch.empty
     backend = backends[backend_name]
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+        cache = backend.allocate_cache(2)
+        cache.reserve(cache.shape[2])  # grown to every slot, where it grows
+    for layer in range(1, cache.num_layers + 1):
+        assert all(bool((buffer == 0).all()) for buffer in cache.layer(layer)), f"layer {layer}"
     for tokens in (1, 2):
-        with monkeypatch.context() as patched:  # the cache's allocation only
-            patched.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-            feeds = layer_feeds(backend, tokens)
-        assert feeds[PAST_KEY].isnan().all(), "the allocator's NaN did not reach the cache: the test tests nothing"
+        feeds = layer_feeds(backend, tokens)
         hidden = backend.run("layer_1", feeds, outputs=(HIDDEN_OUT,))[HIDDEN_OUT]
         assert not hidden.isnan().any(), f"{backend_name}, {tokens} tokens: NaN in the layer's output"
 

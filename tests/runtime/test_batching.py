@@ -251,15 +251,16 @@ def test_a_batch_needs_an_export_with_rows(stories_dir, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_slots_a_row_has_not_reached_never_reach_its_output(loaded, backend):
-    """A batched call reads every row up to the batch's highest position (masked); a CPU cache starts
-    uninitialised, and a masked NaN would still reach the output (0 x NaN): the batch zeroes those slots first.
-    Here the cache starts as NaN everywhere, and a short row decodes beside a long one."""
-    model = loaded["gpt2", backend]  # the portable attention: it reads the slots up to the highest position
+    """A batched call reads every slot of every row (masked): a short row decodes beside a long one, its cache
+    past what it wrote holding large numbers, and gets the tokens it gets alone."""
+    model = loaded["gpt2", backend]
     short, long = requests_of(model, mode="ar")[2], requests_of(model, mode="ar")[4]
     want = alone(model, [short, long])
     batch = Engine(model, 2)
-    for buffer in (*batch.cache.keys, *batch.cache.values):
-        buffer.fill_(float("nan"))
+    batch.cache.reserve(batch.cache.shape[2])
+    for layer in range(1, batch.cache.num_layers + 1):
+        for buffer in batch.cache.layer(layer):
+            buffer.fill_(1e4)
     sinks = [Collect(), Collect()]
     batch.join(Sequence(long, sinks[1]))
     batch.join(Sequence(short, sinks[0]))

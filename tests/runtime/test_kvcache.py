@@ -8,7 +8,7 @@ import torch
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import NEVER, Tracing, load
 from paradecode.runtime.decoding import DecodeContext
-from paradecode.runtime.kvcache import KVCache
+from paradecode.runtime.kvcache import GRANULE, KVCache
 
 
 def test_lengths_per_layer_and_rollback():
@@ -27,16 +27,58 @@ def test_lengths_per_layer_and_rollback():
         cache.rollback(-1)
 
 
+def test_a_growing_cache_keeps_what_it_holds_and_its_views_follow():
+    """A cache of 200 slots at most starts at GRANULE (64) and grows in steps of it to what a call needs: every
+    row's slots are copied, the new ones are zeros, a view of some rows sees the new buffers, and a cache that does
+    not grow holds every slot from the start."""
+    cache = KVCache(2, (3, 1, 200, 2), torch.float32, "cpu", grows=True)
+    assert cache.slots == GRANULE
+    view = cache.rows(1, 3)
+    for layer in (1, 2):
+        for buffer in cache.layer(layer):
+            buffer.copy_(torch.arange(buffer.numel(), dtype=torch.float32).view(buffer.shape) + 1)
+    before = [t.clone() for layer in (1, 2) for t in cache.layer(layer)]
+    cache.reserve(GRANULE)  # fits: nothing moves
+    assert cache.slots == GRANULE and cache.generation == 0
+    view.reserve(GRANULE + 1)
+    assert cache.slots == 2 * GRANULE and cache.generation == 1
+    after = [t for layer in (1, 2) for t in cache.layer(layer)]
+    for old, new in zip(before, after):
+        assert torch.equal(new[:, :, :GRANULE], old) and not new[:, :, GRANULE:].any()
+    assert view.layer(1)[0].data_ptr() == cache.layer(1)[0][1].data_ptr() and view.layer(1)[0].shape[2] == 2 * GRANULE
+    cache.reserve(10_000)  # past the most slots: the graphs refuse a call there; the cache stops at its most
+    assert cache.slots == 200
+    assert KVCache(1, (1, 1, 200, 2), torch.float32, "cpu").slots == 200
+
+
 def test_buffers_are_allocated_once(exports):
     folder, _ = exports["qwen3"]
-    with load(folder) as model:
+    with load(folder, backend="torch") as model:  # a cache that does not grow: fixed addresses
         model.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, thresholds=0.0, ignore_eos=True)
         (engine,) = model._idle  # the call's engine, kept for the next call
         pointers = [t.data_ptr() for t in engine.cache.keys + engine.cache.values]
         model.generate(prompt_ids=[1, 2, 3], max_new_tokens=10, thresholds=0.0, ignore_eos=True)
         assert model._idle == [engine]
         assert [t.data_ptr() for t in engine.cache.keys + engine.cache.values] == pointers
-        assert engine.cache.shape == (1, 1, 64, 16)
+        assert engine.cache.shape == (1, 1, 64, 16) and engine.cache.slots == 64
+
+
+def test_a_sequence_decodes_across_the_caches_growth_as_it_does_in_a_whole_cache(exports, monkeypatch):
+    """The onnxruntime backend's cache grows as the sequence does (its graphs take any length): decoding across
+    several growths gives the tokens a cache of every slot from the start gives."""
+    from paradecode.runtime import kvcache
+
+    folder, _ = exports["llama"]
+    with load(folder) as model:
+        settings = dict(prompt_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
+        monkeypatch.setattr(kvcache, "GRANULE", 8)
+        grown = [model.generate(**settings, mode=mode) for mode in ("ar", "paradecode")]
+        assert model._idle[0].cache.slots == 48  # 3 + 40 positions, in steps of 8
+        monkeypatch.setattr(kvcache, "GRANULE", 64)
+        model._idle.clear()
+        whole = [model.generate(**settings, mode=mode) for mode in ("ar", "paradecode")]
+    assert [r.token_ids for r in grown] == [r.token_ids for r in whole]
+    assert [r.margins for r in grown] == [r.margins for r in whole]
 
 
 def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports, monkeypatch):

@@ -1,10 +1,9 @@
 """ParaDecode == ar, token for token, on quantized exports of every family: a tiny GGUF's own blocks (every kept
 block type at once) and onnxruntime's int4/int8 blocks of its weights, every overlap, threshold and unverified
-window (tests/parity.py: SETTINGS), with float activations, int8 ones in the heads only (the default:
-`gguf-int8-heads`) and everywhere (`gguf-int8`: where the fused attention kernel runs the model's heads, its layer
-graphs compute a position alike at any token count, and tests/runtime/test_exact_rows.py asserts ParaDecode's tokens
-equal ar's with no near-tie allowance; elsewhere a batched call's float rounding can flip an int8 rounding, so a
-near tie of that size may differ: these tiny models have none, and any would be reported with its margin).
+window (tests/parity.py: SETTINGS), with float activations, int8 ones in the heads only (`gguf-int8-heads`) and
+everywhere (`gguf-int8`, the default: tests/runtime/test_exact_calls.py asserts ParaDecode's tokens equal ar's there
+with no near-tie allowance; where the row form could not make calls alike, a near tie may differ: these tiny models
+have none, and any would be reported with its margin).
 
 Greedy here; sampling on a quantized export is in tests/runtime/test_sampling.py (its `int4-weights` cases), and
 float activations against transformers on the dequantized model in tests/export/test_quantized.py.

@@ -21,6 +21,7 @@ import torch
 
 from paradecode.runtime import load, row_exactness
 from paradecode.runtime.decoding import MAIN, DecodeContext
+from paradecode.runtime.engine import generate_batched
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.row_exactness import ALONE, AS_IS, TWO_ROWS, RowForm
 from tests.tiny_models import TINY_CONFIGS
@@ -145,6 +146,55 @@ def test_a_form_pads_a_call_with_copies_of_its_last_position():
     assert [TWO_ROWS.rows(t) for t in (1, 2, 3)] == [2, 2, 3] and TWO_ROWS.spare == 1
     fours = RowForm(multiple=4)
     assert [fours.rows(t) for t in (1, 4, 5, 17)] == [4, 4, 8, 20] and fours.spare == 3
+    # a batch's call: its rows are every sequence's positions, so fewer copies make the form's rows
+    assert [TWO_ROWS.tokens_per_row(b, 1) for b in (1, 2, 3)] == [2, 1, 1]
+    assert [fours.tokens_per_row(b, t) for b, t in ((2, 1), (3, 1), (3, 3), (8, 1))] == [2, 4, 4, 1]
+    assert ALONE.rows_alone and ALONE.name == "alone" and not TWO_ROWS.rows_alone
+    apart = dataclasses.replace(TWO_ROWS, rows_alone=True)
+    assert apart.name == "2x1-rows-alone" and row_exactness.FORMS_BY_NAME[apart.name] == apart
+    with pytest.raises(ValueError):
+        RowForm(alone=True)  # positions alone run a batch's sequences alone too
+
+
+def test_batches_share_calls_where_a_row_of_a_batch_computes_as_alone(quantized_exports):
+    """With int8 activations on this CPU, the probe's batch of two sequences gives the compared positions the bits
+    they get alone (runtime/row_exactness.py): a batch's requests share calls. Float activations' layers compute a
+    lone row otherwise, so there positions, and a batch's sequences, run alone."""
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        form = model.backend.row_form
+        assert form is not None and not form.rows_alone, form
+    with load(quantized_exports["llama", "gguf"][0]) as model:
+        assert model.backend.row_form.rows_alone
+
+
+def test_a_batch_whose_rows_compute_otherwise_runs_each_row_alone(quantized_exports, monkeypatch, tmp_path):
+    """Where a call of several sequences gives a row other bits than the sequence alone (here made so: a batched
+    call's hidden states one ulp off), the probe finds it, the form runs a batch's sequences in calls of their own,
+    and a batch's answers stay each request's alone, to the bits."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with load(quantized_exports["llama", "gguf-int8"][0]) as model:
+        backend = model.backend
+        launch = type(backend)._launch
+
+        def off_by_an_ulp_in_a_batch(self, name, feeds, lane):
+            outputs, reused = launch(self, name, feeds, lane)
+            hidden = outputs.get("hidden_out")
+            if hidden is not None and hidden.shape[0] > 1:
+                outputs = {**outputs, "hidden_out": torch.nextafter(hidden, torch.full_like(hidden, float("inf")))}
+            return outputs, reused
+
+        monkeypatch.setattr(type(backend), "_launch", off_by_an_ulp_in_a_batch)
+        form = row_exactness.probe(backend)
+        assert form is not None and form.rows_alone, form
+        monkeypatch.setattr(backend, "_row_form", form)
+        requests = [
+            model.request(prompt_ids=PROMPT[:n], max_new_tokens=m, mode="ar", ignore_eos=True)
+            for n, m in ((3, 12), (7, 6), (5, 9))
+        ]
+        alone = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
+        batched = generate_batched(model, requests, rows=2)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+        assert [r.margins for r in batched] == [r.margins for r in alone]
 
 
 def test_the_torch_backend_on_a_cpu_is_not_probed_and_says_so(exports, caplog):
@@ -163,7 +213,7 @@ def test_every_form_decodes_exactly_to_the_caches_last_position(quantized_export
     cache's end (both decoders stop at the last position the cache holds, ParaDecode's tokens and margins ar's)."""
     monkeypatch.setattr(row_exactness, "row_form", lambda backend: form)
     with load(quantized_exports["qwen3", source][0]) as model:
-        assert model.capacity == model.manifest.max_seq_len - max(form.spare, model.manifest.padded_attention)
+        assert model.capacity == model.manifest.max_seq_len - form.spare
         prompt = list(range(3, model.capacity - 30))
         ar = model.generate(prompt_ids=prompt, max_new_tokens=100, mode="ar", ignore_eos=True)
         assert ar.stats.stop_reason == "max_seq_len" and len(prompt) + len(ar.token_ids) == model.capacity + 1

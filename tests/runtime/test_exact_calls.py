@@ -1,23 +1,18 @@
-"""Exact rows (export/exact_rows.py): with int8 activations, a position's layer results are the same bit for bit
-whatever its call's token count (in the form the runtime picks for the machine: runtime/row_exactness.py), so
-ParaDecode's tokens are plain decoding's exactly, near ties included.
+"""Exact calls: with int8 activations, a position's results are the same bit for bit whatever its call holds (its
+token count, the other rows of a batch, how many slots its cache has), in the form the runtime picks for the
+machine (runtime/row_exactness.py), so ParaDecode's tokens are plain decoding's exactly, near ties included, and a
+request decoded in a batch gets the tokens it gets alone.
 
-On the bare attention kernel first: onnxruntime's GroupQueryAttention computes a one-token call otherwise than the
-same query among others (the negative control: without the rewrite the rows differ), and the rewritten graph
-gives every row alike. Then on the tiny GGUF exports with int8 activations everywhere (`gguf-int8`) of the
-families whose heads the fused kernel runs: layer graphs at 1 and 4 tokens, ParaDecode against ar with no near-tie
-allowance (every token exits and most roll back), and a batch of requests against each request alone.
+On the tiny GGUF exports with int8 activations everywhere (`gguf-int8`) of every family: layer graphs at 1 and
+several tokens, ParaDecode against ar with no near-tie allowance (every token exits and most roll back), a batch of
+requests against each request alone, and the overlaps' shares of the threads.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper
 
-from paradecode.export.exact_rows import pad_attention_rows
 from paradecode.graphs.tensors import HIDDEN_OUT
 from paradecode.runtime import load, row_exactness
 from paradecode.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
@@ -28,144 +23,10 @@ from tests.tiny_models import TINY_CONFIGS
 
 ort = pytest.importorskip("onnxruntime")
 
-HEADS, KV_HEADS, HEAD_DIM, SLOTS = 4, 2, 64, 96
-WIDTHS = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)  # queries, keys, values
-
-
-def attention_graph(padded: bool, split: bool) -> bytes:
-    """One GroupQueryAttention over a [B, KV_HEADS, SLOTS, HEAD_DIM] cache, as a layer graph calls it: its queries,
-    keys and values split from one tensor (`split`, as a quantized layer's one product gives them) or given apart."""
-    cache = ["B", KV_HEADS, SLOTS, HEAD_DIM]
-    inputs = [
-        helper.make_tensor_value_info("past_key", TensorProto.FLOAT, cache),
-        helper.make_tensor_value_info("past_value", TensorProto.FLOAT, cache),
-        helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["B"]),
-        helper.make_tensor_value_info("total", TensorProto.INT32, []),
-        helper.make_tensor_value_info("positions", TensorProto.INT64, ["B", "T"]),  # what the padding reads
-    ]
-    nodes = []
-    if split:
-        inputs.append(helper.make_tensor_value_info("qkv", TensorProto.FLOAT, ["B", "T", sum(WIDTHS)]))
-        sizes = helper.make_tensor("sizes", TensorProto.INT64, [3], list(WIDTHS))
-        nodes.append(helper.make_node("Split", ["qkv", "sizes"], ["q", "k", "v"], axis=-1))
-        initializers = [sizes]
-    else:
-        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "T", w]) for n, w in zip("qkv", WIDTHS)]
-        initializers = []
-    nodes.append(
-        helper.make_node(
-            "GroupQueryAttention",
-            ["q", "k", "v", "past_key", "past_value", "seqlens", "total"],
-            ["out", "present_key", "present_value"],
-            domain="com.microsoft",
-            num_heads=HEADS,
-            kv_num_heads=KV_HEADS,
-        )
-    )
-    outputs = [
-        helper.make_tensor_value_info("out", TensorProto.FLOAT, ["B", "T", WIDTHS[0]]),
-        helper.make_tensor_value_info("present_key", TensorProto.FLOAT, cache),
-        helper.make_tensor_value_info("present_value", TensorProto.FLOAT, cache),
-    ]
-    graph = helper.make_graph(nodes, "attention", inputs, outputs, initializers)
-    if padded:
-        assert pad_attention_rows(graph) == 1
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid("com.microsoft", 1)]
-    )
-    onnx.checker.check_model(model)
-    return model.SerializeToString()
-
-
-class Attention:
-    """The graph on random queries, keys, values and caches: `run(first, last, start)` computes rows first..last-1
-    (each row of the batch at positions start..) over copies of the caches given, returning (out, key, value)."""
-
-    def __init__(self, padded: bool, split: bool, tokens: int, rows: int = 1):
-        self.session = ort.InferenceSession(attention_graph(padded, split), providers=["CPUExecutionProvider"])
-        self.split = split
-        rng = np.random.default_rng(3)
-        self.q, self.k, self.v = (rng.standard_normal((rows, tokens, w), dtype=np.float32) for w in WIDTHS)
-        self.cache = [rng.standard_normal((rows, KV_HEADS, SLOTS, HEAD_DIM), dtype=np.float32) for _ in range(2)]
-
-    def run(self, first: int, last: int, start: int, key=None, value=None) -> list[np.ndarray]:
-        key = self.cache[0] if key is None else key
-        value = self.cache[1] if value is None else value
-        rows = self.q.shape[0]
-        q, k, v = self.q[:, first:last], self.k[:, first:last], self.v[:, first:last]
-        feeds = {"qkv": np.concatenate([q, k, v], axis=-1)} if self.split else {"q": q, "k": k, "v": v}
-        feeds |= {"past_key": key.copy(), "past_value": value.copy(), "total": np.array(start + last, np.int32)}
-        feeds |= {"seqlens": np.full(rows, start + last - 1, np.int32)}
-        feeds |= {"positions": np.tile(np.arange(start + first, start + last, dtype=np.int64), (rows, 1))}
-        return self.session.run(["out", "present_key", "present_value"], feeds)
-
-
-def rows_alone_and_together(padded: bool, split: bool, start: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """The outputs of `tokens` queries from slot `start` in one call, and each in a call of its own (over the caches
-    the call of all of them wrote: the earlier rows' keys and values in place)."""
-    attention = Attention(padded, split, tokens)
-    together, key, value = attention.run(0, tokens, start)
-    alone = [attention.run(i, i + 1, start, key, value)[0] for i in range(tokens)]
-    return together, np.concatenate(alone, axis=1)
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["apart", "split"])
-def test_the_attention_kernel_computes_a_lone_row_otherwise(split):
-    """The negative control: what the rewrite is for. If onnxruntime ever computes one row as it does several,
-    this fails and the rewrite can go."""
-    together, alone = rows_alone_and_together(False, split, start=40, tokens=4)
-    assert not np.array_equal(together, alone)
-    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5)  # the same attention, rounded otherwise
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["apart", "split"])
-@pytest.mark.parametrize("start", [0, 7, 40, SLOTS - 5])
-def test_padded_attention_computes_every_row_alike(start, split):
-    together, alone = rows_alone_and_together(True, split, start=start, tokens=4)
-    assert np.array_equal(together, alone)
-    reference, _ = rows_alone_and_together(False, split, start=start, tokens=4)
-    assert np.array_equal(together, reference)  # several rows: the kernel's own results, the copy dropped
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_the_copy_writes_the_slot_after_the_call_and_no_other(tokens):
-    start = 20
-    _, key, value = Attention(True, True, tokens).run(0, tokens, start)
-    _, plain_key, plain_value = Attention(False, True, tokens).run(0, tokens, start)
-    for padded, plain in ((key, plain_key), (value, plain_value)):
-        after = start + tokens
-        assert np.array_equal(padded[:, :, :after], plain[:, :, :after])  # the call's own slots: the kernel's
-        assert np.array_equal(padded[:, :, after + 1 :], plain[:, :, after + 1 :])  # nothing later touched
-        assert not np.array_equal(padded[:, :, after], plain[:, :, after])  # the copy's slot
-        assert np.array_equal(padded[:, :, after], padded[:, :, after - 1])  # without rotary: the last row's again
-
-
-def test_a_call_of_several_rows_gets_no_copy():
-    """Batched requests (one token per row): the kernel refuses several rows of several tokens, so no copy."""
-    padded = Attention(True, True, tokens=1, rows=3).run(0, 1, 30)
-    plain = Attention(False, True, tokens=1, rows=3).run(0, 1, 30)
-    for a, b in zip(padded, plain):
-        assert np.array_equal(a, b)
-
-
-def test_a_call_ending_at_the_last_slot_gets_no_copy():
-    """No slot after it for the copy: the one-row call keeps the kernel's one-token path. The runtime never makes
-    such a call on a padded export (its cache keeps that slot spare: test below); the graph stays safe anyway."""
-    padded, _ = rows_alone_and_together(True, True, start=SLOTS - 1, tokens=1)
-    plain, _ = rows_alone_and_together(False, True, start=SLOTS - 1, tokens=1)
-    assert np.array_equal(padded, plain)
-
 
 @pytest.fixture(scope="module")
 def int8_models(quantized_exports):
-    loaded = {}
-    for family in sorted(TINY_CONFIGS):
-        model = load(quantized_exports[family, "gguf-int8"][0])
-        if model.manifest.padded_attention:
-            loaded[family] = model
-        else:
-            model.close()
-    assert loaded, "no tiny family exports the fused attention with int8 activations: nothing would be tested"
+    loaded = {family: load(quantized_exports[family, "gguf-int8"][0]) for family in sorted(TINY_CONFIGS)}
     yield loaded
     for model in loaded.values():
         model.close()
@@ -313,6 +174,8 @@ def test_paradecode_equals_ar_exactly_with_int8_activations(int8_models, overlap
 
 @pytest.mark.slow
 def test_a_batch_on_an_int8_export_equals_each_request_alone_exactly(int8_models):
+    """The rows of a batch share every call (this machine's form permitting: `rows_alone` otherwise) and each row's
+    tokens and margins are the request's alone, to the bits."""
     for family, model in int8_models.items():
         generator = torch.Generator().manual_seed(11)
         vocab = model.manifest.spec.vocab_size
@@ -325,13 +188,7 @@ def test_a_batch_on_an_int8_export_equals_each_request_alone_exactly(int8_models
             )
             for n, m in ((5, 20), (11, 9), (3, 25))
         ]
-        expected = [model.generate(prompt_ids=r.ids, config=r.config).token_ids for r in requests]
-        assert [r.token_ids for r in generate_batched(model, requests, rows=2)] == expected, family
-
-
-@pytest.mark.slow
-def test_a_padded_export_keeps_its_last_slot_for_the_copy(int8_models):
-    for family, model in int8_models.items():
-        assert model.manifest.padded_attention
-        assert model.capacity == model.manifest.max_seq_len - 1, family
-        assert model.backend.allocate_cache(2).rows(1, 2).capacity == model.manifest.max_seq_len - 1, family
+        alone = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
+        batched = generate_batched(model, requests, rows=2)
+        assert [r.token_ids for r in batched] == [r.token_ids for r in alone], family
+        assert [r.margins for r in batched] == [r.margins for r in alone], family
