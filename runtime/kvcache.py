@@ -21,11 +21,13 @@ side lanes write into it from other threads, reserve every slot before their lan
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from paradecode.graphs.errors import UserInputError
 
 GRANULE = 64  # slots a growing cache adds at a time
+NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 class KVCache:
@@ -55,8 +57,13 @@ class KVCache:
         self._seen = self.generation
 
     def _new(self, slots: int) -> torch.Tensor:
-        rows, heads, _, dim = self._root.shape
-        return torch.zeros((rows, heads, slots, dim), dtype=self._root.dtype, device=self._root.device)
+        root = self._root
+        rows, heads, _, dim = root.shape
+        if root.device.type == "cpu" and root.dtype in NUMPY_DTYPES:
+            # numpy's zeros: pages the kernel zeroes as they are first touched, and no thread pool (torch's parallel
+            # fill woke its threads beside onnxruntime's spinning ones: ms per buffer)
+            return torch.from_numpy(np.zeros((rows, heads, slots, dim), dtype=NUMPY_DTYPES[root.dtype]))
+        return torch.zeros((rows, heads, slots, dim), dtype=root.dtype, device=root.device)
 
     # --- rows ---------------------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> KVCache:
@@ -104,7 +111,10 @@ class KVCache:
         for buffers in (root.keys, root.values):
             for i, old in enumerate(buffers):
                 new = root._new(slots)
-                new[:, :, :held] = old
+                if new.device.type == "cpu" and old.dtype in NUMPY_DTYPES:
+                    new.numpy()[:, :, :held] = old.numpy()  # one thread's copy, as `_new` says why
+                else:
+                    new[:, :, :held] = old
                 buffers[i] = new
         root.generation += 1
 
