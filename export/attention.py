@@ -34,7 +34,6 @@ from paradecode.graphs.ops import ATTENTION_DOMAIN, ATTENTION_OP
 from paradecode.graphs.tensors import POSITIONS
 
 SHARED = "/shared/attention/"  # names of what every attention of a graph (and of a segment's layers) shares
-NUMPY_OF = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
 
 
 def expand_attention(graph: onnx.GraphProto) -> int:
@@ -74,6 +73,14 @@ class _Builder:
         name = self.name(hint)
         if name not in self.initializers:
             self.initializers[name] = numpy_helper.from_array(np.asarray(value), name)
+        return name
+
+    def scalar(self, hint: str, value: float, dtype: int) -> str:
+        """A scalar of the graph's float `dtype` (an ONNX TensorProto type: bfloat16 has no numpy type)."""
+        name = self.name(hint)
+        if name not in self.initializers:
+            value = np.array(value, helper.tensor_dtype_to_np_dtype(dtype))  # ml_dtypes' bfloat16 where it is
+            self.initializers[name] = numpy_helper.from_array(value, name)
         return name
 
     def node(self, op: str, inputs: list[str], hint: str, **attrs) -> str:
@@ -131,9 +138,7 @@ def _expand(node: onnx.NodeProto, own: _Builder, shared: _Builder) -> None:
 
     keys_t = own.node("Transpose", [present_key], "keys_t", perm=[0, 1, 3, 2])
     scores = own.node("MatMul", [rows, keys_t], "scores")
-    scaled = own.node(
-        "Mul", [scores, own.const("scale", np.array(a["scale"], NUMPY_OF.get(dtype, np.float32)))], "scaled"
-    )
+    scaled = own.node("Mul", [scores, own.scalar("scale", a["scale"], dtype)], "scaled")
     masked = own.node("Add", [scaled, _bias(shared, past_key, window, rows_per_head, dtype)], "masked")
     if dtype != TensorProto.FLOAT:  # softmax in float32, as the PyTorch modules (and transformers) compute it
         masked = own.node("Cast", [masked], "masked_f32", to=TensorProto.FLOAT)
@@ -169,8 +174,7 @@ def _bias(shared: _Builder, cache: str, window: int, group: int, dtype: int) -> 
         distance = shared.node("Sub", [column, index], "distance")
         inside = shared.node("Less", [distance, shared.const(f"window_{window}", np.array(window, np.int64))], tag)
         visible = shared.node("And", [visible, inside], f"visible_{tag}")
-    numpy_type = NUMPY_OF.get(dtype, np.float32)
-    zero, minus = shared.const(f"zero_{dtype}", numpy_type(0)), shared.const(f"minus_inf_{dtype}", numpy_type(-np.inf))
+    zero, minus = shared.scalar(f"zero_{dtype}", 0.0, dtype), shared.scalar(f"minus_inf_{dtype}", -np.inf, dtype)
     bias = shared.node("Where", [visible, zero, minus], f"bias_{tag}_{dtype}")
     bias = shared.node("Unsqueeze", [bias, shared.const("axis_1", np.array([1], np.int64))], f"bias4_{tag}_{dtype}")
     if group > 1:
