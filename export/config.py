@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.graphs.quantization import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
+from paradecode.graphs.weight_formats import ACTIVATIONS
 
 ENGINES = ("onnx", "tensorrt")
-WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/quantize.py
+WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/weight_storage.py
 # Which operators the graphs use: "fused" (onnxruntime's RMSNormalization and RotaryEmbedding for the norms and rotary
 # embeddings) or "portable" (elementwise operators, which TensorRT's parser reads); the attention is the same standard
 # operators in both (export/attention.py). "auto": fused for --engine onnx, portable for tensorrt.
@@ -29,9 +29,9 @@ class ExportConfig:
     heads: Path | None = None
     dtype: str = "float32"
     # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
-    # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/quantize.py)
+    # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/weight_storage.py)
     weights: str = "auto"
-    # what quantized weights multiply (graphs/quantization.py ACTIVATIONS): int8 (every product's input rounded to 8
+    # what quantized weights multiply (graphs/weight_formats.py ACTIVATIONS): int8 (every product's input rounded to 8
     # bits per block, as llama.cpp and onnxruntime-genai do: the fastest, and on the CPUs measured a position's bits
     # are the same in any call, so ParaDecode's verifications and a batch's rows share calls exactly; SmolLM2's
     # perplexity +0.15% against float, docs/export.md), int8-heads (int8 in the heads, float32 in the layers, whose

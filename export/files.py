@@ -22,7 +22,7 @@ import torch
 from paradecode.graphs.errors import OutOfSpaceError, UserInputError, exception_chain, raise_if_interrupted
 from paradecode.graphs.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileRecord
 from paradecode.graphs.ops import TORCH_DTYPES
-from paradecode.graphs.quantized import QuantizedWeight
+from paradecode.graphs.quantized_weights import QuantizedWeight
 
 OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) reports an OS error

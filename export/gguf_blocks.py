@@ -1,4 +1,4 @@
-"""A GGUF tensor's own blocks, repacked exactly into the blockwise form of `graphs.quantized`.
+"""A GGUF tensor's own blocks, repacked exactly into the blockwise form of `graphs.quantized_weights`.
 
 Each supported block type is decoded into integers q, a scale and a minimum per block, such that
 `scale * (q - zero point) + min` is, operation for operation, what `gguf.quants.dequantize` computes
@@ -16,7 +16,7 @@ Each supported block type is decoded into integers q, a scale and a minimum per 
 
 5- and 6-bit values are stored in 8 bits (onnxruntime's MatMulNBits reads 4 or 8), shifted so that
 they lie around the 8-bit midpoint 128 (the graphs compute with values centred there: see
-export/onnx_quant.py). Scales that are a product of two stored numbers are exact in float32 (an fp16
+export/quantized_products.py). Scales that are a product of two stored numbers are exact in float32 (an fp16
 times a 6- or 8-bit integer); the K-quants' minima are too. Other types are not kept: Q2_K and Q3_K
 (not done yet: 2/3-bit values with 16-value sub-blocks), the IQ types (codebooks) and the TQ types.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paradecode.graphs.quantization import WeightFormat
-from paradecode.graphs.quantized import QuantizedWeight, pack
+from paradecode.graphs.quantized_weights import QuantizedWeight, pack
+from paradecode.graphs.weight_formats import WeightFormat
 
 
 @dataclass(frozen=True)

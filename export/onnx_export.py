@@ -26,13 +26,13 @@ import torch
 from onnx import TensorProto, numpy_helper
 from torch.export import Dim
 
-from paradecode.export import onnx_quant
+from paradecode.export import quantized_products
 from paradecode.export.attention import expand_attention
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.ops import ATTENTION_DOMAIN
-from paradecode.graphs.quantization import Quantization
-from paradecode.graphs.quantized import QuantizedWeight
+from paradecode.graphs.quantized_weights import QuantizedWeight
 from paradecode.graphs.tensors import BATCH, POSITIONS, SLOTS, TOKENS, SubgraphIO
+from paradecode.graphs.weight_formats import Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +245,8 @@ class GraphTemplate:
         read it); one the exporter had transposed reads the stored layout through a Transpose node, and one
         the exporter had cast (a float32 rotary table in a bfloat16 graph) reads the stored dtype through a
         Cast node; onnxruntime folds both when it loads the graph. The readers of a weight that `quantization`
-        lists are rewritten to read its quantized parts (export/onnx_quant.py), or, given the quantized weights as
-        `tensorrt`, to the form TensorRT builds from (export/onnx_quant_tensorrt.py).
+        lists are rewritten to read its quantized parts (export/quantized_products.py), or, given the quantized
+        weights as `tensorrt`, to the form TensorRT builds from (export/quantized_products_tensorrt.py).
         """
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
@@ -294,9 +294,9 @@ class GraphTemplate:
             def part(name: str) -> TensorProto:
                 return external_initializer(name, ONNX_TYPES[stored[name].dtype], stored[name].shape, stored[name])
 
-            onnx_quant.rewrite(graph, readers, part, quantization.activations_of(io.kind), tensorrt)
-            if not any(o.domain == onnx_quant.MS_DOMAIN for o in model.opset_import):
-                model.opset_import.append(onnx.helper.make_opsetid(onnx_quant.MS_DOMAIN, 1))
+            quantized_products.rewrite(graph, readers, part, quantization.activations_of(io.kind), tensorrt)
+            if not any(o.domain == quantized_products.MS_DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(quantized_products.MS_DOMAIN, 1))
         check_contract(model, io)
         return model
 

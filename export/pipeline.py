@@ -31,10 +31,10 @@ from paradecode.export.files import (
 )
 from paradecode.export.heads.file import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
-from paradecode.export.quantize import head_quantized, quantized_weights
 from paradecode.export.segments import segment_from_layers
 from paradecode.export.source import ModelSource, resolve_model
 from paradecode.export.tokenizer import save_tokenizer
+from paradecode.export.weight_storage import head_quantized, quantized_weights
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
     NEVER_EXIT,
@@ -46,10 +46,10 @@ from paradecode.graphs.manifest import (
 )
 from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES, rope_caches
-from paradecode.graphs.quantization import Quantization
-from paradecode.graphs.quantized import QuantizedWeight
+from paradecode.graphs.quantized_weights import QuantizedWeight
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
+from paradecode.graphs.weight_formats import Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             settings = ProfileSettings(config.max_batch, max_seq_len, config.max_unverified)
             cache_dir = config.cache_dir or Path.home() / ".cache" / "paradecode"
             sources = onnx_files
-            if quantization is not None:  # the graphs TensorRT reads (export/onnx_quant_tensorrt.py)
+            if quantization is not None:  # the graphs TensorRT reads (export/quantized_products_tensorrt.py)
                 sources = {name: tensorrt_variant(path) for name, path in onnx_files.items()}
             engines = build_engines(folder, plan, sources, settings, target, cache_dir)
             for name, path in sources.items():

@@ -38,6 +38,14 @@ class UnsupportedModelError(UserInputError):
     """The model's architecture or one of its settings is not supported."""
 
 
+class PromptError(UserInputError):
+    """A prompt that cannot be decoded: empty, a token outside the vocabulary (a server names the prompt's field)."""
+
+
+class PromptTooLongError(PromptError):
+    """A prompt longer than the export's KV cache holds (a server answers it with 413)."""
+
+
 class MissingDependencyError(ParadecodeError, ImportError):
     """An optional library or the hardware it needs is missing. Exit code 3."""
 

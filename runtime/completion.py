@@ -1,8 +1,13 @@
 """When a request's output stops. The token-level rules (`Stops`: an end-of-sequence token, `max_new_tokens`, a
 full KV cache) belong to the decoders: plain decoding and ParaDecode each take a request's `Stops`, decide after
 every verified token and end there (ParaDecode also speculates no further). The text-level rule (a stop string)
-belongs to `Completion`, the output's tokens and text as they grow. Both are shared by a model decoding one
-request (`ParaDecodeModel`) and by a batch of requests (`runtime/engine.py`), so every path stops alike.
+belongs to `Completion`, the output's tokens and text as they grow, which finds stop strings with `StopText`. Both
+are shared by every engine step (runtime/engine.py), so every path stops alike.
+
+Stop strings live here alone: `StopText` finds the first stop string in a growing text and, as OpenAI's API
+returns text, cuts the text before it and, while streaming, holds back the end of the text that could still
+become one. The runtime's result keeps the text it decoded (the stop string included, as Hugging Face's
+`generate` does); `paradecode-serve` answers with `StopText`'s cut (runtime/serve/generation.py).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ class Completion:
     def __init__(self, prompt: list[int], config: GenerationConfig, tokenizer: TextTokenizer | None, with_text: bool):
         self.config = config
         self.text = TextStream(tokenizer, prompt) if tokenizer and (with_text or config.stop) else None
-        self.longest_stop = max((len(s) for s in config.stop), default=0)
+        self.stop_text = StopText(config.stop)  # where the first stop string is, once there is one
         self.tokens: list[int] = []
         self.margins: list[float] = []
 
@@ -62,13 +67,65 @@ class Completion:
         self.margins.append(margin)
         text, config = self.text, self.config
         piece = text.push(token) if text else ""
-        if stop in (None, MAX_SEQ_LEN) and piece and config.stop and self._stop_string_in(piece):
-            stop = STOP_STRING
+        if stop in (None, MAX_SEQ_LEN) and piece and config.stop:
+            self.stop_text.push(piece)
+            if self.stop_text.stop is not None:
+                stop = STOP_STRING
         if text and stop:
             piece += text.finish()  # the last token: what was held back (a partial character) goes with it
         return piece, stop
 
-    def _stop_string_in(self, piece: str) -> bool:
-        """Whether a stop string ends in the newest piece: only the text it could span is looked at."""
-        tail = self.text.text[-(len(piece) + self.longest_stop - 1) :]
-        return any(s in tail for s in self.config.stop)
+
+class StopText:
+    def __init__(self, stops: tuple[str, ...] = ()):
+        self.stops = stops
+        self.text = ""  # everything pushed
+        self.sent = 0  # text[:sent] has been released
+        self.stop: str | None = None  # the stop string found, once found
+        self._cut: int | None = None
+
+    def push(self, piece: str) -> str:
+        """Add a piece of text; return what may be sent now."""
+        if self.stop is not None:
+            return ""
+        self.text += piece
+        longest = max((len(s) for s in self.stops), default=0)
+        start = max(0, self.sent - longest + 1)  # a stop string may begin in text already released
+        found = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]
+        if found:
+            self._cut, self.stop = min(found)
+            return self._release(self._cut)
+        return self._release(len(self.text) - self._held())
+
+    def finish(self, final_text: str | None = None) -> str:
+        """The rest of the text once decoding is done; `final_text`, the whole decoded text, may extend it."""
+        released = ""
+        if self.stop is None and final_text is not None and final_text.startswith(self.text):
+            released = self.push(final_text[len(self.text) :])  # e.g. a last character the stream held back
+        end = self._cut if self.stop is not None else len(self.text)
+        return released + self._release(end)
+
+    @property
+    def result(self) -> str:
+        return self.text[: self._cut] if self.stop is not None else self.text
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that begins some stop string (it may still become one)."""
+        tail = self.text[max(0, self.sent) :]
+        for size in range(min(len(tail), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            if any(s.startswith(tail[-size:]) for s in self.stops):
+                return size
+        return 0
+
+    def _release(self, end: int) -> str:
+        end = max(end, self.sent)
+        piece, self.sent = self.text[self.sent : end], end
+        return piece
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    """(`text` up to the first stop string, that stop string or None)."""
+    stop_text = StopText(stops)
+    stop_text.push(text)
+    stop_text.finish()
+    return stop_text.result, stop_text.stop

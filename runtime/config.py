@@ -82,12 +82,8 @@ class GenerationConfig:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     # Prompt lookup (runtime/lookup.py): the most tokens proposed at once (0: off), the longest and shortest
-    # suffix matched, and a proposal's longest length as a multiple of its match's. 5 tokens was the fastest of
-    # 0/3/5/8 with SmolLM2's trained heads on the tuning prompts (`heads`, 21 prompts, 7 categories: 1.10x /
-    # 1.33x / 1.43x / 1.44x of ar; tools/results/cpu-2core/lookup-tuning.md); 8 proposed no more, as at most
-    # max_unverified are pending. Matches up to 16 long with proposals as long as the match (length factor 1)
-    # beat 3-grams proposed whole, replayed on SmolLM2's outputs for 105 tuning prompts at its exact int8
-    # export's call costs (tools/lab/lookup_replay.py; tools/results/cpu-2core/lookup-replay-heads.json).
+    # suffix matched, and a proposal's longest length as a multiple of its match's (runtime/policy.py's "lookup"
+    # row has the measurements that chose them).
     lookup_tokens: int = 5
     lookup_max_ngram: int = 16
     lookup_min_ngram: int = 2
@@ -95,7 +91,7 @@ class GenerationConfig:
     # Lookup also proposes what earlier requests' outputs on this loaded model continued with (where the request's
     # own prompt and output have no match), and this request's output joins them (runtime/lookup.py,
     # SharedSuffixIndex). Proposals are verified, so outputs do not change; only their speed can tell that
-    # an earlier request produced the same text. Off by default: measured only on a repeated workload so far.
+    # an earlier request produced the same text. Off by default (runtime/policy.py's "shared lookup" row).
     lookup_shared: bool = False
     # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None
     # draws one (recorded in the result's stats, so the run can be reproduced).

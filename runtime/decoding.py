@@ -41,7 +41,6 @@ from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
-from paradecode.runtime.lookup import LookupConfig, SharedSuffixIndex
 from paradecode.runtime.planner import Group, Planner, Step
 from paradecode.runtime.proposers import ExitHeads, LookupProposer
 from paradecode.runtime.row_exactness import AS_IS, RowForm
@@ -91,7 +90,8 @@ class DecodeContext:
     cache: KVCache
     timeline: Timeline
     annotate: Callable[[str], AbstractContextManager] | None = field(default=None, kw_only=True)  # NVTX ranges
-    # observe(subgraph, positions, seconds) after each call of lane 0: adaptive speculation's cost estimates
+    # observe(subgraph, positions, seconds) after each call of lane 0 (positions: of every row, padding included):
+    # adaptive speculation's cost estimates
     observe: Callable[[str, int, float], None] | None = field(default=None, kw_only=True)
     # How a call of one sequence's positions is padded (runtime/row_exactness.py); None: as this machine needs
     form: RowForm | None = field(default=None, kw_only=True)
@@ -227,7 +227,8 @@ class DecodeContext:
         ended = time.perf_counter()
         self.timeline.add(lane, name, began, ended, (start, end))
         if self.observe is not None and lane == MAIN:
-            self.observe(name, end - start, ended - began)
+            rows, tokens = next(iter(feeds.values())).shape[:2]  # every row's positions: what the call computed
+            self.observe(name, rows * tokens, ended - began)
         return out
 
     def phase(self, name: str, positions: tuple[int, int]):
@@ -346,9 +347,8 @@ class Executor:
         thresholds: dict[int, float],
         max_unverified: int,
         merge: bool,
-        lookup: LookupConfig | None = None,
-        shared: SharedSuffixIndex | None = None,
-        sampling: SamplingParams | None = None,
+        lookup: LookupProposer | None = None,
+        sampler: Sampler | None = None,
         speculation: Speculation | None = None,
         exit_policy=None,
         **executor,
@@ -357,10 +357,9 @@ class Executor:
         planner and proposers, and this executor over them (`executor`: a subclass's own arguments).
 
         `thresholds`: per exit layer (above 1: never); `max_unverified`: K; `merge`: a pending group's remaining
-        layers join the frontier's calls (`batched`, `both`); `lookup` / `shared`: lookup proposals from the
-        request's tokens / earlier requests'; `sampling`: None is greedy; `speculation`: adaptive speculation's
-        estimates (None: always exit and propose); `exit_policy`: replaces the threshold test (`Tracing`)."""
-        sampler = Sampler(sampling, ctx.backend.exit_vocab()) if sampling is not None else None
+        layers join the frontier's calls (`batched`, `both`); `lookup`: the request's lookup proposer (None: off);
+        `sampler`: None is greedy; `speculation`: adaptive speculation's estimates (None: always exit and propose);
+        `exit_policy`: replaces the threshold test (`Tracing`)."""
         exits = ExitHeads(thresholds, ctx.backend.subgraph_names, sampler, exit_policy)
         planner = Planner(
             prompt,
@@ -371,7 +370,7 @@ class Executor:
             last_position=stops.last_position - 1,
             eos=stops.eos,
             stats=stats,
-            lookup=LookupProposer(lookup, shared) if lookup is not None else None,
+            lookup=lookup,
             speculation=speculation,
             join=_join,
         )
@@ -481,9 +480,7 @@ class Executor:
                 with ctx.phase("rollback", (position + 1, len(planner.tokens))):
                     self.rollback(position, token)
                 verified.append((token, group.final.margin[accepted]))
-                planner.index_verified()
                 return verified
-        planner.index_verified()
         return verified
 
     def rollback(self, position: int, token: int) -> None:
@@ -491,8 +488,6 @@ class Executor:
         self.planner.rollback(position, token)
         self.discard_in_flight()
         self.ctx.cache.rollback(position + 1)
-        if self.sampler is not None:
-            self.sampler.discard_from(position)
 
     def discard_in_flight(self) -> None:
         """Make sure no call of a discarded position is still to land (none: every call here has)."""

@@ -1,79 +1,94 @@
-"""The engine: steps the requests (`Sequence`s) that share one KV cache, over one loaded model.
+"""The engine: steps the requests (`Sequence`s) that share one KV cache, over one loaded model's runtime.
 
 Every decode goes through an `Engine`: `model.generate` and `model.stream` run one of one row, a server's replica
-one of `--max-batch` rows (continuous batching). The model holds what requests share and never changes while they
-decode (graphs, sessions, tokenizer, estimates); a `Sequence` holds everything of one request; an engine holds the
-cache its sequences decode in, each in a row of its own ([rows, H_kv, S, D_h] per layer). Rows 0..n-1 are the
-sequences in the engine: when one leaves, the last one moves into its row (one copy of the positions it holds), so
-every call takes one view of the cache's first n rows, never a gather.
+one of `--max-batch` rows (continuous batching). An engine takes a `Runtime`, what every request of a loaded model
+shares and none changes (the backend, the tokenizer, the shared estimates and lookup index behind their own
+interfaces), and never the model; a `Sequence` holds everything of one request, made from its resolved `Request`
+(runtime/request.py); an engine holds the cache its sequences decode in, each in a row of its own ([rows, H_kv, S,
+D_h] per layer). Rows 0..n-1 are the sequences in the engine: when one leaves, the last one moves into its row (one
+copy of the positions it holds), so every call takes one view of the cache's first n rows, never a gather.
 
-One `step` gives every sequence its next verified token:
+One `step` gives every sequence its next verified tokens, in one of two ways:
 
-- **Alone** (one `paradecode` sequence, nothing waiting for a row): it decodes with ParaDecode, one verified token
-  of its ParaDecode `Executor` (runtime/decoding.py) per step, as it would in an engine of its own. When another request
-  joins, its decoder is closed after its newest verified token and the row goes on in the batched calls from there
-  (the cache holds every position before that token at every layer; what it held beyond is overwritten); when the
-  others leave, a new decoder takes the row over from its newest token (`Executor.run(resume=...)`), without a
-  prefill.
-- **Together** (otherwise: plain decoding, or several sequences): every sequence's newest token goes through every
-  layer in one call per segment of batch n, each row at its own position (the layer contract: positions [B, T] per
-  row; a row's cache length is its position, and attention masks by position, so rows of every length share a
-  call), then the final head gives each row its token: its top-1, or a draw from its distribution keyed by its
-  position (sampling). This is plain decoding per row; a batched call costs little more than one row's (the weights
-  are read once). Where the machine's row form says a call of several sequences computes a row otherwise than the
-  sequence alone (`RowForm.rows_alone`, runtime/row_exactness.py: float-activation layers), each row's token goes
-  through calls of its own row instead: the same tokens as the request alone, without the shared reads of the
-  weights.
+- **Alone** (one `paradecode` sequence, nothing waiting for a row): it decodes with ParaDecode's executor
+  (runtime/decoding.py: its planner, exit heads where they pay, lookup), one verified token per step, as it would
+  in an engine of its own. When another request joins, its executor is closed after its newest verified token and
+  the row goes on in the batched steps from there (the cache holds every position before that token at every
+  layer; what it held beyond is overwritten); when the others leave, a new executor takes the row over from its
+  newest token (`Executor.run(resume=...)`), without a prefill.
+- **Together** (otherwise: several sequences, or plain decoding): every sequence's newest token, and for a
+  `paradecode` sequence its lookup proposals, go through every layer in one call per segment (runtime/batch.py):
+  each row at its own positions (a row's cache length is its position, and attention masks by position, so rows
+  of every length share a call), every row with as many positions as the fullest (the others padded with copies),
+  then the final head verifies each row's proposals (`runtime.verification.verify`): each row takes its accepted
+  proposals and the token after them. How many proposals a row may take adapts to the batch
+  (`Speculation.batch_proposals`): a call's extra positions cost every row, so fewer as the batch fills. Where the
+  machine's row form says a call of several sequences computes a row otherwise than the sequence alone
+  (`RowForm.rows_alone`, runtime/row_exactness.py: float-activation layers), each row's newest token goes through
+  calls of its own row instead.
 
-So speculation yields to load: with others to decode, a batched call's spare rows are the cheaper way to use the
-machine (its cost grows far less than its rows), and ParaDecode's extra positions would take rows' place.
+Either way a sequence's tokens are the ones it gets decoded alone, greedy or sampled (verification keeps plain
+decoding's tokens, and a position's bits do not depend on its call: docs/design.md §3, §9).
 
 A joining request is prefilled alone in its row (batch 1, its whole prompt at once) before the next step. Each
 sequence stops by the same rules however it decodes (its `Stops`, decided by the engine for its rows and by its
-executor while alone, and its `Completion`'s stop strings); greedy outputs equal the request decoded alone up to
-near ties of the final head's logits (a batched call's products may round otherwise than a batch-1 call's: the same
-contract as ParaDecode's, docs/design.md §3). A sequence's `timeline` records the calls made for it alone (its
-prefill, its steps alone); a batched call of several rows is recorded in the engine's.
+executor while alone, and its `Completion`'s stop strings). A sequence's `timeline` records the calls made for it
+alone (its prefill, its steps alone); a batched call of several rows is recorded in the engine's.
 
 Threading: an engine is stepped by one thread at a time (the caller of `generate`, a server's replica worker), and
 its side lanes (threads, for the `streams` and `both` overlaps) work only inside its steps. Engines of one model may
-step at once from different threads: they share its backend (whose calls are thread-safe) and its estimates.
+step at once from different threads: they share its backend (whose calls are thread-safe), its estimates and its
+shared lookup index (each guards itself).
 """
 
 from __future__ import annotations
 
-import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.runtime.completion import MAX_SEQ_LEN, Completion, Stops
-from paradecode.runtime.config import GenerationConfig
-from paradecode.runtime.decoding import MAIN, DecodeContext, RowsContext, choose, prefill
-from paradecode.runtime.kvcache import KVCache
+from paradecode.runtime.backends.base import Backend
+from paradecode.runtime.batch import BatchStep
+from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
+from paradecode.runtime.decoding import DecodeContext, Executor, RowsContext, prefill
 from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
-from paradecode.runtime.sampling import Draws
+from paradecode.runtime.lookup import SharedSuffixIndex
+from paradecode.runtime.notices import Notices
+from paradecode.runtime.overlaps import ThreadedExecutor
+from paradecode.runtime.proposers import LookupProposer
+from paradecode.runtime.request import Request
+from paradecode.runtime.sampling import Sampler
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
-
-if TYPE_CHECKING:
-    from paradecode.runtime.model import ParaDecodeModel
+from paradecode.runtime.tokenizer import TextTokenizer
+from paradecode.runtime.watched import WatchedFiles
 
 # The engine's step kinds, counted for the server's metrics: one sequence decoding with ParaDecode, or every
-# sequence's token in one batched call.
+# sequence in one batched call.
 ALONE, TOGETHER = "alone", "together"
 CLOSED, CANCELLED = "closed", "cancelled"  # a sequence's stop reasons when the model closes, or its caller stops it
 
 
 @dataclass(frozen=True)
-class Request:
-    """A checked request (`ParaDecodeModel.request`): prompt token ids, settings, thresholds per exit layer."""
+class Runtime:
+    """What an engine decodes with: a loaded model's parts that every request shares and none changes. The shared
+    estimates and lookup index change as requests decode, each behind an interface that guards itself."""
 
-    ids: list[int]
-    config: GenerationConfig
-    thresholds: dict[int, float]
+    backend: Backend
+    tokenizer: TextTokenizer | None
+    lanes: int  # per engine: the decoding thread and lanes - 1 side lanes (`streams` and `both`)
+    estimates: Speculation  # adaptive speculation's costs and acceptance, learned from every request
+    shared_lookup: SharedSuffixIndex  # earlier requests' outputs, for lookup across requests
+    files: WatchedFiles  # what the model was loaded from: a request does not start once the folder changed
+    closing: threading.Event  # set when the model closes: its engines end their sequences
+    notices: Notices  # the model's once-only warnings
+
+    @property
+    def capacity(self) -> int:
+        """The positions a sequence may take (a KV cache's slots, less a row form's spare ones)."""
+        return self.backend.cache_capacity
 
 
 @dataclass
@@ -84,49 +99,78 @@ class StreamedToken:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request while it decodes: everything of it, from its checked `Request` to its result. `sink` receives
-    each `StreamedToken`, then the `GenerationResult`, or an exception if decoding failed; `cancelled()` is asked
-    before each step.
-
-    `tracing` is what a measuring tool asks of it (`runtime.lanes.Tracing`: spans of its calls in its `timeline`, an
-    annotation around each call and phase, an exit policy); `timeline` records the calls made for it alone."""
+    """One request while it decodes: everything of it, made from its resolved `Request` (`Sequence.of`), to its
+    result. `sink` receives each `StreamedToken`, then the `GenerationResult`, or an exception if decoding failed;
+    `cancelled()` is asked before each step. `tracing` is what a measuring tool asks of it (`runtime.lanes.Tracing`:
+    spans of its calls in its `timeline`, an annotation around each call and phase, an exit policy)."""
 
     request: Request
     sink: Callable[[object], None]
-    cancelled: Callable[[], bool] = lambda: False
-    with_text: bool = True
-    tracing: Tracing = NO_TRACING
-    timeline: Timeline = field(init=False)
-    completion: Completion = field(init=False)
-    stops: Stops = field(init=False)
-    stats: GenerationStats = field(init=False)
-    sampling: object = field(init=False)
-    draws: Draws | None = field(init=False)
+    cancelled: Callable[[], bool]
+    tracing: Tracing
+    completion: Completion
+    stats: GenerationStats
+    timeline: Timeline  # the calls made for it alone
+    sampler: Sampler | None  # None: greedy
+    lookup: LookupProposer | None  # its prompt's and output's index (and the shared one, where asked); None: off
     position: int = 0  # the newest token's position: every position before it is in the row's cache
     decoder: Iterator[tuple[int, float, str | None]] | None = None  # its executor's tokens while it decodes alone
-    started: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
 
-    def __post_init__(self) -> None:
-        self.timeline = Timeline(record_spans=self.tracing.spans)
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        sink: Callable[[object], None],
+        runtime: Runtime,
+        *,
+        cancelled: Callable[[], bool] = lambda: False,
+        with_text: bool = True,
+        tracing: Tracing = NO_TRACING,
+    ) -> Sequence:
+        config = request.config
+        sampling = request.sampling
+        lookup = None
+        if request.speculates and request.lookup is not None:
+            lookup = LookupProposer(request.lookup, runtime.shared_lookup if config.lookup_shared else None)
+        return cls(
+            request,
+            sink,
+            cancelled,
+            tracing,
+            Completion(list(request.ids), config, runtime.tokenizer, with_text),
+            GenerationStats(
+                mode=config.mode,
+                overlap=request.overlap if request.speculates else None,
+                prompt_tokens=len(request.ids),
+                seed=None if sampling is None else sampling.seed,
+            ),
+            Timeline(record_spans=tracing.spans),
+            None if sampling is None else Sampler(sampling, runtime.backend.exit_vocab()),
+            lookup,
+        )
 
     @property
     def speculates(self) -> bool:
-        return self.request.config.mode == "paradecode"
+        return self.request.speculates
+
+    @property
+    def history(self) -> list[int]:
+        """The prompt and every verified token (the newest at `position`)."""
+        return [*self.request.ids, *self.completion.tokens]
 
 
 class Engine:
-    def __init__(self, model: ParaDecodeModel, rows: int = 1):
+    def __init__(self, runtime: Runtime, rows: int = 1):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise UserInputError(f"an engine needs a positive number of rows, got {rows!r}.")
-        self.model = model
-        self.backend = model.backend
-        self.cache: KVCache = self.backend.allocate_cache(rows)
+        self.runtime = runtime
+        self.backend = runtime.backend
+        self.cache = self.backend.allocate_cache(rows)
         self.timeline = Timeline(record_spans=False)  # the batched calls of several rows
-        # The estimates ParaDecode adapts by and its calls' costs feed: the model's (a warm-up sets its own).
-        self.speculation: Speculation = model.speculation
         self.sequences: list[Sequence] = []  # sequence i decodes in row i
         self.steps = {ALONE: 0, TOGETHER: 0}
-        self._together: dict[int, RowsContext] = {}  # batch size -> its context (views of the first rows)
+        self._together: dict[int, BatchStep] = {}  # batch size -> its step (calls over views of the first rows)
         self._row_contexts: dict[int, DecodeContext] = {}  # row -> the calls of that row alone (views of it)
         self._side_lanes: list[Lane] | None = None  # made at the first `streams`/`both` request
 
@@ -149,11 +193,13 @@ class Engine:
         request = sequence.request
         row = self.size
         try:
-            self.model.files.check()  # not started once the export's folder changed (runtime/watched.py)
-            self._start(sequence)
+            self.runtime.files.check()  # not started once the export's folder changed (runtime/watched.py)
             self.sequences.append(sequence)
             ctx = self._alone_context(row, sequence)
-            token, margin = prefill(ctx, request.ids, sequence.sampling, sequence.draws)
+            sampler = sequence.sampler
+            token, margin = prefill(
+                ctx, list(request.ids), sampler.params if sampler else None, sampler.draws if sampler else None
+            )
         except Exception as err:  # this request fails alone
             if sequence in self.sequences:
                 self.sequences.remove(sequence)
@@ -161,28 +207,13 @@ class Engine:
             return
         sequence.stats.prefill_seconds = time.perf_counter() - sequence.started
         sequence.position = len(request.ids)
-        self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
-
-    def _start(self, sequence: Sequence) -> None:
-        """A joining sequence's own state: its draws, statistics and output so far."""
-        model, request = self.model, sequence.request
-        config = request.config
-        sequence.sampling = config.sampling(config.seed if config.seed is not None else secrets.randbits(63))
-        sequence.draws = Draws(sequence.sampling.seed) if sequence.sampling is not None else None
-        sequence.stats = GenerationStats(
-            mode=config.mode,
-            overlap=model.overlap_of(config) if config.mode == "paradecode" else None,
-            prompt_tokens=len(request.ids),
-            seed=None if sequence.sampling is None else sequence.sampling.seed,
-        )
-        sequence.completion = Completion(request.ids, config, model.tokenizer, sequence.with_text)
-        sequence.stops = model.stops_of(request, self.cache.capacity)
-        sequence.started = time.perf_counter()
+        self._deliver(sequence, token, margin, request.stops.after(token, sequence.position))
 
     def step(self, waiting: bool = False) -> None:
-        """One verified token for every sequence in the engine (cancelled ones leave first; all of them once the
-        model is closed). `waiting`: requests wait for a free row, so a sequence alone does not start speculating."""
-        closed = self.model.closed
+        """The next verified tokens of every sequence in the engine (cancelled ones leave first; all of them once
+        the model is closing). `waiting`: requests wait for a free row, so a sequence alone does not start
+        speculating on its own."""
+        closed = self.runtime.closing.is_set()
         if closed or any(s.cancelled() for s in self.sequences):
             for sequence in [s for s in self.sequences if closed or s.cancelled()]:
                 self.leave(sequence, CLOSED if closed else CANCELLED)
@@ -205,14 +236,16 @@ class Engine:
             self.sequences[row] = last
         stats, completion, timeline = sequence.stats, sequence.completion, sequence.timeline
         try:
-            self.model.remember(sequence.request, completion.tokens)
+            request = sequence.request
+            if request.config.lookup_shared and request.lookup is not None and completion.tokens:
+                self.runtime.shared_lookup.add(list(request.ids), completion.tokens)
             stats.stop_reason = reason
             stats.seconds = time.perf_counter() - sequence.started
             stats.new_tokens = len(completion.tokens)
             stats.lane_busy_seconds = {lane: busy for lane, busy in timeline.busy.items() if lane != "phases"}
             stats.calls = timeline.calls
-            tokenizer, ids = self.model.tokenizer, sequence.request.ids
-            text = tokenizer.completion(ids, completion.tokens) if tokenizer else None
+            tokenizer = self.runtime.tokenizer
+            text = tokenizer.completion(list(request.ids), completion.tokens) if tokenizer else None
         except Exception as err:  # it has left the engine: it must still get its end
             self._fail(sequence, err)
             return
@@ -235,22 +268,9 @@ class Engine:
     # --- the steps ----------------------------------------------------------------------------
     def _step_alone(self, sequence: Sequence) -> None:
         if sequence.decoder is None:
-            completion = sequence.completion
             ctx = self._alone_context(0, sequence)
-            history = sequence.request.ids + completion.tokens[:-1]
-            decoder = self.model.paradecoder(
-                ctx,
-                history,
-                sequence.request,
-                None,  # the request's overlap
-                sequence.sampling,
-                stops=sequence.stops,
-                stats=sequence.stats,
-                side_lanes=self.side_lanes(),
-                speculation=self.speculation,
-                exit_policy=sequence.tracing.exit_policy,
-            )
-            sequence.decoder = decoder.run(resume=completion.tokens[-1])
+            history = sequence.history
+            sequence.decoder = self._executor(sequence, ctx, history[:-1]).run(resume=history[-1])
         self.steps[ALONE] += 1
         try:
             token, margin, stop = next(sequence.decoder)  # by the sequence's `stops`, as the batched steps
@@ -262,43 +282,60 @@ class Engine:
         sequence.position += 1
         self._deliver(sequence, token, margin, stop)
 
+    def _executor(self, sequence: Sequence, ctx: DecodeContext, history: list[int]) -> Executor:
+        """ParaDecode's executor of `sequence` after `history` (everything verified before its newest token)."""
+        request = sequence.request
+        lanes = self.side_lanes() if request.overlap in ("streams", "both") else []
+        return executor_of(
+            self.runtime,
+            request,
+            ctx,
+            history,
+            sequence.stats,
+            side_lanes=lanes,
+            lookup=sequence.lookup,
+            sampler=sequence.sampler,
+            exit_policy=sequence.tracing.exit_policy,
+        )
+
     def _step_together(self) -> None:
         n = self.size
         sequences = list(self.sequences)
-        sampled = any(s.sampling is not None for s in sequences)
         self.steps[TOGETHER] += 1
         try:
             form = self.backend.row_form
             if n == 1 or form is None or form.rows_alone:
-                # a lone row's calls are the request's alone (the machine's row form pads them, as it does alone); where
-                # several rows in one call compute otherwise than each alone, every row in calls of its own
-                outs = [self._row_alone(row, s, sampled) for row, s in enumerate(sequences)]
+                # a lone row's calls are the request's alone (the machine's row form pads them, as it does alone);
+                # where several rows in one call compute otherwise than each alone, every row in calls of its own
+                verdicts = [self._row_alone(row, s) for row, s in enumerate(sequences)]
             else:
-                ctx = self._together.get(n)
-                if ctx is None:
-                    ctx = self._together[n] = RowsContext(self.backend, self.cache.rows(0, n), self.timeline)
-                ctx.begin([s.position for s in sequences])
-                hidden = ctx.layers(
-                    MAIN, 1, ctx.num_layers, ctx.embed_rows([[s.completion.tokens[-1]] for s in sequences]), 0
-                )
-                out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
-                outs = [(out, row) for row in range(n)]
+                step = self._together.get(n)
+                if step is None:
+                    ctx = RowsContext(self.backend, self.cache.rows(0, n), self.timeline, observe=self._observe)
+                    step = self._together[n] = BatchStep(ctx)
+                verdicts = step.run(sequences, self.runtime.estimates)
         except Exception as err:
             self.close(err)
             return
-        picks = [
-            (choose(out, i, s.position, s.sampling, s.draws), out.margin[i]) for (out, i), s in zip(outs, sequences)
-        ]
-        for sequence in sequences:  # every row's cache now holds its position: all move on before any leaves
-            sequence.position += 1
-        for sequence, (token, margin) in zip(sequences, picks):  # the engine decodes these rows: it decides their stops
-            self._deliver(sequence, token, margin, sequence.stops.after(token, sequence.position))
+        for sequence, tokens in zip(sequences, verdicts):  # every row's cache now holds its positions
+            sequence.position += len(tokens)
+        for sequence, tokens in zip(sequences, verdicts):  # the engine decodes these rows: it decides their stops
+            position = sequence.position - len(tokens)
+            for token, margin in tokens:
+                position += 1
+                stop = sequence.request.stops.after(token, position)
+                self._deliver(sequence, token, margin, stop)
+                if sequence not in self.sequences:
+                    break
 
-    def _row_alone(self, row: int, sequence: Sequence, sampled: bool) -> tuple:
-        """`sequence`'s newest token through every layer in calls of its row alone: a sequence alone in the engine, or
-        any row where a call of several sequences computes a row otherwise than alone (`RowForm.rows_alone`), so its
-        tokens stay those of the request decoded alone; such a batch shares the machine between requests but not the
-        weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
+    def _row_alone(self, row: int, sequence: Sequence) -> list[tuple[int, float]]:
+        """`sequence`'s newest token through every layer in calls of its row alone: a sequence alone in the engine,
+        or any row where a call of several sequences computes a row otherwise than alone (`RowForm.rows_alone`), so
+        its tokens stay those of the request decoded alone; such a batch shares the machine between requests but not
+        the weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
+        from paradecode.runtime.decoding import MAIN
+        from paradecode.runtime.verification import chosen
+
         ctx = self._row_contexts.get(row)
         if ctx is None:
             rows = self.cache.rows(row, row + 1)
@@ -308,17 +345,18 @@ class Engine:
         hidden = ctx.layers(
             MAIN, 1, ctx.num_layers, ctx.embed(MAIN, [sequence.completion.tokens[-1]], position), position
         )
-        return ctx.head(MAIN, "final", hidden, position, logits=sampled), 0
+        out = ctx.head(MAIN, "final", hidden, position, logits=sequence.sampler is not None)
+        return [(chosen(out, 0, position, sequence.sampler), out.margin[0])]
 
     # --- a sequence's life ----------------------------------------------------------------------
     def side_lanes(self) -> list[Lane]:
-        """The lanes beside the calling thread for `streams` and `both` (the model's `lanes` less one), made once."""
+        """The lanes beside the calling thread for `streams` and `both` (the runtime's `lanes` less one), made once."""
         if self._side_lanes is None:
-            self._side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, self.model.lanes)]
+            self._side_lanes = [Lane(f"side{i}", self.backend.new_stream()) for i in range(1, self.runtime.lanes)]
         return self._side_lanes
 
-    def _observe(self, name: str, tokens: int, seconds: float) -> None:
-        self.speculation.times.observe(name, tokens, seconds)
+    def _observe(self, name: str, positions: int, seconds: float) -> None:
+        self.runtime.estimates.observe(name, positions, seconds)
 
     def _alone_context(self, row: int, sequence: Sequence) -> DecodeContext:
         cache = self.cache.rows(row, row + 1)
@@ -331,7 +369,7 @@ class Engine:
         """Hand `sequence` its next verified token and the decoder's stop decision after it."""
         piece, stop = sequence.completion.push(token, margin, stop)
         if stop == MAX_SEQ_LEN:
-            self.model.warn_full(len(sequence.completion.tokens))
+            self.runtime.notices.say("full", len(sequence.completion.tokens), self.backend.manifest.max_seq_len)
         sequence.sink(StreamedToken(token, piece))
         if stop:
             self.leave(sequence, stop)
@@ -341,20 +379,57 @@ class Engine:
         if sequence.decoder is not None:
             sequence.decoder.close()
             sequence.decoder = None
+            if sequence.lookup is not None:
+                sequence.lookup.rewind(len(sequence.history))
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         sequence.sink(error)
 
 
+def executor_of(
+    runtime: Runtime,
+    request: Request,
+    ctx: DecodeContext,
+    history: list[int],
+    stats: GenerationStats,
+    *,
+    side_lanes: list[Lane] = (),
+    lookup: LookupProposer | None = None,
+    sampler: Sampler | None = None,
+    exit_policy=None,
+) -> Executor:
+    """ParaDecode's executor of `request` over `ctx` after `history` (its prompt, or everything verified before the
+    newest token when an engine hands a sequence back to ParaDecode), counting into `stats`: with `side_lanes` for
+    the `streams` and `both` overlaps, the request's lookup proposer and sampler, and `exit_policy` (its `Tracing`'s).
+    Adaptive requests speculate by the runtime's estimates."""
+    overlap = request.overlap
+    lanes = list(side_lanes) if overlap in ("streams", "both") else []
+    executor, more = (ThreadedExecutor, {"side_lanes": lanes}) if lanes else (Executor, {})
+    return executor.of(
+        ctx,
+        history,
+        request.stops,
+        stats,
+        thresholds=dict(request.thresholds),
+        max_unverified=request.config.max_unverified,
+        merge=overlap in ("batched", "both"),
+        exit_policy=exit_policy,
+        lookup=lookup,
+        sampler=sampler,
+        speculation=runtime.estimates if request.adaptive and exit_policy is None else None,
+        **more,
+    )
+
+
 def generate_batched(
-    model: ParaDecodeModel, requests: list[Request], rows: int | None = None, engine: Engine | None = None
+    runtime: Runtime, requests: list[Request], rows: int | None = None, engine: Engine | None = None
 ) -> list[GenerationResult]:
     """Decode `requests` together in one engine of `rows` rows (default: all of them, at most the export's
-    max_batch), or in `engine` (an idle one of this model's, its rows kept: a server's), admitting the next as soon
+    max_batch), or in `engine` (an idle one of this runtime's, its rows kept: a server's), admitting the next as soon
     as one finishes; their results in order. Raises the first error."""
     if not requests:
         return []
-    rows = rows or min(len(requests), model.manifest.max_batch)
+    rows = rows or min(len(requests), runtime.backend.manifest.max_batch)
     results: list[object] = [None] * len(requests)
 
     def sink_of(i: int):
@@ -365,13 +440,13 @@ def generate_batched(
         return sink
 
     own = engine is None
-    engine = Engine(model, rows) if own else engine
+    engine = Engine(runtime, rows) if own else engine
     pending = list(enumerate(requests))
     try:
         while pending or engine.size:
             while pending and not engine.full:
                 i, request = pending.pop(0)
-                engine.join(Sequence(request, sink_of(i), with_text=False))
+                engine.join(Sequence.of(request, sink_of(i), runtime, with_text=False))
             engine.step(waiting=bool(pending))
     finally:
         if own:

@@ -13,7 +13,7 @@ One executor serves one request; its state is created in `__init__`.
   groups.
 - Read-only after `__init__`: the settings (`ctx`, `prompt`, `stops`, `L`, `exits`, `sampler`'s parameters,
   `side_lanes`, `sync`) and the lock and its conditions.
-- Lane 0's alone: the planner's own state (see runtime/planner.py), the sampler's drafts, `waited`.
+- Lane 0's alone: the planner's own state (see runtime/planner.py), `waited`.
 - Guarded by `lock` (any lane reads or writes them only while holding it): the planner's `groups` and `frontier`
   and every field of their groups, `epoch`, `in_flight`, `stopping`, `error`, and the KV cache's lengths
   (`cache.written`, `cache.rollback`).

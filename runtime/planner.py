@@ -131,7 +131,6 @@ class Planner:
         """The token after the prompt is verified (the prefill's, or the one a batch hands back)."""
         self.tokens.append(token)
         self.verified = len(self.tokens)
-        self.index_verified()
 
     def start_frontier(self, position: int, token: int) -> None:
         """Start a new frontier at `position` (tokens[position] is `token`) unless no more output is needed or
@@ -153,8 +152,7 @@ class Planner:
         if self.lookup is None:
             return []
         room = min(self.lookup.max_tokens, self.K - (len(self.tokens) - self.verified), self.last_position - position)
-        self.index_verified()  # a rollback proposes before its verdict's tokens are indexed
-        proposals = self.lookup.propose(self.tokens, position + 1, room)
+        proposals = self.lookup.propose(self.tokens, position + 1, room, self.verified)
         if proposals and self.speculation is not None:
             keep = self.speculation.lookup_tokens(len(proposals))
             if keep == 0:
@@ -164,10 +162,6 @@ class Planner:
             if token in self.eos:
                 return proposals[: i + 1]
         return proposals
-
-    def index_verified(self) -> None:
-        if self.lookup is not None:
-            self.lookup.extend(self.tokens, self.verified)
 
     # --- what to compute ----------------------------------------------------------------------------------------------
     def next_step(self) -> Step | None:
@@ -310,7 +304,6 @@ class Planner:
         self.tokens.append(token)  # the newest position: its final output is the next token
         self.verified = position + 2
         out.append((token, margins[accepted]))
-        self.index_verified()
         self.start_frontier(position + 1, token)
         return -1
 

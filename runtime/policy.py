@@ -23,6 +23,22 @@ class Default:
 
 DEFAULTS = (
     Default(
+        "lookup",
+        "every device",
+        "5 tokens, matches of 2 to 16, proposals as long as the match",
+        ("cpu-2core/lookup-tuning.md", "cpu-2core/lookup-replay-heads.json"),
+        "5 tokens the fastest of 0/3/5/8 with SmolLM2's trained heads on the tuning prompts (1.10x / 1.33x / 1.43x / "
+        "1.44x of ar; 8 proposed no more, K being 5); matches up to 16 long with proposals as long as the match beat "
+        "3-grams proposed whole, replayed on SmolLM2's outputs for 105 tuning prompts (tools/lab/lookup_replay.py)",
+    ),
+    Default(
+        "shared lookup",
+        "every device",
+        "off",
+        ("cpu-2core/repeated-workload-smollm2-int8-exact-shared-suffix.md",),
+        "measured only on a repeated workload so far",
+    ),
+    Default(
         "overlap auto",
         "cpu",
         "batched",
@@ -96,7 +112,8 @@ DEFAULTS = (
     ),
     Default(
         "adaptive speculation",
-        "elsewhere (cuda: a call's host time is not its cost; sampling: a seed must reproduce its sequence)",
+        "elsewhere (cuda: a call's host time is not its cost; sampling or lookup on: exits not called, lookup alone "
+        "measured not to gain from adapting)",
         "off",
         ("NVIDIA-H100-80GB-HBM3/bench-smollm2-method-adaptive.json",),
         "forced on with CUDA, adaptive passed up most exits and still ran at 0.94x of ar",

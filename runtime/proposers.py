@@ -5,8 +5,9 @@ layer then verifies each one (runtime/verification.py), so a proposer decides on
 what it writes. Each answers from its inputs alone (lookup's indexes only save a scan; the shared one holds earlier
 requests' outputs), with the tokens it proposes:
 
-- `LookupProposer.propose(tokens, end, count) -> list[int]`: up to `count` tokens, read from the tokens so far
-  (runtime/lookup.py's `Proposer` interface). The planner asks it whenever a frontier starts.
+- `LookupProposer.propose(tokens, end, count, verified) -> list[int]`: up to `count` tokens, read from the tokens
+  so far, of which the first `verified` are verified (runtime/lookup.py). The planner asks it whenever a frontier
+  starts; an engine's batch step, before each step.
 - `ExitHeads.propose(position, layer, out) -> int | None`: one token, or none, read from an exit head's output at
   `position` after exit layer `layer`. The executor asks it after it has called that head, and hands the answer to
   the planner (`Planner.exit_proposed`).
@@ -31,30 +32,39 @@ class LookupProposer:
     """A request's lookup: its own prompt and verified output (`SuffixIndex`), then, where they have no match, the
     outputs of earlier requests (a model's `SharedSuffixIndex`); the first non-empty answer is the proposal.
 
-    `extend(tokens, upto)` keeps the request's index at its verified tokens (it only grows). Worked example
-    (min_ngram 2, max_ngram 16, length_factor 1.0), with every token verified and indexed:
+    The answer is a function of the tokens alone (and the shared index's outputs): the request's index only saves a
+    scan, and takes in the verified tokens it has not seen at each ask (verified tokens never change; an index only
+    grows). Worked example (min_ngram 2, max_ngram 16, length_factor 1.0):
 
         tokens = [5, 6, 7, 9, 4, 6, 7, 8, 1, 5, 6, 7]
-        propose(tokens, 12, 5) -> [9, 4, 6]      the request's own match, [5, 6, 7] (3 tokens: 3 long)
-        tokens = [2, 3]: no match in the request; an earlier output [.., 2, 3, 8, 1] -> propose(tokens, 2, 5) == [8, 1]
+        propose(tokens, 12, 5, verified=12) -> [9, 4, 6]      the request's own match, [5, 6, 7] (3 tokens: 3 long)
+        tokens = [2, 3]: no match in the request; an earlier output [.., 2, 3, 8, 1]
+        propose(tokens, 2, 5, verified=2) -> [8, 1]
     """
 
     def __init__(self, config: LookupConfig, shared: SharedSuffixIndex | None = None):
+        self.config = config
         self.index = SuffixIndex(config)
         self.max_tokens = config.max_tokens
         self.proposers: list[Proposer] = [self.index] if shared is None else [self.index, shared]
 
-    def extend(self, tokens: Sequence[int], upto: int) -> None:
-        self.index.extend(tokens, upto)
-
-    def propose(self, tokens: Sequence[int], end: int, count: int) -> list[int]:
-        """Up to `count` tokens to follow tokens[:end]: the first proposer's that has any."""
+    def propose(self, tokens: Sequence[int], end: int, count: int, verified: int) -> list[int]:
+        """Up to `count` tokens to follow tokens[:end], of which tokens[:verified] are verified: the first proposer's
+        that has any."""
+        self.index.extend(tokens, verified)
         proposals: list[int] = []
         for proposer in self.proposers:
             proposals = proposer.propose(tokens, end, count)
             if proposals:
                 break
         return proposals
+
+    def rewind(self, verified: int) -> None:
+        """Forget the tokens past the first `verified`: an executor that is closed may have verified tokens its
+        sequence never received (they are decoded again, in a batch). The index is rebuilt at the next ask."""
+        if self.index.indexed > verified:
+            self.index = SuffixIndex(self.config)
+            self.proposers[0] = self.index
 
 
 class ExitHeads:
@@ -67,8 +77,8 @@ class ExitHeads:
         out.token == [17], out.prob == [0.42]  ->  propose(9, 2, out) is None
 
     Sampling: the proposed token is drawn from the head's own distribution q (the request's temperature, top-k and
-    top-p; a draw keyed by the position), and q is kept for its verification (`Sampler.draw_exit`). Whether a token
-    exits depends only on the head's confidence, never on the draw. A `policy(position, layer, out)` (for
+    top-p) with the uniform the final layer's draw at the position uses (`Sampler.draw_exit`). Whether a token exits
+    depends only on the head's confidence, never on the draw. A `policy(position, layer, out)` (for
     measurements only: tools/characterise.py) replaces the threshold test: it returns the token, or None.
 
     Settings the planner reads: `thresholds` (the exit layers that may exit: a threshold above 1 means never, so

@@ -1,32 +1,27 @@
-"""Row exactness: whether a position's results are the same bits whatever its call's row count, on this machine.
+"""Row exactness: whether a position's results are the same bits whatever its call holds, on this machine.
 
 ParaDecode's output equals plain decoding's token for token only as far as a position computed in a call of several
-positions (a verification) gives the bits it gets in a call of its own (plain decoding's). That is a property of the
-kernels *and of the machine*: matrix kernels choose their code path by instruction set and by row count. Measured
-with onnxruntime 1.32 on one 576 x 1536 `MatMulNBits` (block 32):
-
-- int8 activations (`accuracy_level` 4), 4-bit weights: on an AVX-512 VNNI CPU every row count gives a row the same
-  bits; on AVX2 without AVX-512 (an AMD EPYC, and the same CPU model emulated by QEMU) a one-row call differs from
-  any call of two or more rows (1e-6 after one product; through int8 rounding, a different answer after 30 layers),
-  while calls of 2, 8, 17 or 700 rows, on one thread or two, agree with each other.
-- float activations (`accuracy_level` 0): a one-row call differs from several rows on both CPUs (4e-6).
-- 8-bit weights with int8 activations: every row count alike on both.
-- torch's own CPU products (the torch backend), float32: rows agree between calls whose row counts are multiples of
-  4 (4, 8, 12, 24) and differ otherwise (3e-5 after a tiny model's layers), on the VNNI CPU; and its eager attention
-  sums over every key up to the call's highest position, so even calls of equal row counts differ by their length.
+positions (a verification) gives the bits it gets in a call of its own (plain decoding's), and a batch's request
+equals the request alone only as far as a row among other sequences' rows gets its own bits. That is a property of
+the kernels *and of the machine*: matrix kernels choose their code path by instruction set and by row count
+(onnxruntime's `MatMulNBits` with int8 activations computes a lone row otherwise than several on AVX2 without
+AVX-512 and alike on AVX-512 VNNI; with float activations otherwise on both; torch's CPU products agree only between
+row counts that are multiples of 4: docs/design.md §9, tools/results/cpu-2core/row-exactness.md).
 
 So the runtime does not assume. The first time an export is loaded on a machine, `probe` computes the same positions
 of a fixed prompt in calls of 1 to 17 positions through the segments, and of 1 and 3 through the per-layer and fused
 exit graphs (the calls decoding makes: one position, verifications of up to K + 1, a long one), under each candidate
-`RowForm`, cheapest first for the export (`candidates`), and keeps the first under which every size
-gives every position's layers and final head the same bits. A form pads a call of one sequence's positions with
-copies of its last position at the positions after it, whose outputs are dropped (`DecodeContext.rows`): at least
-`minimum` rows, a multiple of `multiple`; or, `alone`, every position after a prompt's prefill in a call of its own
-(exact wherever a lone row is computed alike, at the cost of verifications that share no call: `candidates` says
-where it comes first). A copy writes later positions' cache slots, which those positions write
-again before any query reads them (a position's layer runs only after every earlier position's, and a query sees
-slots up to its own); the cache keeps spare slots for copies after its last position (`KVCache.spare`). Plain
-decoding runs in the same form, since it must compute each position as ParaDecode's verifications do.
+`RowForm`, cheapest first for the export (`candidates`), and keeps the first under which every size gives every
+position's layers and final head the same bits; then, under that form, the same positions as one row of a batch of
+two sequences in a cache of every slot (`_Positions.batches_agree`): where they differ, a batch's sequences run in
+calls of their own (`RowForm.rows_alone`). A form pads a call with copies of each sequence's last position at the
+positions after it, whose outputs are dropped (`DecodeContext.rows`), so the call's rows are at least `minimum`, a
+multiple of `multiple`; or, `alone`, every position after a prompt's prefill in a call of its own (exact wherever a
+lone row is computed alike, at the cost of verifications that share no call: `candidates` says where it comes
+first). A copy writes later positions' cache slots, which those positions write again before any query reads them
+(a position's layer runs only after every earlier position's, and a query sees slots up to its own); the cache keeps
+spare slots for copies after its last position (`KVCache.spare`). Plain decoding runs in the same form, since it
+must compute each position as ParaDecode's verifications do.
 
 Where no candidate holds (`None`), ParaDecode cannot verify several positions in one call exactly, so a ParaDecode
 request decodes as plain decoding does, and says so once: never silently inexact.
@@ -35,14 +30,12 @@ The verdict is cached per machine and export (`$XDG_CACHE_HOME/paradecode/row-ex
 manifest's content, the backend and its threads, its kernels (`Backend.kernels_identity`) and the CPU's model and
 flags), so a later load does not probe again. The probe runs for the onnxruntime backend on a CPU, the CPU engine,
 and for the torch backend wherever torch's int4 kernels read some of its weights (`Backend.probes_rows`;
-runtime/backends/int4_kernels.py): on an H100, compiled, ParaDecode's output on them differed from plain decoding's
-in 1 of 12 SmolLM2 prompts with its defaults, 2 with the exit heads always on, without the probe
-(tools/results/NVIDIA-H100-80GB-HBM3/README.md, 2026-11-28; which call gave a row other bits was not found).
-Elsewhere on CUDA the form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every overlap,
-tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too without int4 kernels,
-and there ParaDecode's output is plain decoding's up to near ties of the final head's logits, the decoding
-contract's general form (no padding makes its attention's sums alike: see above; with int4 kernels the probe decides
-there too).
+runtime/backends/int4_kernels.py: compiled on a GPU, they were seen to give a position other bits in a call of
+several). Elsewhere on CUDA the form is `AS_IS`, what the GPU tests check (ParaDecode equals plain decoding in every
+overlap, tests/runtime/test_gpu.py). The torch backend on a CPU (the PyTorch reference) is `AS_IS` too without int4
+kernels, and there ParaDecode's output is plain decoding's up to near ties of the final head's logits, the decoding
+contract's general form (its eager attention sums over the keys up to a call's highest position, so no padding
+makes its rows alike).
 """
 
 from __future__ import annotations
@@ -140,10 +133,10 @@ CANDIDATES = (AS_IS, TWO_ROWS, RowForm(multiple=2), RowForm(multiple=4), RowForm
 
 def candidates(backend) -> tuple[RowForm, ...]:
     """The forms to try, cheapest first for this export. With float activations in quantized layers a call of two
-    positions costs nearly twice one (onnxruntime's float kernel dequantizes the whole matrix for several rows): on
-    SmolLM2's default export two rows made plain decoding 0.61x (35-37 against 59 tokens/s, measured 2026-11-27),
-    so a position alone comes before any padding there. Elsewhere padding is cheap (the int8 kernel's second row
-    costs little) and keeps ParaDecode's verifications in one call."""
+    positions costs nearly twice one (onnxruntime's float kernel dequantizes the whole matrix for several rows), so a
+    position alone comes before any padding there (runtime/policy.py's "every position alone" row has the
+    measurement). Elsewhere padding is cheap (the int8 kernel's second row costs little) and keeps ParaDecode's
+    verifications in one call."""
     quantization = backend.manifest.quantization
     if backend.name == "onnxruntime" and quantization is not None and quantization.activations_of("layer") == "float":
         return (AS_IS, ALONE, *(form for form in CANDIDATES if form not in (AS_IS, ALONE)))

@@ -4,17 +4,13 @@
 temperature first, then top-k, then top-p (Hugging Face's order), in float64. Plain decoding (`ar`)
 draws each token from the final layer's distribution p.
 
-ParaDecode keeps exactly that distribution with speculative rejection sampling (Leviathan et al.
-2023; Chen et al. 2023; runtime/verification.py). A proposed token x was drawn from a distribution q: an
-exit head's own (after the same temperature, top-k and top-p; zero outside a reduced vocabulary; drawn by
-`Sampler.draw_exit`, which keeps q until x is verified) or, for a prompt-lookup proposal, the point mass
-on x. Whether a token exits depends only on the head's confidence, never on which token was drawn, so the
-verified sequence is distributed exactly as `ar` sampling.
-
 Draws are counter-based: each comes from a generator keyed by (seed, position, purpose), so a seed
-reproduces a run whatever order the lanes finish in, and `ar` and ParaDecode draw the same token at a
-position where nothing was proposed. A key is used at most once in the surviving history: positions
-are verified in order and a rollback discards only unverified positions.
+reproduces a run whatever order the lanes finish in. ParaDecode keeps plain sampling's very draws: the final
+layer's token after position q is the draw with the uniform keyed (seed, q, SAMPLE) in every mode, and a proposal
+is accepted where it is that token (runtime/verification.py). An exit head's proposal is drawn from the head's own
+distribution (after the same temperature, top-k and top-p; zero outside a reduced vocabulary) with that same
+uniform (`Sampler.draw_exit`), so it is accepted where both draws land on one token; whether a token exits depends
+only on the head's confidence, never on the draw. So `ar`, ParaDecode and a batch give a seed the same tokens.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Purposes of a draw at a position (part of its generator's key).
-SAMPLE, PROPOSE, ACCEPT, RESAMPLE = 0, 1, 2, 3
+# The purpose of a draw at a position (part of its generator's key): the token that follows the position.
+SAMPLE = 0
 
 
 @dataclass(frozen=True)
@@ -79,43 +75,22 @@ class Draws:
         return index
 
 
-@dataclass
-class Proposal:
-    """The distribution a proposed token was drawn from: `probs` over `ids` (an exit head's support), or
-    None for a point mass (a prompt-lookup proposal)."""
-
-    ids: torch.Tensor | None = None  # int64 [N] token ids of the support (None: the whole vocabulary)
-    probs: torch.Tensor | None = None  # float64 [N]
-
-    def full(self, vocab_size: int) -> torch.Tensor:
-        """q over the whole vocabulary."""
-        if self.ids is None:
-            return self.probs
-        q = torch.zeros(vocab_size, dtype=torch.float64)
-        q[self.ids] = self.probs
-        return q
-
-
 class Sampler:
-    """A ParaDecode request's sampling: its parameters, its seeded draws, and the distribution q each exit token
-    was drawn from (`drafts`, by the position the token follows), kept until the final layer verifies the token
-    (runtime/verification.py takes it then; a rollback drops the ones it discards)."""
+    """A request's sampling: its parameters, its seeded draws, and the token ids of the exit heads' reduced
+    vocabulary (where they have one)."""
 
     def __init__(self, params: SamplingParams, exit_vocab: torch.Tensor | None):
         self.params = params
         self.draws = Draws(params.seed)
         self.exit_vocab = exit_vocab  # int64 [N]: the token ids of a trained exit head's reduced vocabulary
-        self.drafts: dict[int, Proposal] = {}
 
     def draw_exit(self, position: int, logits: torch.Tensor, reduced: bool) -> int:
         """The token to follow `position`, drawn from an exit head's logits [V] ([N] over the reduced vocabulary
-        when `reduced`) with the request's temperature, top-k and top-p; q is kept for its verification."""
+        when `reduced`) with the request's temperature, top-k and top-p and the uniform the final layer's draw there
+        uses (over the whole vocabulary, in token order, so both draws land on one token where they agree)."""
         q = distribution(logits, self.params)
-        index = self.draws.choice(q, position, PROPOSE)
-        ids = self.exit_vocab if reduced else None
-        self.drafts[position] = Proposal(ids, q)
-        return int(ids[index]) if ids is not None else index
-
-    def discard_from(self, position: int) -> None:
-        """Drop the drafts keyed `position` and after: a rollback there discarded the tokens they were drawn for."""
-        self.drafts = {q: draft for q, draft in self.drafts.items() if q < position}
+        if reduced:
+            full = torch.zeros(int(self.exit_vocab.max()) + 1, dtype=torch.float64)
+            full[self.exit_vocab] = q
+            q = full
+        return self.draws.choice(q, position, SAMPLE)

@@ -40,6 +40,7 @@ request to the next, as a service's would.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass, field
 
 from paradecode.runtime.stats import LOOKUP
@@ -47,7 +48,7 @@ from paradecode.runtime.stats import LOOKUP
 DECAY = 0.97  # weight of the estimate so far at each new observation: about the last 30 events count
 EXPLORE = 16  # a source that does not pay is still tried once every EXPLORE opportunities
 PRIOR_MERGE = 0.1  # what one more position adds to a layer or final head call, as a share of it, until measured
-LEARN_TOKENS = 16  # calls of more positions (a prefill) say nothing of a decoding step's costs: not learned from
+LEARN_TOKENS = 64  # calls of more positions (a long prefill) say little of a step's (a batch of 8 rows of 6: 48)
 OUTLIER = 3.0  # an observation is clipped to this many times the estimate (a preempted call on a shared CPU)
 CALL_NAMES = re.compile(r"(layer|exit|layer_exit)_(\d+)|segment_(\d+)_(\d+)|final|embed")
 
@@ -145,8 +146,12 @@ class ExitRates:
 
 class Speculation:
     """What the decoder has measured of this model's costs and acceptance, and the decisions from them.
-    One per loaded model, so it carries over between requests; the engines decoding at once update it together
-    (runtime/model.py's threading model says what a concurrent update may cost)."""
+    One per loaded model, so it carries over between requests; the engines decoding at once update it together.
+
+    Threading model: every engine of a model (threads of their own) observes and asks at once. `_lock` guards every
+    update (`observe`, `head_called`, `verified` and the exploration counts the decisions keep); a decision reads
+    the estimates without it, so it may read one that a concurrent update is changing, which only shifts a
+    speculation decision, never an output."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
@@ -156,20 +161,28 @@ class Speculation:
         # [d - 1]: of the d-th tokens of proposals that were judged (the ones before accepted), the share accepted
         self.lookup_depth: list[Rate] = []
         self._skipped: dict[object, int] = {}  # source -> opportunities passed up since its last try
+        self._lock = threading.Lock()
 
     # --- what happened ------------------------------------------------------------------------------------
+    def observe(self, name: str, positions: int, seconds: float) -> None:
+        """A call of subgraph `name` over `positions` positions (every row's) took `seconds` (`CallTimes`)."""
+        with self._lock:
+            self.times.observe(name, positions, seconds)
+
     def head_called(self, layer: int, exited: bool) -> None:
-        self.exit_rates.setdefault(layer, ExitRates()).exits.add(exited)
+        with self._lock:
+            self.exit_rates.setdefault(layer, ExitRates()).exits.add(exited)
 
     def verified(self, source: int, accepted: bool, depth: int | None = None) -> None:
         """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP): then
         `depth` is its place in its proposal (1: the first; None: discarded unjudged, after a rejection)."""
-        if source == LOOKUP:
-            self.lookup_rate.add(accepted)
-            if depth is not None:
-                self._depth_rate(depth).add(accepted)
-        else:
-            self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
+        with self._lock:
+            if source == LOOKUP:
+                self.lookup_rate.add(accepted)
+                if depth is not None:
+                    self._depth_rate(depth).add(accepted)
+            else:
+                self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
 
     # --- decisions ------------------------------------------------------------------------------------------
     def exit_gain(self, layer: int, head_is_final: bool = False) -> float | None:
@@ -225,23 +238,59 @@ class Speculation:
         paying = self.lookup_length(count)
         if paying is None or paying >= count:
             return count
-        cut = self._skipped.get("lookup", 0) + 1
-        if cut >= EXPLORE:
-            self._skipped["lookup"] = 0
-            return count
-        self._skipped["lookup"] = cut
-        return paying
+        with self._lock:
+            cut = self._skipped.get("lookup", 0) + 1
+            self._skipped["lookup"] = 0 if cut >= EXPLORE else cut
+        return count if cut >= EXPLORE else paying
 
     def try_exit(self, layer: int, head_is_final: bool = False) -> bool:
         return self._worth(("exit", layer), self.exit_gain(layer, head_is_final))
 
     def _worth(self, source: object, gain: float | None) -> bool:
-        if gain is None or gain > 0:
-            self._skipped[source] = 0
-            return True
-        skipped = self._skipped.get(source, 0) + 1
-        if skipped >= EXPLORE:
-            self._skipped[source] = 0
-            return True  # explore: the estimate must see the source now and then to recover
-        self._skipped[source] = skipped
-        return False
+        with self._lock:
+            if gain is None or gain > 0:
+                self._skipped[source] = 0
+                return True
+            skipped = self._skipped.get(source, 0) + 1
+            if skipped >= EXPLORE:
+                self._skipped[source] = 0
+                return True  # explore: the estimate must see the source now and then to recover
+            self._skipped[source] = skipped
+            return False
+
+    def batch_proposals(self, available: list[int]) -> int:
+        """How many proposed tokens each row of a batch step may take, its rows having `available` lookup proposals
+        each: a call carries as many positions on every row as on its fullest (the others padded), so a step of B
+        rows taking k costs B (k + 1) positions, and yields B tokens plus each row's accepted proposals. The k (at
+        most the most available) with the most tokens per second expected from the costs and the depth rates; with
+        costs not known yet, every proposal, and every EXPLORE-th step that would cut, every proposal too, so the
+        rates of the depths cut off can recover.
+
+            rows of a batch of 8 with available [5, 0, 0, 0, 0, 0, 0, 0] take fewer than the same row alone
+            would ([5]): its 5 proposals would pad 7 other rows to 6 positions each."""
+        most = max(available, default=0)
+        t = self.times
+        if not most or not t.known:
+            return most
+        rows, layers = len(available), self.num_layers
+
+        def cost(positions: int) -> float:
+            extra = positions - 1
+            return layers * (t.layer.value + extra * t.merge()) + t.final.value + extra * t.final_merge()
+
+        reach, reached = [0.0], 1.0  # reach[n]: the accepted tokens expected of n proposals
+        for depth in range(1, most + 1):
+            known = depth <= len(self.lookup_depth)
+            reached *= self.lookup_depth[depth - 1].value if known else self._depth_prior(depth)
+            reach.append(reach[-1] + reached)
+        best, best_rate = 0, rows / cost(rows)
+        for k in range(1, most + 1):
+            rate = (rows + sum(reach[min(k, a)] for a in available)) / cost(rows * (k + 1))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best >= most:
+            return most
+        with self._lock:
+            cut = self._skipped.get("batch", 0) + 1
+            self._skipped["batch"] = 0 if cut >= EXPLORE else cut
+        return most if cut >= EXPLORE else best

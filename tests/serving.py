@@ -141,7 +141,7 @@ class SlowStreams:
         join, step = engine_module.Engine.join, engine_module.Engine.step
 
         def slow_join(engine, sequence):
-            if engine.model is model and self.left > 0:
+            if engine.runtime is model.runtime and self.left > 0:
                 self.left -= 1
                 slowed.add(sequence)
                 sink = sequence.sink
@@ -157,7 +157,7 @@ class SlowStreams:
             return join(engine, sequence)
 
         def slow_step(engine, *args, **kwargs):
-            if engine.model is model and any(s in slowed for s in engine.sequences):
+            if engine.runtime is model.runtime and any(s in slowed for s in engine.sequences):
                 time.sleep(delay)
             return step(engine, *args, **kwargs)
 

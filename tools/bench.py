@@ -231,7 +231,7 @@ def parse_thresholds(text: str) -> list[float | None]:
 def run(args) -> tuple[str, list[str]]:
     """(the Markdown report, what could not be written at the end: --json, --plot)."""
     from paradecode.export.prompt_sets import load_prompts
-    from paradecode.tools.benchmarking import opened_with_ar_baselines
+    from paradecode.tools.bench_modes import opened_with_ar_baselines
     from paradecode.tools.reporting import check_outputs, check_plotting
 
     if args.repeat < 1 or args.max_new_tokens < 2:
@@ -273,7 +273,7 @@ def run(args) -> tuple[str, list[str]]:
 def compared_export_modes(args, export: Path, main_model, stack: ExitStack) -> list:
     """ar on `export` (a --compare-export), in each thread setting the main export's ar runs in, as reference rows
     (kind "peer": another engine's plain decoding, not a baseline). Its models are closed with `stack`."""
-    from paradecode.tools import benchmarking as bm
+    from paradecode.tools import bench_modes as bm
 
     other, baselines = stack.enter_context(
         bm.opened_with_ar_baselines(export, backend=args.backend, device=args.device)
@@ -333,7 +333,7 @@ def default_prompts(model) -> list:
     """The evaluation set (`eval`) where the export has a chat template, else the built-in text prompts."""
     from paradecode.export.prompt_sets import load_prompts
     from paradecode.export.prompts import LabelledPrompt
-    from paradecode.tools.benchmarking import DEFAULT_PROMPTS
+    from paradecode.tools.bench_modes import DEFAULT_PROMPTS
 
     if model.chat_template is not None:
         logger.info("prompts: the evaluation set (eval), as the export has a chat template")
@@ -363,7 +363,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     """Measure every mode (`extra_modes`, such as the peers', after the others) and write the report: (the Markdown
     report, what could not be written)."""
     from paradecode.export.heads.call_costs import measure_call_costs
-    from paradecode.tools import benchmarking as bm
+    from paradecode.tools import bench_modes as bm
     from paradecode.tools import harness
     from paradecode.tools.reporting import benchmark_figure, markdown_report, save_figure, save_json, save_outputs
 
@@ -500,7 +500,7 @@ def hf_modes(
 
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.source import resolve_model
-    from paradecode.tools import benchmarking as bm
+    from paradecode.tools import bench_modes as bm
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -122,7 +122,7 @@ def build_model(args, folder: Path) -> Path:
 def run(args) -> str:
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.tools.benchmarking import copy_bandwidth, opened_with_ar_baselines, weight_bytes_per_token
+    from paradecode.tools.bench_modes import copy_bandwidth, opened_with_ar_baselines, weight_bytes_per_token
     from paradecode.tools.reporting import save_figure, save_json
 
     depths = sorted({max(1, min(args.layers - 1, round(d * args.layers))) for d in args.depths})
@@ -175,7 +175,7 @@ def run(args) -> str:
         "results": measured["results"],
     }
     if args.json:
-        from paradecode.tools.benchmarking import machine
+        from paradecode.tools.bench_modes import machine
 
         save_json(args.json, {**payload, "machine": machine()})
     if args.plot:
@@ -188,7 +188,7 @@ def measure(args, depths: list[int], pd_model, ar_models: dict) -> dict:
     pass at full length; every case must reproduce ar's tokens. Returns the baseline and the rows."""
     from paradecode.runtime import Tracing
     from paradecode.tools import harness
-    from paradecode.tools.benchmarking import generate_mode
+    from paradecode.tools.bench_modes import generate_mode
 
     prompt = [(17 * i + 5) % args.vocab for i in range(16)]
     reference = (

@@ -93,7 +93,7 @@ def run(args) -> None:
     quiet_dependency_logs()
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
-    from paradecode.tools.benchmarking import opened_with_ar_baselines
+    from paradecode.tools.bench_modes import opened_with_ar_baselines
 
     if args.repeat < 1 or args.max_new_tokens < 2:
         raise UserInputError("--repeat must be at least 1 and --max-new-tokens at least 2.")
@@ -154,7 +154,7 @@ def describe_defaults(model, settings: dict) -> str:
 def measure(model, ar_models: dict, prompts: list[list[int]], max_new_tokens: int, repeat: int, settings: dict) -> str:
     """Interleaved ar / ParaDecode runs on every prompt; the faster ar thread setting is the baseline."""
     from paradecode.tools import harness
-    from paradecode.tools.benchmarking import generate_mode
+    from paradecode.tools.bench_modes import generate_mode
 
     modes = [generate_mode(name, m, {"mode": "ar"}) for name, m in ar_models.items()]
     modes.append(generate_mode("paradecode", model, dict(settings)))

@@ -7,7 +7,7 @@ warms every mode up, then runs every mode on a prompt before the next prompt, an
 max, the baseline (the fastest mode of kind `ar`: plain decoding in its best thread setting),
 speedup ratios against it, latency percentiles, exits and output matches.
 
-Nothing here knows about models: the modes do (`paradecode.tools.benchmarking` makes them), so the
+Nothing here knows about models: the modes do (`paradecode.tools.bench_modes` makes them), so the
 harness runs as well on fake modes that return canned samples.
 """
 

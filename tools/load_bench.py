@@ -206,7 +206,7 @@ def prompts_of(args: argparse.Namespace) -> list:
     from paradecode.export.prompt_sets import load_prompts
     from paradecode.runtime.chat import ChatTemplate
     from paradecode.runtime.loader import open_export
-    from paradecode.tools.benchmarking import DEFAULT_PROMPTS
+    from paradecode.tools.bench_modes import DEFAULT_PROMPTS
 
     export = open_export(args.export, verify=False) if args.export is not None else None
     if export is not None and export.tokenizer_path is None:
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int,
     table = markdown(levels_summary, settings)
     outputs = []
     if args.json:
-        from paradecode.tools.benchmarking import machine
+        from paradecode.tools.bench_modes import machine
 
         report = {
             "command": command,

@@ -275,7 +275,7 @@ def measure_case(case: str, shape: LlamaShape, dtype: str, settings: Settings, w
     from transformers import LlamaForCausalLM
 
     from paradecode.runtime import load
-    from paradecode.tools import benchmarking as bm
+    from paradecode.tools import bench_modes as bm
     from paradecode.tools import harness
 
     device, new_tokens = settings.device, settings.max_new_tokens
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     def work() -> str:
         from paradecode.export.cli import quiet_dependency_logs
         from paradecode.export.files import check_file_writable
-        from paradecode.tools.benchmarking import machine
+        from paradecode.tools.bench_modes import machine
         from paradecode.tools.reporting import save_json
 
         quiet_dependency_logs()  # the exporter's and transformers' chatter

@@ -1,7 +1,7 @@
 """What a token costs under ParaDecode and under plain decoding: the one cost model of the project.
 
 The speed calibration of `paradecode-train-heads` (`calibration.py`), `paradecode-bench`'s bound
-(`tools/benchmarking.py`, `exit_bound`) and `paradecode-characterise`'s bound (docs/design.md §6) are this model with
+(`tools/bench_modes.py`, `exit_bound`) and `paradecode-characterise`'s bound (docs/design.md §6) are this model with
 different costs: measured call costs (`call_costs.CallCosts`), the idealised ones of docs/design.md §6
 (`CostModel.bound`), or parameter counts (`CostModel.estimate`).
 

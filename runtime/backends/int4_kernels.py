@@ -1,6 +1,6 @@
 """Weight-only int4 products for the torch backend: torch's own int4 kernels on an export's 4-bit blocks.
 
-The torch backend otherwise dequantizes a quantized weight on load and holds it in float (graphs/quantized.py),
+The torch backend otherwise dequantizes a quantized weight on load and holds it in float (graphs/quantized_weights.py),
 so a GGUF file's Q4_1 layers read 16 or 32 bits a weight on every token. With int4 kernels a Linear whose
 weight is 4-bit holds the 4-bit values themselves, packed for `torch._weight_int4pack_mm` (CUDA: tinygemm,
 compute capability 8.0 or newer) or `torch._weight_int4pack_mm_for_cpu`, and a product reads 4 bits a weight
@@ -8,7 +8,7 @@ plus two numbers per block:
 
     W[n, k] = (q[n, k] - 8) * s[b, n] + z[b, n]       s = scale,  z = min + scale * (8 - zero_point)
 
-which is the stored form's affine function of q (graphs/quantized.py), rewritten in the kernels' terms. The
+which is the stored form's affine function of q (graphs/quantized_weights.py), rewritten in the kernels' terms. The
 CPU kernel computes in the export's dtype. The CUDA kernel takes bfloat16 only, so on CUDA a product's rows, s
 and z are rounded to bfloat16 and its result converted back (a GGUF file's blocks export as float32 only). So
 the products are close to the dequantized weights' products, not equal to them bit for bit: an export decoded
@@ -35,7 +35,7 @@ import logging
 import torch
 from torch import nn
 
-from paradecode.graphs.quantized import QuantizedWeight, unpack
+from paradecode.graphs.quantized_weights import QuantizedWeight, unpack
 
 logger = logging.getLogger(__name__)
 GROUP_SIZES = (32, 64, 128, 256)  # the block sizes both kernels take

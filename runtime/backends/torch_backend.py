@@ -2,10 +2,9 @@
 
 It is the reference the other backends are compared with, and the GPU path where TensorRT is
 absent. Weights come from the export's `weights.safetensors`, under the canonical names; quantized
-ones are dequantized on load (graphs/quantized.py), so they are held in float, except that with `int4_kernels`
+ones are dequantized on load (graphs/quantized_weights.py), so they are held in float, except that with `int4_kernels`
 the 4-bit ones are read as 4-bit values by torch's int4 kernels (int4_kernels.py), and then the backend's row form
-is probed as the onnxruntime backend's is on a CPU (runtime/row_exactness.py: on an H100 ParaDecode's output on
-them differed from plain decoding's in 1 of 12 prompts, 2 with exit heads, without it).
+is probed as the onnxruntime backend's is on a CPU (runtime/row_exactness.py says why).
 
 On CUDA, calls of up to GRAPH_TOKENS tokens run as CUDA graphs: each (subgraph, token count, lane)
 is captured at its first use, from that very call's inputs (so the warm-up runs before the capture
@@ -52,7 +51,7 @@ import torch
 from paradecode.graphs.cache_dir import user_cache
 from paradecode.graphs.errors import ManifestError, ParadecodeError, UserInputError
 from paradecode.graphs.modules import build_subgraph, subgraph_state
-from paradecode.graphs.quantized import QuantizedWeight, dequantized
+from paradecode.graphs.quantized_weights import QuantizedWeight, dequantized
 from paradecode.graphs.tensors import LOGITS, subgraph_io
 from paradecode.runtime.backends.base import Backend, Launched
 from paradecode.runtime.backends.int4_kernels import Int4Kernels, unavailable

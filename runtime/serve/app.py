@@ -156,11 +156,11 @@ async def generate(request: Request, endpoint: str) -> Response:
     follow = None
     try:
         body = await read_body(request, config.max_body_bytes, min(config.read_timeout, config.request_timeout))
-        parsed, prepared = await service.prepare_body(kind, body, arrived + config.request_timeout)
-        job = service.submit(prepared, arrived)
+        parsed, resolved = await service.prepare_body(kind, body, arrived + config.request_timeout)
+        job = service.submit(resolved, arrived)
         follow = Follower(service.pool, job, request, config.request_timeout)
         answer: Answer = answer_class(
-            config.served_model_name, prepared.prompt_ids, parsed.return_token_ids, parsed.include_usage
+            config.served_model_name, list(resolved.ids), parsed.return_token_ids, parsed.include_usage
         )
         if parsed.stream:
             response = await streamed(follow, answer, record)

@@ -31,6 +31,8 @@ from paradecode.graphs.errors import (
     ParadecodeError,
     UserInputError,
 )
+from paradecode.runtime.completion import StopText, cut_at_stop
+from paradecode.runtime.engine import StreamedToken
 from paradecode.runtime.serve.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -40,9 +42,9 @@ from paradecode.runtime.serve.errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
+from paradecode.runtime.serve.pool import Job, ReplicaPool
 from paradecode.runtime.serve.responses import Answer, sse
-from paradecode.runtime.serve.stops import StopText, cut_at_stop
+from paradecode.runtime.stats import GenerationResult
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ class Follower:
         self.pool.cancel(self.job)
         self.job.events.put_nowait(ClientGone("it closed the connection"))
 
-    async def next(self) -> Token | Finished:
+    async def next(self) -> StreamedToken | GenerationResult:
         """The next event; raises ClientGone, RequestTimeout, or the HTTP form of the runtime's error."""
         try:
             event = await asyncio.wait_for(self.job.events.get(), max(self.deadline - time.monotonic(), 0))
@@ -122,8 +124,8 @@ class Follower:
             ) from None
         if isinstance(event, ClientGone):
             raise event
-        if isinstance(event, Failed):
-            raise http_error_of(event.error)
+        if isinstance(event, BaseException):
+            raise http_error_of(event)
         return event
 
     def close(self) -> None:
@@ -134,10 +136,9 @@ class Follower:
 
 async def whole(follow: Follower, answer: Answer) -> JSONResponse:
     """The response once the job has finished."""
-    while not isinstance(event := await follow.next(), Finished):
+    while not isinstance(result := await follow.next(), GenerationResult):
         pass
-    result = event.result
-    text, stop = cut_at_stop(result.text or "", follow.job.config.stop)
+    text, stop = cut_at_stop(result.text or "", follow.job.request.config.stop)
     return JSONResponse(answer.whole(result, text, stop, follow.job.queue_seconds))
 
 
@@ -147,21 +148,23 @@ async def streamed(follow: Follower, answer: Answer, record) -> StreamingRespons
     return StreamingResponse(events(follow, answer, first, record), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def events(follow: Follower, answer: Answer, event: Token | Finished, record) -> AsyncIterator[bytes]:
+async def events(
+    follow: Follower, answer: Answer, event: StreamedToken | GenerationResult, record
+) -> AsyncIterator[bytes]:
     outcome = "error"
-    text = StopText(follow.job.config.stop)
+    text = StopText(follow.job.request.config.stop)
     token_ids: list[int] = []  # verified since the last chunk
     try:
         for chunk in answer.first_chunks():
             yield sse(chunk)
-        while isinstance(event, Token):
+        while isinstance(event, StreamedToken):
             token_ids.append(event.token)
             piece = text.push(event.text)
             if piece or answer.return_token_ids:
                 yield sse(answer.chunk(piece, token_ids))
                 token_ids = []
             event = await follow.next()
-        result = event.result
+        result = event
         rest = text.finish(result.text)
         for chunk in answer.last_chunks(result, rest, token_ids, text.stop, follow.job.queue_seconds):
             yield sse(chunk)

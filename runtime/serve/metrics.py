@@ -20,8 +20,9 @@ replica workers update them, the event loop renders them.
                                                       discarding what followed
     paradecode_requests_waiting / _requests_running   the queue depth, and requests being decoded
     paradecode_batch_size                             requests in a batch's last step (batching replicas)
-    paradecode_batch_steps_total{speculation}         batch steps: `on` (one request alone, with ParaDecode's
-                                                      speculation) or `off` (requests together, plain decoding)
+    paradecode_batch_steps_total{calls}               batch steps: `alone` (one request, with all of ParaDecode)
+                                                      or `together` (every request in one call per segment,
+                                                      its lookup proposals verified in it)
     paradecode_replicas
     process_resident_memory_bytes, process_cpu_seconds_total, ...   prometheus_client's process collector
                                                       (Linux; the whole server process, every replica)
@@ -101,12 +102,13 @@ class Metrics(PoolMetrics):
         self.batch_size = Gauge("paradecode_batch_size", "Requests in a batch's last step", registry=registry)
         self.batch_steps = Counter(
             "paradecode_batch_steps",
-            "Batch steps, with speculation on (one request alone) or off (requests decoded together)",
-            ("speculation",),
+            "Batch steps: alone (one request, with all of ParaDecode) or together (one call per segment for every"
+            " request, their lookup proposals verified in it)",
+            ("calls",),
             registry=registry,
         )
-        for state in ("on", "off"):
-            self.batch_steps.labels(state)
+        for calls in ("alone", "together"):
+            self.batch_steps.labels(calls)
         ProcessCollector(registry=registry)  # the default registry's RSS, CPU time and open files, in ours
         for endpoint in ("completions", "chat"):  # every series exists from the start, at 0
             for outcome in OUTCOMES:
@@ -132,9 +134,9 @@ class Metrics(PoolMetrics):
     def token(self, seconds: float, first: bool) -> None:
         (self.first_token if first else self.per_token).observe(seconds)
 
-    def step(self, size: int, speculating: bool) -> None:
+    def step(self, size: int, alone: bool) -> None:
         self.batch_size.set(size)
-        self.batch_steps.labels("on" if speculating else "off").inc()
+        self.batch_steps.labels("alone" if alone else "together").inc()
 
     def finished(self, result: GenerationResult) -> None:
         stats = result.stats

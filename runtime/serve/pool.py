@@ -17,15 +17,17 @@ Threading model
   runtime cannot stop a token half-way from another thread), which frees its row for the next job.
 - `drain(reason)` (the server's shutdown timeout) refuses new jobs and fails every job at once with
   `ServiceUnavailable(reason)`: a waiting one leaves the queue, a running one is cancelled too (its
-  worker stops after its token; the `Finished` it then emits comes after the `Failed`, unread).
+  worker stops after its token; the result it then emits comes after the error, unread).
 - `close()` drains, joins the workers and closes the models.
+
+A job carries its resolved `Request` (runtime/request.py: made and checked on a preparing thread) and receives the
+engine's own events on its queue: each `StreamedToken`, then the `GenerationResult` or the error.
 
 Batching: a replica's engine has as many rows as its export allows (`--max-batch`, ServeConfig.max_batch): its
 worker takes waiting jobs into free rows between two steps (at most `prefill_tokens` prompt tokens of them per step,
-and always one), and each step gives every job in the engine its next token; a cancelled job leaves before the
-next step, its row free at once. A job alone in its engine with none waiting for a row decodes with ParaDecode;
-with others, plain decoding in one batched call (speculation yields to load). A replica of one row decodes one job
-at a time, as `model.stream` does.
+and always one), and each step gives every job in the engine its next tokens (runtime/engine.py: ParaDecode
+requests' lookup proposals are verified in the same calls as the other rows' tokens); a cancelled job leaves before
+the next step, its row free at once. A replica of one row decodes one job at a time, as `model.stream` does.
 
 Memory: each replica is a whole model: its own copy of the weights (one onnxruntime session per
 subgraph, and the export's weights file as read at load) and its engine (a KV cache of its rows, and its lanes).
@@ -43,10 +45,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paradecode.graphs.errors import ParadecodeError
-from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.engine import ALONE, Engine, Sequence, StreamedToken
 from paradecode.runtime.loader import open_export
 from paradecode.runtime.model import ParaDecodeModel, load
+from paradecode.runtime.request import Request
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable, without_export_path
 from paradecode.runtime.serve.memory import check_batches_fit
@@ -57,31 +59,15 @@ logger = logging.getLogger(__name__)
 WAITING, RUNNING, DONE, CANCELLED = "waiting", "running", "done", "cancelled"
 
 
-@dataclass(frozen=True)
-class Token:
-    token: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    result: GenerationResult
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
-
-
 @dataclass(eq=False)
 class Job:
     """One request's decoding: made on the event loop, run by a replica's worker."""
 
-    prompt_ids: list[int]
-    config: GenerationConfig
+    request: Request
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.monotonic)  # time.monotonic() when the request came in
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Token..., then Finished or Failed
+    # StreamedToken..., then the GenerationResult or the error (without the export's path on this disk)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: str = WAITING  # under the pool's lock
     started: float | None = None  # set by the worker that takes the job
@@ -104,7 +90,7 @@ class PoolMetrics:
     def depth(self, waiting: int, running: int) -> None: ...
     def started(self, queue_seconds: float) -> None: ...
     def token(self, seconds: float, first: bool) -> None: ...
-    def step(self, size: int, speculating: bool) -> None: ...
+    def step(self, size: int, alone: bool) -> None: ...
     def finished(self, result: GenerationResult) -> None: ...
 
 
@@ -128,7 +114,7 @@ class ReplicaPool:
             if self.rows > 1:  # refused before allocating what the machine does not have
                 check_batches_fit(self.models[0], self.rows, config.replicas, given=config.max_batch is not None)
             # each replica's engine (its KV-cache rows), made here so that a failure stops the start, not a worker
-            self.engines = [Engine(model, self.rows) for model in self.models]
+            self.engines = [Engine(model.runtime, self.rows) for model in self.models]
             if config.torch_compile:  # compile before listening, not in the first requests
                 for i, model in enumerate(self.models):
                     logger.info("compiling replica %d/%d (torch.compile)", i + 1, config.replicas)
@@ -190,11 +176,11 @@ class ReplicaPool:
             self._waiting.clear()
             for job in waiting:
                 job.state = CANCELLED
-                job.emit(Failed(ServiceUnavailable(f"{reason}; this request was waiting for a replica.")))
+                job.emit(ServiceUnavailable(f"{reason}; this request was waiting for a replica."))
             for job in running:
                 if not job.cancelled.is_set():
                     job.cancelled.set()
-                    job.emit(Failed(ServiceUnavailable(f"{reason}; this request was stopped while decoding.")))
+                    job.emit(ServiceUnavailable(f"{reason}; this request was stopped while decoding."))
             self._changed()
             self._lock.notify_all()
         return len(waiting) + len(running)
@@ -228,7 +214,7 @@ class ReplicaPool:
                 return None
             taken, tokens = [], 0
             while self._waiting and not self._closing and engine.size + len(taken) < engine.rows:
-                tokens += len(self._waiting[0].prompt_ids)
+                tokens += len(self._waiting[0].request.ids)
                 if taken and tokens > self.config.prefill_tokens:
                     break
                 job = self._waiting.popleft()
@@ -253,9 +239,8 @@ class ReplicaPool:
         for job in taken:
             self.metrics.started(job.queue_seconds)
             sink = self._sink(job)
-            try:  # checked as `model.stream` checks it: a request this export cannot decode fails alone
-                request = model.request(prompt_ids=job.prompt_ids, config=job.config)
-                engine.join(Sequence(request, sink, job.cancelled.is_set))  # a failure in it fails the job alone
+            try:  # resolved and checked when it was prepared; a failure here fails the job alone
+                engine.join(Sequence.of(job.request, sink, model.runtime, cancelled=job.cancelled.is_set))
             except Exception as err:  # the sink logs what is not a ParadecodeError
                 sink(err)
         with self._lock:
@@ -264,7 +249,7 @@ class ReplicaPool:
             size, alone = engine.size, engine.steps[ALONE]
             engine.step(waiting=waiting)
             if engine.rows > 1:
-                self.metrics.step(size, speculating=engine.steps[ALONE] > alone)
+                self.metrics.step(size, alone=engine.steps[ALONE] > alone)
 
     def _sink(self, job: Job):
         """What a job's sequence in an engine hands over: its tokens to the loop, its end to the pool too."""
@@ -276,22 +261,18 @@ class ReplicaPool:
                 now = time.monotonic()
                 self.metrics.token(now - last, first=first)
                 last, first = now, False
-                job.emit(Token(event.token, event.text))
+                job.emit(event)
                 return
             if isinstance(event, GenerationResult):
                 self.metrics.finished(event)
-                job.emit(Finished(event))
+                job.emit(event)
             else:
                 if not isinstance(event, ParadecodeError):
                     logger.error("decoding a request failed", exc_info=event)
-                job.emit(self._failed(event))
+                job.emit(without_export_path(event, self.config.export))
             with self._lock:
                 job.state = DONE
                 self._running.discard(job)
                 self._changed()
 
         return sink
-
-    def _failed(self, err: BaseException) -> Failed:
-        """A job's end by `err`, as its client reads it: without the export's path on this disk."""
-        return Failed(without_export_path(err, self.config.export))

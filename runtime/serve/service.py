@@ -1,7 +1,8 @@
 """`Service`: one server's replicas, metrics and request preparation, without HTTP.
 
-`prepare` turns a parsed request into prompt ids and a `GenerationConfig` (it renders chats and
-tokenizes); `prepare_body` parses a body and prepares it in the service's own preparation threads
+`prepare` turns a parsed request into a resolved `Request` (runtime/request.py: it renders chats, tokenizes and
+checks everything, so a bad request is answered before it is queued, and the replica that decodes it checks nothing
+again); `prepare_body` parses a body and prepares it in the service's own preparation threads
 (`prepare_threads` at once, whatever the number of requests, never on the event loop; runtime/serve/preparing.py:
 the smallest body first, at most `max_preparing_bytes` of large bodies waiting or in work and as many of small
 ones, 429 beyond); `submit` queues the job. Preparing reads only the tokenizer, chat template and manifest
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
-from paradecode.graphs.errors import UserInputError
-from paradecode.runtime.config import GenerationConfig
+from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
 from paradecode.runtime.model import ParaDecodeModel
+from paradecode.runtime.request import Request
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import (
     ModelNotFound,
@@ -41,12 +42,6 @@ logger = logging.getLogger(__name__)
 # A normalizer may shrink a text before it is split into tokens (Unicode composition: "e" + U+0301 -> "é"):
 # the byte bound leaves this factor of room for it.
 NORMALIZER_ROOM = 4
-
-
-@dataclass(frozen=True)
-class Prepared:
-    prompt_ids: list[int]
-    config: GenerationConfig
 
 
 class Service:
@@ -84,9 +79,9 @@ class Service:
         self.reference.files.check()
 
     async def prepare_body(self, kind: type[GenerationRequest], body: bytes, deadline: float):
-        """(the parsed request, its Prepared) from a body, in the preparation threads; 429 where the bodies waiting
-        for them are too many bytes already, 504 past `deadline` (a time.monotonic()). A request that times out while
-        waiting for a thread is dropped from their queue."""
+        """(the parsed request, its resolved Request) from a body, in the preparation threads; 429 where the bodies
+        waiting for them are too many bytes already, 504 past `deadline` (a time.monotonic()). A request that times
+        out while waiting for a thread is dropped from their queue."""
         work = self.preparer.run(len(body), partial(self._parse_and_prepare, kind, body))
         try:
             return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
@@ -112,8 +107,9 @@ class Service:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def prepare(self, request: GenerationRequest) -> Prepared:
-        """The prompt ids and decoding settings of `request`, or the error its client gets (404, 413, 400)."""
+    def prepare(self, request: GenerationRequest) -> Request:
+        """`request` resolved against the served model (its prompt's ids, its settings as they will decode), or the
+        error its client gets (404, 413, 400)."""
         self.check_export()
         name = self.config.served_model_name
         if request.model != name:
@@ -147,9 +143,13 @@ class Service:
         max_new = asked if asked is not None else min(room, default if default is not None else room)
         try:
             config = replace(self.config.generation, max_new_tokens=max_new, **request.config_settings())
+            return self.reference.request(prompt_ids=ids, config=config)
+        except PromptTooLongError as err:
+            raise PromptTooLong(str(err), param) from err
+        except PromptError as err:
+            raise RequestError(str(err), param) from err
         except UserInputError as err:
             raise RequestError(str(err)) from err
-        return Prepared(ids, config)
 
     def _prompt_ids(self, prompt: dict, param: str) -> list[int]:
         """The prompt's token ids, before the length check (so a long prompt gets 413, not 400)."""
@@ -161,15 +161,12 @@ class Service:
                 raise RequestError(
                     f"this export has no tokenizer: send the prompt as a list of token ids, not as {param} text.", param
                 )
-            # The runtime's own encoding (ParaDecodeModel.prompt_ids) refuses a long prompt with a plain
-            # UserInputError, which cannot be told from other refusals; this encodes the same way.
+            # the runtime's own encoding (ParaDecodeModel.prompt_ids), with the text's bytes bounded first
             elif "messages" in prompt:
                 text = self._bounded(model.render_chat(prompt["messages"]), param)
                 ids = model.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = model.tokenizer.encode(self._bounded(prompt["prompt"], param))
-            if len(ids) <= self.max_model_len:  # the runtime's checks: empty, token ids in the vocabulary
-                ids = model.prompt_ids(prompt_ids=ids)
         except RequestError:
             raise
         except UserInputError as err:
@@ -188,8 +185,8 @@ class Service:
             )
         return text
 
-    def submit(self, prepared: Prepared, arrived: float) -> Job:
-        """Queue a prepared request; on the event loop (the job's tokens come back to it)."""
-        job = Job(prepared.prompt_ids, prepared.config, asyncio.get_running_loop(), arrived)
+    def submit(self, request: Request, arrived: float) -> Job:
+        """Queue a resolved request; on the event loop (the job's tokens come back to it)."""
+        job = Job(request, asyncio.get_running_loop(), arrived)
         self.pool.submit(job)
         return job

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 from paradecode.export import cli
 from paradecode.export.gguf_blocks import DECODERS, quantized_from_gguf
-from paradecode.export.quantize import from_float
+from paradecode.export.weight_storage import from_float
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import read_manifest
-from paradecode.graphs.quantization import Quantization, WeightFormat, canonical_shape
-from paradecode.graphs.quantized import QuantizedWeight, dequantized, pack, unpack
+from paradecode.graphs.quantized_weights import QuantizedWeight, dequantized, pack, unpack
+from paradecode.graphs.weight_formats import Quantization, WeightFormat, canonical_shape
 from tests.conftest import MIXED_BLOCKS
 from tests.tiny_gguf import shape_for, write_tiny_gguf
 from tests.tiny_models import TINY_CONFIGS
@@ -376,7 +376,7 @@ def test_the_tensorrt_variant_computes_the_same_products(kind, tmp_path):
     x @ W^T for W the dequantized weight, and the embedding its rows."""
     import onnxruntime as ort
 
-    from paradecode.export import onnx_quant
+    from paradecode.export import quantized_products
 
     if kind == "int4":
         n, k = 24, 96
@@ -389,7 +389,7 @@ def test_the_tensorrt_variant_computes_the_same_products(kind, tmp_path):
         weight = quantized_from_gguf(tensor.data, kind, k).rows(torch.arange(n))
     model = matmul_and_gather_graph(n, k)
     readers = {"w_t": ("w", True, weight.format), "w": ("w", False, weight.format)}
-    onnx_quant.rewrite(model.graph, readers, lambda name: None, "float", tensorrt={"w": weight})
+    quantized_products.rewrite(model.graph, readers, lambda name: None, "float", tensorrt={"w": weight})
     ops = {node.op_type for node in model.graph.node}
     assert "DequantizeLinear" in ops and not ops & {"MatMulNBits", "BitShift", "BitwiseAnd"}, ops
     onnx.checker.check_model(model)

@@ -9,6 +9,8 @@ and takes ParaDecode back when it is alone again: its tokens must not change.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,7 +67,7 @@ def test_batched_greedy_equals_each_request_alone(loaded, family, backend):
     for settings in ({"mode": "ar"}, {"mode": "paradecode", "thresholds": 0.0, "max_unverified": 3}):
         requests = requests_of(model, **settings)
         want = alone(model, requests)
-        got = generate_batched(model, requests, rows=3)
+        got = generate_batched(model.runtime, requests, rows=3)
         assert [r.token_ids for r in got] == want, settings
         assert [r.stats.stop_reason for r in got] == ["max_new_tokens"] * len(requests)
         assert [r.stats.new_tokens for r in got] == [new for _, new in SHAPES]
@@ -79,30 +81,73 @@ def test_batched_sampling_draws_what_each_request_draws_alone(loaded):
         model.request(prompt_ids=r.ids, config=r.config, temperature=0.9, top_p=0.9, seed=i)
         for i, r in enumerate(requests_of(model, mode="ar"))
     ]
-    got = generate_batched(model, requests, rows=4)
+    got = generate_batched(model.runtime, requests, rows=4)
     assert [r.token_ids for r in got] == alone(model, requests)
     assert [r.stats.seed for r in got] == list(range(len(requests)))
-    greedy = generate_batched(model, requests_of(model, mode="ar"), rows=4)
+    greedy = generate_batched(model.runtime, requests_of(model, mode="ar"), rows=4)
     assert [r.token_ids for r in got] != [r.token_ids for r in greedy]  # it did sample
+
+
+def repeating_requests(model, count: int, **settings):
+    """Requests whose prompts repeat a pattern (lookup proposes at every step), of different lengths."""
+    vocab = model.manifest.spec.vocab_size
+    patterns = [[(7 * i + 3 * j) % vocab for j in range(4 + i)] for i in range(count)]
+    return [
+        model.request(prompt_ids=(pattern * 4)[: 9 + 3 * i], max_new_tokens=24, ignore_eos=True, **settings)
+        for i, pattern in enumerate(patterns)
+    ]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, sampled):
+    """In a batch, each `paradecode` row's lookup proposals go through the batch's calls with the other rows' tokens
+    and are verified there: lookup proposes, and every output is its request's alone (a seed's draws too)."""
+    model = loaded["llama", "onnxruntime"]
+    settings = dict(temperature=0.3, seed=5) if sampled else {}
+    paradecode = repeating_requests(model, 4, mode="paradecode", lookup_tokens=4, lookup_min_ngram=2, **settings)
+    plain = [model.request(prompt_ids=r.ids, config=r.config, mode="ar") for r in paradecode]
+    batch = Engine(model.runtime, 4)
+    results = [Collect() for _ in paradecode]
+    sequences = [Sequence.of(request, sink, model.runtime) for request, sink in zip(paradecode, results)]
+    for sequence in sequences:
+        batch.join(sequence)
+    while batch.size == 4:
+        batch.step()
+    assert batch.steps[ALONE] == 0  # several rows: every step together
+    proposed = sum(s.stats.lookup_proposed for s in sequences)  # in the batch's steps alone
+    accepted = sum(s.stats.lookup_accepted for s in sequences)
+    assert 0 < accepted < proposed, "lookup's proposals were not both accepted and rejected: the test tests little"
+    while batch.size:
+        batch.step()
+    assert [r.tokens for r in results] == alone(model, paradecode) == alone(model, plain)
+    if sampled:  # it did sample
+        greedy = [model.request(prompt_ids=r.ids, config=r.config, temperature=0.0) for r in paradecode]
+        assert [r.tokens for r in results] != alone(model, greedy)
 
 
 def test_a_request_hands_paradecode_over_and_takes_it_back(loaded):
     """Alone: ParaDecode steps (exits, rollbacks); another joins: batched calls from its newest token; alone again:
     a new decoder resumes without a prefill. Both outputs equal their requests alone."""
     model = loaded["qwen2", "onnxruntime"]
-    first, second = requests_of(model, mode="paradecode", thresholds=0.0)[2:4]  # 30 and 14 new tokens
+    first, second = requests_of(model, mode="paradecode", thresholds=0.0)[2:4]  # 14 new tokens for the second
+    # the first long enough to outlast the second even where its lookup proposals (2 a step) are all accepted in
+    # the batch: it hands over with an executor's verified tokens it never received, and takes ParaDecode back
+    new = model.capacity - len(first.ids) - 1
+    assert new > 6 + 13 * 3
+    first = model.request(prompt_ids=first.ids, config=first.config, max_new_tokens=new, lookup_tokens=2)
     want = alone(model, [first, second])
-    batch = Engine(model, 2)
+    batch = Engine(model.runtime, 2)
     a, b = Collect(), Collect()
-    batch.join(Sequence(first, a))
+    batch.join(Sequence.of(first, a, model.runtime))
     for _ in range(5):
         batch.step()
     assert batch.steps == {ALONE: 5, TOGETHER: 0} and len(a.tokens) == 6
     assert batch.sequences[0].decoder is not None  # ParaDecode running
-    batch.join(Sequence(second, b))
+    batch.join(Sequence.of(second, b, model.runtime))
     while batch.size == 2:
         batch.step()
-    assert batch.steps[TOGETHER] == 13 and a.end is None and isinstance(b.end, GenerationResult)
+    # at most a step a token of the second's 13 after its prefill's (fewer where lookup proposals were accepted)
+    assert 0 < batch.steps[TOGETHER] <= 13 and a.end is None and isinstance(b.end, GenerationResult)
     while batch.size:
         batch.step()
     assert batch.steps[ALONE] > 5
@@ -118,12 +163,15 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
     model = loaded["qwen2", "onnxruntime"]
     capacity, vocab = model.capacity, model.manifest.spec.vocab_size
     other = requests_of(model, mode="paradecode", thresholds=0.0)[3]  # 14 new tokens
+    # lookup off for the first: one token a step in the batch, so its stop comes after the hand-back
     if end == "max_seq_len":  # room for 31 tokens: 6 alone, 14 together, the rest alone again
         first = model.request(prompt_ids=[i % vocab for i in range(capacity - 30)], max_new_tokens=200, ignore_eos=True)
-        first = model.request(prompt_ids=first.ids, config=first.config, mode="paradecode", thresholds=0.0)
+        first = model.request(
+            prompt_ids=first.ids, config=first.config, mode="paradecode", thresholds=0.0, lookup_tokens=0
+        )
     else:
         # the first request whose output (40 tokens) meets a token for the first time after the hand-back
-        settings = dict(max_new_tokens=40, ignore_eos=True, mode="paradecode", thresholds=0.0)
+        settings = dict(max_new_tokens=40, ignore_eos=True, mode="paradecode", thresholds=0.0, lookup_tokens=0)
         requests = [model.request(prompt_ids=ids, **settings) for ids in prompts_of(vocab)]
         late = [
             (request, tokens, next(i for i in range(22, len(tokens)) if tokens[i] not in tokens[:i]))
@@ -132,15 +180,15 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
         ]
         assert late, "no output meets a new token late: pick other prompts"
         free, tokens, k = late[0]
-        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (tokens[k],))
+        monkeypatch.setattr(model, "facts", dataclasses.replace(model.facts, eos=(tokens[k],)))
         first = model.request(prompt_ids=free.ids, config=free.config, ignore_eos=False)
     want = model.generate(prompt_ids=first.ids, config=first.config)
     assert want.stats.stop_reason == end
-    batch, a, b = Engine(model, 2), Collect(), Collect()
-    batch.join(Sequence(first, a))
+    batch, a, b = Engine(model.runtime, 2), Collect(), Collect()
+    batch.join(Sequence.of(first, a, model.runtime))
     for _ in range(5):
         batch.step()
-    batch.join(Sequence(other, b))
+    batch.join(Sequence.of(other, b, model.runtime))
     while batch.size == 2:
         batch.step()
     assert a.end is None  # it goes on alone: ParaDecode takes it back
@@ -153,8 +201,8 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
 def test_a_waiting_request_keeps_a_lone_one_from_speculating(loaded):
     model = loaded["llama", "onnxruntime"]
     request = requests_of(model, mode="paradecode", thresholds=0.0)[0]
-    batch = Engine(model, 2)
-    batch.join(Sequence(request, Collect()))
+    batch = Engine(model.runtime, 2)
+    batch.join(Sequence.of(request, Collect(), model.runtime))
     batch.step(waiting=True)
     assert batch.steps == {ALONE: 0, TOGETHER: 1} and batch.sequences[0].decoder is None
 
@@ -164,22 +212,22 @@ def test_stops_and_cancellation_touch_only_their_own_rows(loaded):
     requests = requests_of(model, mode="ar")
     want = alone(model, requests)
     eos = want[1][4]  # made an end-of-sequence token below: the second request stops at its first occurrence
-    stopped = model.request(prompt_ids=requests[1].ids, config=requests[1].config, ignore_eos=False)
+    facts = model.facts
+    model.facts = dataclasses.replace(facts, eos=(eos,))  # the model's end-of-sequence token, for this request
+    try:
+        stopped = model.request(prompt_ids=requests[1].ids, config=requests[1].config, ignore_eos=False)
+    finally:
+        model.facts = facts
     sinks = [Collect() for _ in requests]
     cancel_after = 3
-    batch = Engine(model, len(requests))
+    batch = Engine(model.runtime, len(requests))
     cancelled = lambda: len(sinks[0].tokens) >= cancel_after
-    batch.join(Sequence(requests[0], sinks[0], cancelled))
-    original_eos = model.eos_of
-    model.eos_of = lambda config: (eos,) if not config.ignore_eos else ()
-    try:
-        batch.join(Sequence(stopped, sinks[1]))
-        for request, sink in zip(requests[2:], sinks[2:]):
-            batch.join(Sequence(request, sink))
-        while batch.size:
-            batch.step()
-    finally:
-        model.eos_of = original_eos
+    batch.join(Sequence.of(requests[0], sinks[0], model.runtime, cancelled=cancelled))
+    batch.join(Sequence.of(stopped, sinks[1], model.runtime))
+    for request, sink in zip(requests[2:], sinks[2:]):
+        batch.join(Sequence.of(request, sink, model.runtime))
+    while batch.size:
+        batch.step()
     first = want[1].index(eos)
     assert sinks[1].tokens == want[1][: first + 1] and sinks[1].end.stats.stop_reason == "eos"
     assert sinks[0].tokens == want[0][:cancel_after] and sinks[0].end.stats.stop_reason == "cancelled"
@@ -193,7 +241,7 @@ def test_a_full_cache_ends_only_its_request(loaded):
     vocab = model.manifest.spec.vocab_size
     long = model.request(prompt_ids=[i % vocab for i in range(capacity - 3)], max_new_tokens=50, ignore_eos=True)
     short = requests_of(model, mode="ar")[2]
-    got = generate_batched(model, [long, short], rows=2)
+    got = generate_batched(model.runtime, [long, short], rows=2)
     assert got[0].stats.stop_reason == "max_seq_len" and len(got[0].token_ids) == 4
     assert got[0].token_ids == model.generate(prompt_ids=long.ids, config=long.config).token_ids
     assert got[1].token_ids == alone(model, [short])[0]
@@ -203,9 +251,9 @@ def test_a_failing_prefill_fails_only_its_request(loaded, monkeypatch):
     model = loaded["llama", "onnxruntime"]
     requests = requests_of(model, mode="ar")[:3]
     want = alone(model, requests)
-    batch = Engine(model, 3)
+    batch = Engine(model.runtime, 3)
     sinks = [Collect() for _ in requests]
-    batch.join(Sequence(requests[0], sinks[0]))
+    batch.join(Sequence.of(requests[0], sinks[0], model.runtime))
     real = model.backend.run
 
     def broken(name, feeds, lane, outputs=None):
@@ -214,9 +262,9 @@ def test_a_failing_prefill_fails_only_its_request(loaded, monkeypatch):
         return real(name, feeds, lane, outputs)
 
     monkeypatch.setattr(model.backend, "run", broken)
-    batch.join(Sequence(requests[1], sinks[1]))
+    batch.join(Sequence.of(requests[1], sinks[1], model.runtime))
     monkeypatch.setattr(model.backend, "run", real)
-    batch.join(Sequence(requests[2], sinks[2]))
+    batch.join(Sequence.of(requests[2], sinks[2], model.runtime))
     while batch.size:
         batch.step()
     assert isinstance(sinks[1].end, RuntimeError) and sinks[1].tokens == []
@@ -244,9 +292,9 @@ def test_a_batch_needs_an_export_with_rows(stories_dir, tmp_path):
     export_model(ExportConfig(model=str(stories_dir / "hf"), output=out, max_seq_len=32, max_batch=1))
     with load(out) as model:
         with pytest.raises(UserInputError, match=r"exported with --max-batch 1\. Re-export it"):
-            Engine(model, 2)
+            Engine(model.runtime, 2)
         with pytest.raises(UserInputError, match="positive number of rows"):
-            Engine(model, 0)
+            Engine(model.runtime, 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -256,14 +304,14 @@ def test_slots_a_row_has_not_reached_never_reach_its_output(loaded, backend):
     model = loaded["gpt2", backend]
     short, long = requests_of(model, mode="ar")[2], requests_of(model, mode="ar")[4]
     want = alone(model, [short, long])
-    batch = Engine(model, 2)
+    batch = Engine(model.runtime, 2)
     batch.cache.reserve(batch.cache.shape[2])
     for layer in range(1, batch.cache.num_layers + 1):
         for buffer in batch.cache.layer(layer):
             buffer.fill_(1e4)
     sinks = [Collect(), Collect()]
-    batch.join(Sequence(long, sinks[1]))
-    batch.join(Sequence(short, sinks[0]))
+    batch.join(Sequence.of(long, sinks[1], model.runtime))
+    batch.join(Sequence.of(short, sinks[0], model.runtime))
     while batch.size:
         batch.step()
     assert [sinks[0].tokens, sinks[1].tokens] == want
@@ -277,9 +325,9 @@ def test_a_batch_remembers_outputs_for_shared_lookup(loaded):
         shared = [model.request(prompt_ids=r.ids, config=r.config, lookup_shared=True) for r in plain]
         want = alone(model, plain)
         assert len(model.shared_index) == 0  # requests without lookup_shared leave nothing behind
-        first = generate_batched(model, shared, rows=2)
+        first = generate_batched(model.runtime, shared, rows=2)
         assert len(model.shared_index) > 0
-        again = generate_batched(model, shared, rows=2)
+        again = generate_batched(model.runtime, shared, rows=2)
         assert [r.token_ids for r in first] == [r.token_ids for r in again] == want
     finally:
         model.shared_index.clear()
@@ -291,14 +339,14 @@ def test_a_request_joining_after_the_weights_changed_fails_before_reading_them(l
 
     model = loaded["llama", "onnxruntime"]
     request = requests_of(model, mode="ar")[0]
-    batch, sink = Engine(model, 2), Collect()
+    batch, sink = Engine(model.runtime, 2), Collect()
 
     def changed():
         raise ExportChangedError("the weights changed on disk")
 
     monkeypatch.setattr(model.files, "check", changed)
     monkeypatch.setattr(model.backend, "run", lambda *args, **kwargs: pytest.fail("the weights were read"))
-    batch.join(Sequence(request, sink))
+    batch.join(Sequence.of(request, sink, model.runtime))
     assert isinstance(sink.end, ExportChangedError) and sink.tokens == [] and batch.size == 0
 
 
@@ -308,17 +356,17 @@ def test_an_error_setting_a_request_up_fails_it_alone(loaded, monkeypatch):
     model = loaded["llama", "onnxruntime"]
     first, second = requests_of(model, mode="ar")[:2]
     want = alone(model, [first])[0]
-    batch, sinks = Engine(model, 2), [Collect(), Collect()]
-    batch.join(Sequence(first, sinks[0]))
-    real = batching.Completion
+    batch, sinks = Engine(model.runtime, 2), [Collect(), Collect()]
+    batch.join(Sequence.of(first, sinks[0], model.runtime))
+    real = batching.prefill
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the set-up")
 
-    monkeypatch.setattr(batching, "Completion", broken)
-    batch.join(Sequence(second, sinks[1]))
-    monkeypatch.setattr(batching, "Completion", real)
+    monkeypatch.setattr(batching, "prefill", broken)
+    batch.join(Sequence.of(second, sinks[1], model.runtime))
+    monkeypatch.setattr(batching, "prefill", real)
     assert isinstance(sinks[1].end, RuntimeError) and batch.size == 1
     while batch.size:
         batch.step()
-    assert sinks[0].tokens == want and generate_batched(model, []) == []
+    assert sinks[0].tokens == want and generate_batched(model.runtime, []) == []

@@ -22,7 +22,7 @@ import torch
 
 from paradecode.graphs.errors import ExportChangedError, ManifestError
 from tests.conftest import REPO
-from tests.runtime.test_serve import PROMPT
+from tests.runtime.serve.test_serve import PROMPT
 from tests.serving import NAME, free_port, sse_events, wait_until
 
 WEIGHTS = "onnx/weights.safetensors"

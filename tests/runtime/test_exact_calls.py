@@ -189,6 +189,6 @@ def test_a_batch_on_an_int8_export_equals_each_request_alone_exactly(int8_models
             for n, m in ((5, 20), (11, 9), (3, 25))
         ]
         alone = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
-        batched = generate_batched(model, requests, rows=2)
+        batched = generate_batched(model.runtime, requests, rows=2)
         assert [r.token_ids for r in batched] == [r.token_ids for r in alone], family
         assert [r.margins for r in batched] == [r.margins for r in alone], family

@@ -20,7 +20,7 @@ from paradecode.runtime.decoding import Executor
 from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import ExitHeads, LookupProposer
-from paradecode.runtime.sampling import ACCEPT, RESAMPLE, SAMPLE, Draws, Proposal, Sampler, SamplingParams
+from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams
 from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
 from paradecode.runtime.verification import verify
 
@@ -436,11 +436,10 @@ def test_lookup_proposer_asks_the_request_first_then_earlier_requests():
     shared = SharedSuffixIndex()
     shared.add([0], [5, 6, 7, 1, 1, 2, 3, 8, 1])
     proposer = LookupProposer(LookupConfig(length_factor=1.0), shared)
-    proposer.extend(tokens, len(tokens))
     assert shared.propose(tokens, 12, 5) == [1, 1, 2]
-    assert proposer.propose(tokens, 12, 5) == [9, 4, 6]  # the request's own match first
-    assert proposer.propose([2, 3], 2, 5) == [8, 1]  # none in the request: an earlier output's
-    assert LookupProposer(LookupConfig()).propose([2, 3], 2, 5) == []
+    assert proposer.propose(tokens, 12, 5, verified=12) == [9, 4, 6]  # the request's own match first
+    assert proposer.propose([2, 3], 2, 5, verified=2) == [8, 1]  # none in the request: an earlier output's
+    assert LookupProposer(LookupConfig()).propose([2, 3], 2, 5, verified=2) == []
 
 
 def test_exit_heads_propose_by_threshold_or_policy():
@@ -464,14 +463,15 @@ def test_greedy_verification():
 
 
 class Grid(Draws):
-    """Draws at set points of [0, 1): the acceptance uniform and the resampling uniform."""
+    """Draws at a set point of [0, 1): the uniform of every position's SAMPLE draw."""
 
-    def __init__(self, accept: float, resample: float):
+    def __init__(self, point: float):
         super().__init__(0)
-        self.points = {ACCEPT: accept, RESAMPLE: resample, SAMPLE: 0.5}
+        self.point = point
 
     def uniform(self, position, purpose):
-        return self.points[purpose]
+        assert purpose == SAMPLE
+        return self.point
 
 
 class Target(NamedTuple):
@@ -484,30 +484,36 @@ class Target(NamedTuple):
 P = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
 
 
-@pytest.mark.parametrize(
-    "draft",
-    [torch.tensor([0.1, 0.6, 0.0, 0.3], dtype=torch.float64), None],
-    ids=["an exit head's draft q", "a lookup proposal (a point mass)"],
-)
-def test_sampled_verification_keeps_the_target_distribution(draft):
-    """The token position 11 keeps, over every proposal x (drawn from q; a lookup proposal: always 1) and both
-    uniforms on a grid of n points each: P(kept = y) = q(y) min(1, p(y)/q(y)) + P(rejected) r(y) = p(y), up to
-    the grid's resolution."""
-    n = 100
+@pytest.mark.parametrize("proposed", [0, 1, 2, 3])
+def test_sampled_verification_keeps_plain_samplings_draw(proposed):
+    """Whatever is proposed after position 10, the token kept there is the one plain sampling draws with the same
+    uniform (over a grid of n points): so its distribution is p exactly, and a proposal (a point mass on a token d)
+    is accepted with probability p(d), as rejection sampling would."""
+    n = 1000
     target = Target([0, 0], torch.log(P).reshape(1, -1).repeat(2, 1))  # p at positions 10 and 11 (temperature 1)
-    proposals = {x: float(q) for x, q in enumerate(draft) if q > 0} if draft is not None else {1: 1.0}
     sampler = Sampler(SamplingParams(temperature=1.0), None)
-    kept = torch.zeros(4, dtype=torch.float64)
-    for x, weight in proposals.items():
-        tokens = [0] * 10 + [3, x]  # x proposed to follow position 10
-        for i in range(n):
-            for j in range(n):
-                sampler.draws = Grid((i + 0.5) / n, (j + 0.5) / n)
-                sampler.drafts = {10: Proposal(None, draft)} if draft is not None else {}
-                accepted, token = verify(target, tokens, 10, 12, False, sampler)
-                assert sampler.drafts == {}  # a draft is used once
-                kept[x if accepted == 1 else token] += weight / n**2
+    kept, accepted_mass = torch.zeros(4, dtype=torch.float64), 0.0
+    for i in range(n):
+        sampler.draws = Grid((i + 0.5) / n)
+        plain = sampler.draws.choice(P, 10, SAMPLE)
+        accepted, token = verify(target, [0] * 10 + [3, proposed], 10, 12, False, sampler)
+        kept_token = proposed if accepted == 1 else token
+        assert kept_token == plain
+        kept[kept_token] += 1 / n
+        accepted_mass += accepted / n
     assert torch.allclose(kept, P, atol=2.0 / n), kept
+    assert abs(accepted_mass - float(P[proposed])) <= 2.0 / n
+
+
+def test_an_exit_heads_draw_takes_the_final_draws_uniform():
+    """An exit head's proposal is drawn with the uniform of the final layer's draw at its position: where its
+    distribution is the final layer's, it proposes that very token, and it is accepted."""
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3), None)
+    logits = torch.log(P + 1e-12)
+    for position in range(50):
+        assert sampler.draw_exit(position, logits, reduced=False) == sampler.draws.choice(
+            torch.softmax(logits.double(), 0), position, SAMPLE
+        )
 
 
 def test_sampled_verification_draws_the_bonus_token_from_p():

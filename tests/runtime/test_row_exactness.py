@@ -192,7 +192,7 @@ def test_a_batch_whose_rows_compute_otherwise_runs_each_row_alone(quantized_expo
             for n, m in ((3, 12), (7, 6), (5, 9))
         ]
         alone = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
-        batched = generate_batched(model, requests, rows=2)
+        batched = generate_batched(model.runtime, requests, rows=2)
         assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
         assert [r.margins for r in batched] == [r.margins for r in alone]
 

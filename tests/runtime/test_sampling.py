@@ -16,8 +16,7 @@ import torch
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
-from paradecode.runtime.sampling import Draws, Proposal, SamplingParams, distribution
-from paradecode.runtime.verification import rejection_sample
+from paradecode.runtime.sampling import SamplingParams, distribution
 from paradecode.tools.parity_report import teacher_forced
 
 pytestmark = pytest.mark.timeout(900)
@@ -242,21 +241,16 @@ def test_distribution_applies_temperature_then_top_k_then_top_p():
     assert torch.allclose(p, reference)
 
 
-def test_verification_keeps_the_target_distribution_exactly():
-    """Enumerating the acceptance rule: P(kept token = y) = q(y) min(1, p/q) + (1 - accepted mass) r(y) = p(y)."""
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
-    q = torch.tensor([0.1, 0.6, 0.0, 0.3], dtype=torch.float64)
-    draws = Draws(0)
-    kept = torch.zeros(4, dtype=torch.float64)
-    trials = 20000
-    for position in range(trials):
-        proposed = draws.choice(q, position, 99)
-        _, token = rejection_sample(p, proposed, Proposal(None, q), position, draws)
-        kept[token] += 1
-    assert torch.allclose(kept / trials, p, atol=0.015), kept / trials
-    for position in range(trials):  # a point mass (a lookup proposal) on token 1
-        kept[rejection_sample(p, 1, None, position + trials, draws)[1]] += 1
-    assert torch.allclose(kept[:] / kept.sum(), p, atol=0.015)
+def test_paradecode_draws_what_ar_draws_whatever_it_proposes(sampled):
+    """Verification keeps plain sampling's draw at every position (runtime/verification.py): with exits at every
+    token and lookup proposing at every chance, in every overlap, a seed gives ar's tokens."""
+    model, prompt, _ = sampled
+    settings = dict(prompt_ids=prompt, max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    ar = model.generate(**settings, mode="ar")
+    for overlap in ("batched", "streams", "both"):
+        ours = model.generate(**settings, thresholds=0.0, overlap=overlap, lookup_tokens=3, lookup_min_ngram=1)
+        assert sum(ours.stats.exits_per_layer.values()) + ours.stats.lookup_proposed > 0, overlap
+        assert ours.token_ids == ar.token_ids, overlap
 
 
 @pytest.mark.slow

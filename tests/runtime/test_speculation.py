@@ -105,6 +105,21 @@ def test_lookup_proposes_as_many_tokens_as_pay():
     assert proposed.count(5) == 2 and proposed[EXPLORE - 1] == 5 and proposed.count(0) == 2 * EXPLORE - 2
 
 
+def test_a_batch_takes_fewer_proposals_as_it_fills():
+    """A batch step pads every row to its fullest's positions: the proposals a row may take fall as rows are added
+    (one row with proposals among seven without pays for 7 padded rows), and rise with their acceptance."""
+    speculation = Speculation(num_layers=12)
+    assert speculation.batch_proposals([5, 0, 0]) == 5  # costs unknown: every proposal
+    costs(speculation, layer_2=1.2 * MS, final_2=3.5 * MS)  # a further position: 0.2 ms a layer, 0.5 ms the head
+    for _ in range(60):  # the first three tokens of a proposal always accepted, the rest never
+        for depth in range(1, 6):
+            speculation.verified(LOOKUP, depth <= 3, depth)
+    alone, full = speculation.batch_proposals([5]), speculation.batch_proposals([5] * 8)
+    assert alone >= full and speculation.batch_proposals([5, 0, 0, 0, 0, 0, 0, 0]) <= full
+    assert alone == 3  # past the third token nothing is accepted: no further position pays
+    assert speculation.batch_proposals([0, 0]) == 0
+
+
 def test_short_proposals_between_cut_ones_do_not_delay_the_exploration():
     speculation = Speculation(num_layers=12)
     costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)

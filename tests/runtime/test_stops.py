@@ -4,6 +4,8 @@ themselves; the model adds only what text shows (stop strings)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from paradecode.graphs.errors import SchedulerStallError
@@ -11,9 +13,10 @@ from paradecode.runtime import load
 from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
 from paradecode.runtime.config import NEVER, GenerationConfig
 from paradecode.runtime.decoding import DecodeContext
-from paradecode.runtime.engine import Engine, Sequence, StreamedToken
+from paradecode.runtime.engine import Engine, Sequence, StreamedToken, executor_of
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Planner
+from paradecode.runtime.proposers import LookupProposer
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 
 
@@ -22,8 +25,8 @@ def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:
     token: the engine decides the stops (the sequence leaves at the first) and hands the reason over in the result,
     after the last token; each step gives one token, and none is made after the stop."""
     events = []
-    engine = Engine(model, 1)
-    engine.join(Sequence(request, events.append, with_text=False))
+    engine = Engine(model.runtime, 1)
+    engine.join(Sequence.of(request, events.append, model.runtime, with_text=False))
     steps = 0
     while engine.size:
         engine.step()
@@ -33,6 +36,12 @@ def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:
     assert steps == len(tokens) - 1  # the prefill gave the first
     stops = [None] * (len(tokens) - 1) + [result.stats.stop_reason]
     return [(e.token, margin, stop) for e, margin, stop in zip(tokens, result.margins, stops)]
+
+
+def executor(model, request, ctx, history, stats):
+    """ParaDecode's executor of `request` over `ctx` after `history`, with the request's own lookup."""
+    lookup = LookupProposer(request.lookup) if request.lookup is not None else None
+    return executor_of(model.runtime, request, ctx, history, stats, lookup=lookup)
 
 
 def test_stops_by_position():
@@ -77,8 +86,7 @@ def test_each_decoder_ends_by_itself_where_its_stops_say(stories_export, mode, m
         if mode == "ar":
             yielded = decode_plainly(model, request)
         else:
-            stops = model.stops_of(request, capacity)
-            decoder = model.paradecoder(ctx, prompt, request, "batched", None, stops=stops, stats=stats).run()
+            decoder = executor(model, request, ctx, prompt, stats).run()
             yielded = list(decoder)  # to its end: nobody closes it
     assert [t for t, _, _ in yielded] == want.token_ids
     assert len(yielded) == (max_new_tokens if reason == MAX_NEW_TOKENS else capacity - len(prompt) + 1)
@@ -94,15 +102,14 @@ def test_each_decoder_stops_at_an_end_of_sequence_token(stories_export, mode, mo
     with load(stories_export[0]) as model:
         free = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, ignore_eos=True, thresholds=0.0)
         eos = free.token_ids[9]  # made the end-of-sequence token: decoding stops at its first occurrence
-        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
+        monkeypatch.setattr(model, "facts", dataclasses.replace(model.facts, eos=(eos,)))
         request = model.request(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
         stopped = model.generate(prompt_ids=[1], max_new_tokens=40, mode=mode, thresholds=0.0)
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
         if mode == "ar":
             yielded = decode_plainly(model, request)
         else:
-            stops, stats = model.stops_of(request, model.capacity), GenerationStats(mode)
-            decoder = model.paradecoder(ctx, [1], request, "batched", None, stops=stops, stats=stats).run()
+            decoder = executor(model, request, ctx, [1], GenerationStats(mode)).run()
             yielded = list(decoder)
     first = free.token_ids.index(eos)
     assert [t for t, _, _ in yielded] == free.token_ids[: first + 1] == stopped.token_ids
@@ -133,7 +140,7 @@ def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, mo
 
         monkeypatch.setattr(Planner, "propose", proposing_the_rest)
         monkeypatch.setattr(Planner, "start_frontier", recording)
-        monkeypatch.setattr(model, "eos_of", lambda config: () if config.ignore_eos else (eos,))
+        monkeypatch.setattr(model, "facts", dataclasses.replace(model.facts, eos=(eos,)))
         result = model.generate(
             prompt_ids=prompt, max_new_tokens=20, thresholds=thresholds, lookup_tokens=8, max_unverified=8
         )
@@ -150,8 +157,8 @@ def test_paradecode_ending_without_a_stop_decision_is_a_bug_it_reports(stories_e
 
     with load(stories_export[0]) as model:
         request = model.request(prompt_ids=[1, 2], max_new_tokens=5, ignore_eos=True, thresholds=0.0)
+        request = dataclasses.replace(request, stops=NeverSays(2, 5, frozenset(), model.capacity))
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
-        stops = NeverSays(2, 5, frozenset(), model.capacity)
-        decoder = model.paradecoder(ctx, [1, 2], request, "batched", None, stops=stops, stats=GenerationStats("x"))
+        decoder = executor(model, request, ctx, [1, 2], GenerationStats("x"))
         with pytest.raises(SchedulerStallError, match="without a stop decision"):
             list(decoder.run())

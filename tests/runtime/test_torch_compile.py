@@ -106,7 +106,7 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
 
     with load(exports["qwen3"][0], backend="torch", torch_compile=True) as model:
         speculation = model.speculation
-        batch = Engine(model, 2)
+        batch = Engine(model.runtime, 2)
         at_start = compile_count()
         model.warm_up(engine=batch)
         assert compile_count() > at_start  # qwen3's modules (q/k norms) are compiled by no earlier test
@@ -117,11 +117,13 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         model.generate(prompt_ids=[9, 8], max_new_tokens=12, thresholds=0.0, ignore_eos=True)
         model.generate(prompt_ids=PROMPT, max_new_tokens=12, thresholds=0.0, overlap="streams", ignore_eos=True)
         requests = [model.request(prompt_ids=p, max_new_tokens=12, mode="ar") for p in ([5, 6], [7, 8, 9])]
-        generate_batched(model, requests, engine=batch)
+        generate_batched(model.runtime, requests, engine=batch)
         # ParaDecode in a batch, a request joining as another leaves: hidden states and positions are then views
         # at other offsets (each a guard to dynamo, unless made plain)
         prompts = ([5, 6], [7, 8, 9], [1, 2, 3, 4], [4], [5, 5, 5])
-        generate_batched(model, [model.request(prompt_ids=p, max_new_tokens=12, thresholds=0.0) for p in prompts], 4)
+        generate_batched(
+            model.runtime, [model.request(prompt_ids=p, max_new_tokens=12, thresholds=0.0) for p in prompts], 4
+        )
         assert compile_count() == before
 
 
@@ -133,7 +135,7 @@ def test_warm_up_fits_a_small_export(tmp_path, model_dirs):
     export_model(ExportConfig(model=str(model_dirs["llama"]), output=out, max_seq_len=6))
     with load(out, backend="torch", torch_compile=True) as model:
         model.warm_up()  # prompt and new tokens sized to the 6 slots
-        assert "full" not in model._said  # the warm-up's tokens leave the user's warning for the user
+        assert "full" not in model.runtime.notices._said  # the warm-up's tokens leave the user's warning for the user
 
 
 def test_compile_on_a_cpu_without_a_cpp_compiler_is_refused_at_load(exports, monkeypatch):

@@ -64,17 +64,15 @@ def test_tracing_of_another_type_is_refused_before_decoding(stories_export):
 def test_an_exit_policy_turns_adaptive_speculation_off(stories_export):
     """Exits decided by a measuring tool's policy are not second-guessed by adaptive speculation's estimates."""
     from paradecode.runtime.decoding import DecodeContext
+    from paradecode.runtime.engine import executor_of
     from paradecode.runtime.lanes import Timeline
     from paradecode.runtime.stats import GenerationStats
 
     with load(stories_export[0]) as model:
         request = model.request(prompt_ids=PROMPT, max_new_tokens=8, adaptive=True)
         ctx = DecodeContext(model.backend, model.backend.allocate_cache(), Timeline())
-        stops = model.stops_of(request, model.capacity)
         made = {
-            policy is None: model.paradecoder(
-                ctx, PROMPT, request, "batched", None, stops=stops, stats=GenerationStats("x"), exit_policy=policy
-            )
+            policy is None: executor_of(model.runtime, request, ctx, PROMPT, GenerationStats("x"), exit_policy=policy)
             for policy in (None, lambda position, layer, out: None)
         }
     assert made[True].planner.speculation is model.speculation  # adapting, with the model's estimates

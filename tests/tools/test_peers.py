@@ -225,7 +225,7 @@ def test_common_prefix_share_counts_identical_leading_tokens_over_the_longer_out
 
 
 def test_summary_and_table_report_identity_and_leading_agreement_with_ar():
-    from paradecode.tools import benchmarking
+    from paradecode.tools import bench_modes
 
     def mode(name, kind, tokens_of):
         def run(prompt_ids, max_new_tokens):
@@ -241,7 +241,7 @@ def test_summary_and_table_report_identity_and_leading_agreement_with_ar():
     assert results.leading_match("peer", "ar") == pytest.approx((1.0 + 0.5) / 2)
     assert results.identical_per_prompt("peer", "ar") == {"0": True, "1": False}
     assert results.leading_match("peer", None) is None
-    summary = benchmarking.summarize(results)
+    summary = bench_modes.summarize(results)
     row = summary["peer"]
     assert row["kind"] == "peer" and row["exact_match_vs_ar"] == 0.5 and row["leading_match_vs_ar"] == 0.75
     assert row["identical_to_ar_per_prompt"] == {"0": True, "1": False}

@@ -428,7 +428,7 @@ def test_harness_refuses_duplicate_names_and_nothing_to_run():
 
 
 def test_bench_summary_from_fake_modes():
-    from paradecode.tools import benchmarking
+    from paradecode.tools import bench_modes
 
     modes = [
         fake_mode("ar", "ar", 10.0),
@@ -437,7 +437,7 @@ def test_bench_summary_from_fake_modes():
         fake_mode("gone", "hf", 1.0, fail=ValueError("no")),
     ]
     results = harness.measure(modes, PROMPTS, max_new_tokens=4, repeat=2, skip_failing=True)
-    summary = benchmarking.summarize(results)
+    summary = bench_modes.summarize(results)
     assert summary["_baseline"] == {"ar": "ar", "hf": "hf"}
     assert summary["gone"] == {"kind": "hf", "skipped": "ValueError: no"}
     row = summary["pd"]
@@ -445,7 +445,7 @@ def test_bench_summary_from_fake_modes():
     assert row["speedup_vs_hf"] == {"median": 3.0, "min": 3.0, "max": 3.0}
     assert row["tokens_per_second"] == 15.0 and row["exact_match_vs_ar"] == 1.0 and row["new_tokens"] == 3
     assert row["exits_per_layer"] == {"1": 6, "2": 18} and row["rollback_rate"] == pytest.approx(6 / 24)
-    rows = benchmarking.samples_as_dicts(results.samples)
+    rows = bench_modes.samples_as_dicts(results.samples)
     assert len(rows) == 3 * 3 * 2 and "timestamps" not in rows[0] and rows[0]["tokens_per_second"] == 10.0
 
 
@@ -456,7 +456,7 @@ def test_bench_reports_the_first_compiled_generate_apart_from_the_next(monkeypat
     import types
 
     from paradecode.runtime.backends import torch_backend
-    from paradecode.tools import benchmarking
+    from paradecode.tools import bench_modes
 
     calls = []
 
@@ -467,11 +467,11 @@ def test_bench_reports_the_first_compiled_generate_apart_from_the_next(monkeypat
     model = types.SimpleNamespace(generate=generate, backend=types.SimpleNamespace(compile_cache="/cache"))
     counts = {"fx_graph_hits": 7, "fx_graph_misses": 1, "aot_autograd_hits": 7, "aot_autograd_misses": 1}
     monkeypatch.setattr(torch_backend, "compile_cache_counts", lambda: counts)
-    report = benchmarking.first_compile(model, [1, 2], new_tokens=4)
+    report = bench_modes.first_compile(model, [1, 2], new_tokens=4)
     assert [c["mode"] for c in calls] == ["ar", "ar"] and all(c["max_new_tokens"] == 4 for c in calls)
     assert report["first_generate_seconds"] >= 0.05 > report["second_generate_seconds"]
     assert report["cache_folder"] == "/cache" and report["fx_graph_hits"] == 7
-    line = benchmarking.compile_line(report)
+    line = bench_modes.compile_line(report)
     assert line.startswith("torch.compile: first generate 0.") and "7 hits, 1 misses (/cache)" in line
 
 

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, command: str) -> str:
     from paradecode.export.prompt_sets import load_prompts
     from paradecode.runtime import load
     from paradecode.tools.bench import default_prompts, first_of_each_category, prompt_ids_of
-    from paradecode.tools.benchmarking import machine
+    from paradecode.tools.bench_modes import machine
     from paradecode.tools.reporting import save_json
 
     if args.json is not None:

@@ -18,7 +18,7 @@ from paradecode.export.heads.call_costs import CallCosts
 from paradecode.export.heads.cost_model import CostModel
 from paradecode.graphs.errors import UserInputError
 from paradecode.tools import characterise
-from paradecode.tools.benchmarking import exit_bound
+from paradecode.tools.bench_modes import exit_bound
 from tests.export.heads.test_training import TINY_LAYER, spec_of
 
 # bench's measurement: a layer 2 ms at T = 1 and 2.5 ms at T = 6 (K = 5), an exit head 0.8 ms, the final head 9 ms

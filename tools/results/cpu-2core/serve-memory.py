@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paradecode.tools.benchmarking import DEFAULT_PROMPTS, machine
+from paradecode.tools.bench_modes import DEFAULT_PROMPTS, machine
 from paradecode.tools.load_client import LoadSettings, Target, load
 from paradecode.tools.server_process import ServerProcess
 

@@ -29,9 +29,9 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
+from paradecode.runtime.completion import StopText, cut_at_stop
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
-from paradecode.runtime.serve.stops import StopText, cut_at_stop
 from tests.conftest import REPO
 from tests.runtime.test_chat import with_file, without_template
 from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
@@ -509,30 +509,33 @@ def test_a_client_leaving_frees_the_replica(serve, served_export, monkeypatch):
 
 def test_closing_the_pool_ends_its_jobs(served_export, monkeypatch):
     """close(): the running job stops after its token, the waiting one fails with 503, later ones are refused."""
+    from paradecode.runtime.engine import StreamedToken
     from paradecode.runtime.serve.errors import ServiceUnavailable
-    from paradecode.runtime.serve.pool import Failed, Finished, Job, ReplicaPool, Token
+    from paradecode.runtime.serve.pool import Job, ReplicaPool
+    from paradecode.runtime.stats import GenerationResult
 
     pool = ReplicaPool(config_of(served_export, max_batch=1, replicas=1, max_queue=1))
     SlowStreams(pool.models[0], monkeypatch, delay=0.2)
     config = replace(GENERATION, max_new_tokens=LONG_RUN, ignore_eos=True)
+    request = pool.models[0].request(prompt_ids=[1, 2, 3], config=config)
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        running, waiting = Job([1, 2, 3], config, loop), Job([1, 2, 3], config, loop)
+        running, waiting = Job(request, loop), Job(request, loop)
         pool.submit(running)
         pool.submit(waiting)
-        assert isinstance(await running.events.get(), Token)
+        assert isinstance(await running.events.get(), StreamedToken)
         await asyncio.to_thread(pool.close)
         await asyncio.sleep(0.1)  # the workers' last events, handed over with call_soon_threadsafe
         ends = [running.events.get_nowait() for _ in range(running.events.qsize())][-1], waiting.events.get_nowait()
         with pytest.raises(ServiceUnavailable, match="shutting down"):
-            pool.submit(Job([1], config, loop))
+            pool.submit(Job(request, loop))
         return ends
 
     last, failed = asyncio.run(scenario())
-    assert isinstance(last, Finished) and last.result.stats.stop_reason == "cancelled"
-    assert last.result.stats.new_tokens <= 3
-    assert isinstance(failed, Failed) and isinstance(failed.error, ServiceUnavailable)
+    assert isinstance(last, GenerationResult) and last.stats.stop_reason == "cancelled"
+    assert last.stats.new_tokens <= 3
+    assert isinstance(failed, ServiceUnavailable)
     assert pool.models[0].closed
 
 

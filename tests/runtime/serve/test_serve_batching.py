@@ -73,20 +73,20 @@ def test_concurrent_streams_of_mixed_lengths_equal_each_alone(serve, served_expo
         if "prompt" in prompt:
             assert ids == result.token_ids
     metrics = running.metrics()
-    assert metrics[("paradecode_batch_steps_total", (("speculation", "off"),))] > 0  # decoded together
+    assert metrics[("paradecode_batch_steps_total", (("calls", "together"),))] > 0  # decoded together
     assert metrics[("paradecode_generation_tokens_total", ())] == sum(len(r.token_ids) for r in want)
     assert running.pool.counts() == (0, 0)
 
 
-def test_a_lone_request_speculates_and_a_busy_batch_does_not(serve, served_export, reference):
+def test_a_lone_request_decodes_with_all_of_paradecode(serve, served_export, reference):
     running = serve(served_export, replicas=1)
     want = expected(reference, 24, prompt=PROMPTS[0])
     response = running.openai().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24)
     assert response.choices[0].text == want.text
     assert sum(response.paradecode["exits_per_layer"].values()) > 0  # ParaDecode, alone in its batch
     metrics = running.metrics()
-    assert metrics[("paradecode_batch_steps_total", (("speculation", "on"),))] == len(want.token_ids) - 1
-    assert metrics[("paradecode_batch_steps_total", (("speculation", "off"),))] == 0
+    assert metrics[("paradecode_batch_steps_total", (("calls", "alone"),))] == len(want.token_ids) - 1
+    assert metrics[("paradecode_batch_steps_total", (("calls", "together"),))] == 0
     assert metrics[("paradecode_batch_size", ())] == 1  # in its last step, the request alone
 
 

@@ -25,8 +25,8 @@ import pytest
 
 from paradecode.graphs.errors import ExportChangedError, ManifestError, UserInputError
 from tests.conftest import REPO
+from tests.runtime.serve.test_serve import PROMPT, start_cli
 from tests.runtime.test_chat import with_file
-from tests.runtime.test_serve import PROMPT, start_cli
 from tests.serving import NAME, Server, SlowStreams, config_of, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(120)

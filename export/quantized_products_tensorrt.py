@@ -24,10 +24,10 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from paradecode.export.onnx_quant import Rewriter
+from paradecode.export.quantized_products import Rewriter
 from paradecode.graphs.errors import ValidationError
-from paradecode.graphs.quantization import WeightFormat
-from paradecode.graphs.quantized import QuantizedWeight, unpack
+from paradecode.graphs.quantized_weights import QuantizedWeight, unpack
+from paradecode.graphs.weight_formats import WeightFormat
 
 
 def signed_values(weight: QuantizedWeight) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Quantized weights in the ONNX graphs: a traced graph's float MatMul and Gather rewritten to read them.
 
 Templates are traced from float modules (export/onnx_export.py). When a graph is instantiated for a
-subgraph whose weight is quantized (graphs/quantized.py), the nodes that read that weight are
+subgraph whose weight is quantized (graphs/quantized_weights.py), the nodes that read that weight are
 rewritten to read its stored parts from the export's weights file, as they are:
 
 - `MatMul(x, W^T)` (a Linear) becomes onnxruntime's `com.microsoft.MatMulNBits(x, qweight, scales,
@@ -28,8 +28,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from paradecode.graphs.errors import ValidationError
-from paradecode.graphs.quantization import WeightFormat
-from paradecode.graphs.quantized import QuantizedWeight
+from paradecode.graphs.quantized_weights import QuantizedWeight
+from paradecode.graphs.weight_formats import WeightFormat
 
 MS_DOMAIN = "com.microsoft"
 ACCURACY_LEVEL = {"int8": 4, "float": 0}
@@ -384,11 +384,11 @@ def rewrite(
     transposed, format)) to read the quantized weight instead. Fails on a reader it cannot rewrite.
 
     With `tensorrt` (the quantized weights themselves), the graph is the variant TensorRT builds its engine
-    from instead (export/onnx_quant_tensorrt.py)."""
+    from instead (export/quantized_products_tensorrt.py)."""
     if tensorrt is None:
         rewriter = Rewriter(graph.name, stored, activations)
     else:
-        from paradecode.export.onnx_quant_tensorrt import TensorRTRewriter
+        from paradecode.export.quantized_products_tensorrt import TensorRTRewriter
 
         rewriter = TensorRTRewriter(graph.name, stored, activations, tensorrt)
     groups: dict[tuple, list] = {}  # MatMuls of one input and one block layout: computed in one product

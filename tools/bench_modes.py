@@ -402,7 +402,7 @@ def best_seconds(work: Callable[[], object], device: str, rounds: int = 5) -> fl
 def weight_bytes_per_token(export_dir) -> int:
     """Bytes of weights a plain decode step reads: every layer, the final norm and head, one embedding row
     (and one position row for learned positions); exit heads are not part of plain decoding. A quantized
-    weight counts as its stored blocks (graphs/quantized.py), as its graphs read it."""
+    weight counts as its stored blocks (graphs/quantized_weights.py), as its graphs read it."""
     from safetensors import safe_open
 
     from paradecode.runtime.loader import open_export

@@ -1,7 +1,7 @@
 """What an export records about its quantized weights: each weight's blockwise format, the activations.
 
 The form itself (how stored integers, scales, zero points and minima make a weight) and the tensors that
-hold it are in `graphs.quantized`; this module is what the manifest reads and writes, without torch.
+hold it are in `graphs.quantized_weights`; this module is what the manifest reads and writes, without torch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,103 @@
+"""A batch step: every sequence of an engine, with its lookup proposals, in one call per segment (runtime/engine.py).
+
+Glossary
+--------
+row          a sequence of the batch, in row r of the engine's cache; `position` its newest verified token's.
+proposals    for a `paradecode` sequence, the lookup proposals that follow its newest token (its own prompt and
+             output, then earlier requests' where it asks: runtime/lookup.py), at most its K, the tokens it still
+             needs, and the batch's share (`Speculation.batch_proposals`); none for plain decoding.
+T            the call's positions per row: 1 + the most proposals a row takes. A row with fewer is padded with copies
+             of its last token at the positions after it: their keys and values land in slots past what the row
+             verifies, which its next calls write again before any query of it reads them. Every row's positions
+             stay within the cache's slots (the row nearest its end bounds T).
+
+The calls: the rows' tokens [B, T] embedded at their positions, every layer (segments), the final head on every
+position ([B, T] flattened row by row). Each row's proposals are then judged by `verify` (greedy, or against the
+request's seeded draws): the accepted ones and the token after them are the row's new verified tokens. What a row
+gets does not depend on the other rows, nor on how many proposals it was given: a position's bits are the same in
+any call (runtime/row_exactness.py checks it on the machine) and verification keeps plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paradecode.runtime.decoding import MAIN, HeadOutput, RowsContext
+from paradecode.runtime.speculation import Speculation
+from paradecode.runtime.stats import LOOKUP
+from paradecode.runtime.verification import verify
+
+if TYPE_CHECKING:
+    from paradecode.runtime.engine import Sequence
+
+
+class BatchStep:
+    """The batch steps of an engine's first B rows (`ctx`'s cache is a view of them)."""
+
+    def __init__(self, ctx: RowsContext):
+        self.ctx = ctx
+
+    def run(self, sequences: list[Sequence], estimates: Speculation) -> list[list[tuple[int, float]]]:
+        """One step of `sequences` (sequence r in row r), its speculation decided and learned by `estimates`: per
+        row, its new verified tokens with their final margins, in order (its accepted proposals, then the token after
+        them)."""
+        ctx = self.ctx
+        proposals = [self.proposals(s) for s in sequences]
+        share = estimates.batch_proposals([len(p) for p in proposals])
+        # every row's positions, padding included, within the cache: the row nearest its end bounds the step
+        room = min(ctx.cache.shape[2] - s.position for s in sequences) - 1
+        proposals = [p[: min(share, room)] for p in proposals]
+        tokens = 1 + max(len(p) for p in proposals)
+        rows = []
+        for sequence, proposed in zip(sequences, proposals):
+            row = [sequence.completion.tokens[-1], *proposed]
+            rows.append(row + [row[-1]] * (tokens - len(row)))
+        ctx.begin([s.position for s in sequences])
+        hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed_rows(rows), 0)
+        sampled = any(s.sampler is not None for s in sequences)
+        out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
+        return [
+            verdict(sequence, proposed, row_of(out, r, tokens), estimates)
+            for r, (sequence, proposed) in enumerate(zip(sequences, proposals))
+        ]
+
+    @staticmethod
+    def proposals(sequence: Sequence) -> list[int]:
+        """The lookup proposals to follow `sequence`'s newest token: at most its K, and no further than its last
+        needed position or its first end-of-sequence token."""
+        lookup = sequence.lookup
+        if lookup is None:
+            return []
+        stops, history = sequence.request.stops, sequence.history
+        room = min(lookup.max_tokens, sequence.request.config.max_unverified, stops.last_position - sequence.position)
+        proposed = lookup.propose(history, len(history), room, verified=len(history)) if room > 0 else []
+        for i, token in enumerate(proposed):
+            if token in stops.eos:
+                return proposed[: i + 1]
+        return proposed
+
+
+def verdict(
+    sequence: Sequence, proposed: list[int], target: HeadOutput, estimates: Speculation
+) -> list[tuple[int, float]]:
+    """`sequence`'s new verified tokens from the final head's output on its row (`target`, its T positions)."""
+    start = sequence.position
+    tokens = [*sequence.history, *proposed]
+    accepted, token = verify(target, tokens, start, start + 1 + len(proposed), True, sequence.sampler)
+    stats = sequence.stats
+    stats.lookup_proposed += len(proposed)
+    stats.lookup_accepted += accepted
+    for depth in range(1, len(proposed) + 1):  # judged in order: the first rejected ends the judging
+        judged = depth <= accepted + 1
+        estimates.verified(LOOKUP, depth <= accepted, depth if judged else None)
+    if accepted < len(proposed):
+        stats.rollbacks += 1
+    kept = [*proposed[:accepted], token]
+    return [(t, target.margin[i]) for i, t in enumerate(kept)]
+
+
+def row_of(out: HeadOutput, row: int, tokens: int) -> HeadOutput:
+    """Row `row`'s positions of a head's output over rows of `tokens` positions each, flattened row by row."""
+    span = slice(row * tokens, (row + 1) * tokens)
+    logits = None if out.logits is None else out.logits[span]
+    return HeadOutput(out.token[span], out.prob[span], out.margin[span], logits)
