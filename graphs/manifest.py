@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external d
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
 OPS = ("fused", "portable")
+NAMES_SHOWN = 400  # characters of a list of subgraph names in an error message (a model's list can run to thousands)
 NEVER_EXIT = math.inf  # no token ever exits (the overhead test of docs/design.md §3); stored as null in JSON
 
 
@@ -349,6 +351,14 @@ class Manifest:
                 )
 
     def _check_subgraphs(self) -> None:
+        # The contract has a graph per layer besides the embedding and the final head: a spec with more layers than
+        # that is refused before the plan is built (10**9 layers would take the plan minutes and gigabytes).
+        layers, listed_count = self.spec.num_layers, len(self.subgraphs)
+        if layers + 2 > listed_count:
+            raise ManifestError(
+                f"spec.num_layers is {layers}, but subgraphs lists {listed_count} graphs: an export holds one graph "
+                f"per layer besides its embedding and final head, so at most {max(listed_count - 2, 0)} layers."
+            )
         settings = dict(
             dtype=self.dtype,
             max_seq_len=self.max_seq_len,
@@ -366,14 +376,17 @@ class Manifest:
         )
         expected, listed = [io.name for io in plan], [s.io.name for s in self.subgraphs]
         if listed != expected:
-            missing = [n for n in expected if n not in listed]
-            unexpected = [n for n in listed if n not in expected]
-            repeated = sorted({n for n in listed if listed.count(n) > 1})
+            known, given = set(expected), set(listed)
+            missing = [n for n in expected if n not in given]
+            unexpected = [n for n in listed if n not in known]
+            repeated = sorted(n for n, count in Counter(listed).items() if count > 1)
             if missing or unexpected:
-                detail = f"missing {missing}, unexpected {unexpected}"
+                detail = f"missing {show(missing, NAMES_SHOWN)}, unexpected {show(unexpected, NAMES_SHOWN)}"
             else:
-                detail = f"repeated {repeated}" if repeated else "in another order"
-            raise ManifestError(f"subgraphs lists {listed}; {contract} has {expected} ({detail}).")
+                detail = f"repeated {show(repeated, NAMES_SHOWN)}" if repeated else "in another order"
+            raise ManifestError(
+                f"subgraphs lists {show(listed, NAMES_SHOWN)}; {contract} has {show(expected, NAMES_SHOWN)} ({detail})."
+            )
         for i, (io, sub) in enumerate(zip(plan, self.subgraphs)):
             where = f"subgraphs[{i}] ({io.name})"
             difference = _difference(io, sub.io)
