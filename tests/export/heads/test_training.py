@@ -441,6 +441,39 @@ def test_heads_cli_errors(model_dirs, tmp_path, capsys):
     assert f"(default {HeadsConfig.default('steps')})" in train_heads.build_parser().format_help()
 
 
+SEEDS = "an integer from -9223372036854775808 to 18446744073709551615 (-2**63 to 2**64 - 1, the seeds paradecode-serve"
+
+
+@pytest.mark.timeout(60)  # refused before the model loads: the regression loaded for 23 s, then failed in torch
+@pytest.mark.parametrize("seed", [str(2**64), str(2**80), str(-(2**63) - 1), "1e3"])
+def test_heads_refuse_a_seed_generate_refuses_before_any_work(model_dirs, tmp_path, capsys, seed):
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        train_heads.main([str(model_dirs["llama"]), "-o", str(tmp_path / "h"), f"--seed={seed}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --seed: expected {SEEDS}" in err and seed in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 10 and not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize(("seed", "expected"), [("-1", 2**64 - 1), (str(2**64 - 1), 2**64 - 1), ("7", 7)])
+def test_heads_take_the_seeds_generate_takes(seed, expected, tmp_path):
+    """The edges of the range: the held-out split and the check split (the seed's successor) both take them."""
+    args = train_heads.build_parser().parse_args(["m", "-o", str(tmp_path / "h"), f"--seed={seed}"])
+    assert args.seed == expected and HeadsConfig(model="m", output=tmp_path / "h", seed=args.seed).seed == expected
+    from paradecode.export.heads.pipeline import split_check
+
+    sequence = torch.arange(8).repeat_interleave(2)
+    calibration, check = split_check(torch.ones(16, dtype=torch.bool), sequence, expected)
+    assert len(calibration) + len(check) == 16 and len(check) > 0
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_heads_config_refuses_a_seed_torch_cannot_take(seed, tmp_path):
+    with pytest.raises(UserInputError, match=r"seed must be an integer from 0 to 18446744073709551615"):
+        HeadsConfig(model="m", output=tmp_path / "h", seed=seed)
+
+
 @pytest.mark.timeout(60)  # refused before the model loads: a regression would train first
 @pytest.mark.parametrize(
     ("make", "message"),
