@@ -128,6 +128,22 @@ def check_gguf_sizes(path: Path, reference: str) -> None:
         )
 
 
+def chat_template_of_gguf(path: Path, reference: str) -> str | None:
+    """The file's `tokenizer.chat_template` (transformers' chat template for its tokenizer), None without one."""
+    from gguf import GGUFReader
+
+    try:
+        value = metadata_value(GGUFReader(str(path)), "tokenizer.chat_template")
+    except READ_ERRORS as err:
+        raise read_error(reference, "chat template", err, reader="the gguf package") from err
+    if value is not None and not isinstance(value, str):
+        raise UserInputError(
+            f"the GGUF file {reference} holds a tokenizer.chat_template of {type(value).__name__}; expected a string "
+            "of jinja2 source. Convert the model to GGUF again."
+        )
+    return value
+
+
 def metadata_value(reader, key: str) -> Any:
     """A metadata field's value (a list for an array), or None when the file has no such key."""
     field = reader.get_field(key)

@@ -34,7 +34,7 @@ from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tenso
 from paradecode.export.quantize import head_quantized, quantized_weights
 from paradecode.export.segments import segment_from_layers
 from paradecode.export.source import ModelSource, resolve_model
-from paradecode.export.tokenizer import save_tokenizer
+from paradecode.export.tokenizer import check_chat_template, save_tokenizer
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
     NEVER_EXIT,
@@ -74,6 +74,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         target = require_tensorrt()
     source = resolve_model(config.model)
     check_output_is_not_source(config.output, source)
+    check_chat_template(source)
     if config.weights == "auto" and source.gguf_path is not None and config.dtype != "float32":
         raise UserInputError(
             f"--weights auto keeps the GGUF file's quantized blocks, which compute in float32; for a dense "

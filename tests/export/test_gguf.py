@@ -285,6 +285,43 @@ def test_bench_warns_when_the_reference_is_another_model(tiny, exported, caplog)
 # --- (e) bad input -------------------------------------------------------------------------------
 
 
+HUGE_TEMPLATE = "{{ 'x' }}" * (1 << 19)  # 4.5 MB: past the 1 MiB the runtime takes
+UNCOMPILABLE_TEMPLATE = "{% include 'other.jinja' %}"  # a chat template has no other templates to load
+TEMPLATES = [(HUGE_TEMPLATE, r"4,718,592 bytes, more than the 1 MiB"), (UNCOMPILABLE_TEMPLATE, r"uses \{% include %\}")]
+
+
+@pytest.mark.timeout(60)  # refused before the model loads: the regression ran the whole export (minutes on SmolLM2)
+@pytest.mark.parametrize(("template", "message"), TEMPLATES, ids=["4-MB", "include"])
+def test_a_chat_template_the_runtime_refuses_is_refused_before_any_work(tmp_path, monkeypatch, template, message):
+    import re
+
+    from paradecode.export import pipeline
+
+    path = tmp_path / "template.gguf"
+    write_tiny_gguf(path, chat_template=template)
+    loads = []
+    monkeypatch.setattr(pipeline, "load_hf_model", lambda *args: loads.append(args))
+    code, printed = run_cli([path, "-o", tmp_path / "out"])
+    assert code == 2 and not loads, printed
+    expected = rf"the chat template of {re.escape(str(path))} would make its export unusable .*{message}"
+    assert re.search(expected, printed), printed
+    assert "Traceback" not in printed and len(printed) < 2000, printed
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("template", [HUGE_TEMPLATE, UNCOMPILABLE_TEMPLATE], ids=["4-MB", "include"])
+def test_a_model_folders_chat_template_is_held_to_the_same_bounds(model_dirs, tmp_path, template):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], folder)
+    (folder / "chat_template.jinja").write_text(template)
+    code, printed = run_cli([folder, "-o", tmp_path / "out"])
+    assert code == 2 and "would make its export unusable" in printed and "Traceback" not in printed, printed
+    assert_nothing_written(tmp_path)
+
+
 def test_missing_gguf_file(tmp_path):
     code, printed = run_cli([tmp_path / "none.gguf", "-o", tmp_path / "out"])
     assert code == 2 and "none.gguf: no such file" in printed, printed
