@@ -87,6 +87,17 @@ def engine_path(name: str) -> str:
 # --- typed reading of the parts ---------------------------------------------------------------
 
 
+# ModelSpec's fields that may be null, by the type of their value otherwise.
+OPTIONAL_NUMBERS = ("attention_scale", "embed_scale", "final_logit_softcap")
+OPTIONAL_INTEGERS = ("rotary_dim", "rope_max_positions")
+
+
+def _flags(item: Any, where: str) -> None:
+    for i, flag in enumerate(json_array(item, where)):
+        if not isinstance(flag, bool):
+            raise ManifestError(f"{where}[{i}] is {show(flag)}; expected true or false.")
+
+
 def _spec(value: Any) -> ModelSpec:
     data = json_object(value, "spec")
     for f in dataclasses.fields(ModelSpec):
@@ -97,9 +108,14 @@ def _spec(value: Any) -> ModelSpec:
             for i, w in enumerate(json_array(item, where)):
                 if w is not None:
                     json_integer(w, f"{where}[{i}]")
-        elif f.name == "attention_scale":
+        elif f.name == "local_rope":
+            _flags(item, where)
+        elif f.name in OPTIONAL_NUMBERS:
             if item is not None:
                 json_number(item, where)
+        elif f.name in OPTIONAL_INTEGERS:
+            if item is not None:
+                json_integer(item, where)
         elif isinstance(f.default, bool):
             if not isinstance(item, bool):
                 raise ManifestError(f"{where} is {show(item)}; expected true or false.")
@@ -310,6 +326,11 @@ class Manifest:
             raise ManifestError(
                 f"limits.max_seq_len is {self.max_seq_len}; expected at most the model's "
                 f"max_position_embeddings ({spec.max_position_embeddings}, from spec)."
+            )
+        if spec.rope_max_positions is not None and self.max_seq_len > spec.rope_max_positions:
+            raise ManifestError(
+                f"limits.max_seq_len is {self.max_seq_len}; expected at most the positions its rotary tables hold "
+                f"exactly ({spec.rope_max_positions}, spec.rope_max_positions)."
             )
         if not self.exit_layers or list(self.exit_layers) != sorted(set(self.exit_layers)):
             raise ManifestError(

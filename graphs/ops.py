@@ -99,7 +99,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """cos and sin [B, 1, T, D_h] for integer positions [B, T]."""
+    """cos and sin [B, 1, T, R] for integer positions [B, T]: R = 2 * len(inv_freq), the rotary dims."""
     freqs = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * scaling).to(dtype)
@@ -108,9 +108,23 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D_h] turned by the rotary embedding in its first R dims (cos and sin [..., R]; R = D_h but for partial
+    rotary embeddings, whose other dims pass through: Hugging Face's Phi-3 `apply_rotary_pos_emb`)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, passed), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in the order Hugging Face's Gemma computes it."""
+    return torch.tanh(logits / cap) * cap
 
 
 def write_cache(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:

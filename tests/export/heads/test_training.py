@@ -57,7 +57,7 @@ def recorded(family: str, prompts, new_tokens: int, exit_layers, held=None, batc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])  # gemma3: soft-capped logits, sliding windows
 def test_recording_during_batched_generation_equals_a_second_forward_pass(family):
     """Left-padded batches of uneven prompts: every generated token's features are what an unpadded forward pass
     over the finished sequence computes at the position that predicted it (float16 storage: 1e-2 relative)."""
@@ -204,6 +204,34 @@ def test_training_lowers_the_loss_raises_agreement_and_leaves_the_model_unchange
         assert confidence[e].max() <= 1 and confidence[e].min() >= 1 / len(vocab)
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed, f"training heads changed the model's own weights: {changed}"
+
+
+def test_least_squares_start_undoes_gemmas_norm_scale_of_one_plus_weight():
+    """Gemma 3's final norm multiplies by 1 + weight (its family's `final_norm_scale`), and its logits are capped: the
+    least-squares start fitted with that scale has a lower loss than the model's own head and than a start fitted with
+    the norm's raw weight. (The tiny model's own head agrees with the final layer unusually often, its embedding
+    dominating the residual stream, so agreement is not what is compared.)"""
+    import dataclasses
+
+    prompts = [[i, i + 1] for i in range(0, 90, 3)]
+    held = held_out_sequences(len(prompts), 0.2, seed=0)
+    model, _, recording = recorded("gemma3", prompts, 20, (1, 2), held=held)
+    features, rows = recording.features, torch.nonzero(~recording.held_out).squeeze(1)
+    unembedding = Unembedding.of(model, family_for("gemma3"))
+    assert unembedding.softcap == 15.0
+    assert torch.equal(unembedding.norm_scale, 1.0 + model.model.norm.weight.detach())
+    raw = dataclasses.replace(unembedding, norm_scale=model.model.norm.weight.detach())
+    teacher = teacher_log_probs(unembedding, features, rows, None)
+
+    def loss(start, e):
+        student = torch.log_softmax(unembedding.head_logits(features.exits[e][rows].float(), start), -1)
+        return float(restricted_kl(student, teacher))
+
+    fitted, misfitted = least_squares_init(unembedding, features, rows), least_squares_init(raw, features, rows)
+    for e in (1, 2):
+        own, right, wrong = loss(None, e), loss(fitted[e], e), loss(misfitted[e], e)
+        print(f"layer {e}: own head {own:.4f}, fitted with 1 + weight {right:.4f}, with the weight {wrong:.4f}")
+        assert right < min(own, wrong)
 
 
 def test_least_squares_start_fits_the_final_hidden_state():
