@@ -47,7 +47,15 @@ TYPES = [t.name for t in BLOCK_TYPES]
 MIXED = "mixed-Q4_K"  # Q4_K with Q6_K where llama.cpp's Q4_K_M puts it
 MATRIX = [pytest.param(f, t, id=f"{f}-{t}") for f in FAMILIES for t in TYPES]
 # One block type per family for the (slow) export, spread over the kinds of block.
-EXPORTED = {"llama": MIXED, "qwen2": "Q5_K", "qwen3": "Q6_K", "mistral": "Q4_0", "gpt2": "Q5_1"}
+EXPORTED = {
+    "llama": MIXED,
+    "qwen2": "Q5_K",
+    "qwen3": "Q6_K",
+    "mistral": "Q4_0",
+    "gpt2": "Q5_1",
+    "gemma3": "Q5_0",
+    "phi3": "Q4_K",
+}
 
 
 @pytest.fixture(scope="module")
