@@ -689,3 +689,28 @@ def test_cascade_rates_follow_the_runtime():
         assert row["selected"] == (threshold is not None)
         remaining &= ~exits
     assert sum(result["layers"][str(e)]["cascade_exit_rate"] for e in (2, 4, 6)) > 0.3, result["layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["gemma3-folder", "phi3-folder", "gemma3-gguf", "phi3-gguf"])
+def test_heads_train_on_the_newer_families_from_either_source_and_decode_as_ar(source, model_dirs, tmp_path):
+    """paradecode-train-heads on a Gemma 3 and a Phi-3 (a model folder and a GGUF file of each), then an export
+    with those heads: ParaDecode with every token exiting at the trained heads gives plain decoding's tokens."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    family, kind = source.split("-")
+    model = model_dirs[family] if kind == "folder" else tmp_path / f"{family}.gguf"
+    if kind == "gguf":
+        write_tiny_gguf(model, family=family)
+    heads = tmp_path / "heads.safetensors"
+    args = ["--exit-layers", "1,2", "--new-tokens", "12", "--steps", "5", "--max-prompts", "8", "--costs", "parameters"]
+    assert train_heads.main([str(model), "-o", str(heads), *args]) == 0
+    export_model(ExportConfig(model=str(model), output=tmp_path / "export", heads=heads, max_seq_len=64))
+    with load(tmp_path / "export") as loaded:
+        assert loaded.manifest.head_kind == "trained" and loaded.manifest.exit_layers == (1, 2)
+        prompt = [5, 9, 3, 7, 11, 4, 8]
+        ar = loaded.generate(prompt_ids=prompt, max_new_tokens=24, mode="ar", ignore_eos=True)
+        result = loaded.generate(prompt_ids=prompt, max_new_tokens=24, thresholds=0.0, ignore_eos=True)
+    assert result.token_ids == ar.token_ids and sum(result.stats.exits_per_layer.values()) > 0
