@@ -266,6 +266,34 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, c
     return model.eval()
 
 
+def tiny_gemma3_multimodal(seed: int = 0):
+    """A `gemma3` checkpoint (Gemma3ForConditionalGeneration: the tiny gemma3 text model beside a one-layer vision
+    tower), whose text part is what paradecode exports."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    text = {k: v for k, v in TINY_CONFIGS["gemma3"].items() if k != "model_type"}
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    special = dict(image_token_index=90, boi_token_index=88, eoi_token_index=89)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **special)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3 if "emb" in name else 0.15)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
+    return model.eval()
+
+
 def save_tiny_model(family: str, folder, seed: int = 0) -> None:
     tiny_model(family, seed).save_pretrained(folder)
 

@@ -96,10 +96,15 @@ class Gemma3(Llama):
             "local_rope": tuple(kind == SLIDING for kind in kinds) if SLIDING in kinds else (),
             "embed_scale": float(config.hidden_size**0.5),
             "sandwich_norms": True,
-            "final_logit_softcap": None
-            if config.final_logit_softcapping is None
-            else float(config.final_logit_softcapping),
+            "final_logit_softcap": self.softcap(config, model),
         }
+
+    def softcap(self, config: Any, model: torch.nn.Module) -> float | None:
+        """The text config's `final_logit_softcapping`, which transformers' Gemma3ForCausalLM applies and its
+        multimodal Gemma3ForConditionalGeneration (what a `gemma3` checkpoint loads as) does not."""
+        if config.final_logit_softcapping is None or hasattr(model.model, "language_model"):
+            return None
+        return float(config.final_logit_softcapping)
 
     def norm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         return 1.0 + weight.to(torch.float32)  # Gemma3RMSNorm: output * (1.0 + self.weight.float())

@@ -149,3 +149,29 @@ def test_canonical_weights_are_transformers_own_as_our_modules_use_them(family):
         assert torch.equal(weights["rope.inv_freq"], model.model.rotary_emb.original_inv_freq)
         assert weights["rope.inv_freq"].numel() * 2 == spec.rotary_dim < spec.head_dim
         assert "rope_local.inv_freq" not in weights
+
+
+@pytest.mark.slow
+def test_a_gemma3_checkpoints_text_part_exports_as_transformers_computes_it(tmp_path):
+    """A `gemma3` checkpoint loads as Gemma3ForConditionalGeneration: its language model is exported (the vision
+    tower and projector left out), without the logit cap that class does not apply, and decodes as its `generate`."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.onnx_export import stored_tensors
+    from paradecode.export.pipeline import export_model
+    from paradecode.runtime import load
+    from tests.tiny_models import tiny_gemma3_multimodal
+
+    model = tiny_gemma3_multimodal()
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration" and model.config.text_config.final_logit_softcapping
+    model.save_pretrained(tmp_path / "model")
+    result = export_model(ExportConfig(model=str(tmp_path / "model"), output=tmp_path / "export", max_seq_len=64))
+    spec = result.manifest.spec
+    assert spec.family == "gemma3" and spec.final_logit_softcap is None and spec.local_rope == (True, True, False, True)
+    stored = stored_tensors(tmp_path / "export" / result.manifest.weights)
+    assert "embed.tokens.weight" in stored and not [k for k in stored if "vision" in k or "projector" in k]
+    prompt = [5, 9, 3, 7, 11, 4, 8, 2, 6]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with load(tmp_path / "export") as loaded:
+        ar = loaded.generate(prompt_ids=prompt, max_new_tokens=20, mode="ar", ignore_eos=True)
+    assert ar.token_ids == expected[0, len(prompt) :].tolist()
