@@ -175,3 +175,42 @@ def test_a_gemma3_checkpoints_text_part_exports_as_transformers_computes_it(tmp_
     with load(tmp_path / "export") as loaded:
         ar = loaded.generate(prompt_ids=prompt, max_new_tokens=20, mode="ar", ignore_eos=True)
     assert ar.token_ids == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping=50\.0: soft-capped attention scores"),
+        (dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True: bidirectional"),
+    ],
+    ids=["attention-softcap", "bidirectional"],
+)
+def test_gemma3_features_the_attention_cannot_represent_are_refused(change, message):
+    from tests.tiny_models import TINY_CONFIGS
+
+    configs = {"gemma3": {**TINY_CONFIGS["gemma3"], **change}}
+    model = tiny_model("gemma3", configs=configs)
+    with pytest.raises(UnsupportedModelError, match=message):
+        family_for("gemma3_text").spec(model.config, model)
+
+
+def test_a_dynamic_rope_is_refused_and_longrope_is_exact_up_to_its_original_length(model_dirs, tmp_path, capsys):
+    """longrope switches to its long factors past original_max_position_embeddings (64 in the tiny phi3): an export
+    holding more positions is refused before any work, naming the limit and the fix; the default stays within it."""
+    from paradecode.export import cli
+    from tests.tiny_models import TINY_CONFIGS
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model = tiny_model("llama", configs={"llama": {**TINY_CONFIGS["llama"], "rope_parameters": dynamic}})
+    with pytest.raises(UnsupportedModelError, match=r"rope type 'dynamic' recomputes its frequencies"):
+        family_for("llama").spec(model.config, model)
+    assert cli.main([str(model_dirs["phi3"]), "-o", str(tmp_path / "out"), "--max-seq-len", "65"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-seq-len 65 exceeds the 64 positions" in err and "Use --max-seq-len 64 or less" in err, err
+    assert not (tmp_path / "out").exists()
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import resolve_max_seq_len
+
+    phi3 = tiny_model("phi3")
+    spec = family_for("phi3").spec(phi3.config, phi3)
+    assert resolve_max_seq_len(ExportConfig(model="m", output=tmp_path / "o"), spec) == 64  # not 2048, nor 256

@@ -298,6 +298,18 @@ def eos_token_of_the_wrong_type(data, folder):
     data["model"]["eos_token_id"] = ["two"]
 
 
+def local_rope_of_the_wrong_type(data, folder):
+    data["spec"]["local_rope"] = [True, "no", False, True]
+
+
+def odd_rotary_dim(data, folder):
+    data["spec"]["rotary_dim"] = 5
+
+
+def max_seq_len_beyond_the_rotary_tables(data, folder):
+    data["spec"]["rope_max_positions"] = 32
+
+
 def a_billion_layers(data, folder):
     data["spec"]["num_layers"] = 10**9  # building the plan first spun for minutes, memory growing
 
@@ -366,6 +378,9 @@ TAMPERED = [
     (negative_file_size, r"files\['onnx/weights\.safetensors'\]\.bytes is -1; expected an integer >= 0"),
     (spec_field_of_the_wrong_type, r"spec\.norm_eps is '1e-5'; expected a finite number"),
     (eos_token_of_the_wrong_type, r"model\.eos_token_id\[0\] is 'two'; expected an integer >= 0"),
+    (local_rope_of_the_wrong_type, r"spec\.local_rope\[1\] is 'no'; expected true or false"),
+    (odd_rotary_dim, r"spec: ModelSpec\.rotary_dim must be an even number of dims from 2 to head_dim \(12\)"),
+    (max_seq_len_beyond_the_rotary_tables, r"limits\.max_seq_len is 64; expected at most .* \(32, spec\.rope_max"),
     (a_billion_layers, r"spec\.num_layers is 1000000000, but subgraphs lists 12 graphs: .* at most 10 layers\. It"),
     (more_layers_than_graphs, r"spec\.num_layers is 100000, but subgraphs lists 12 graphs"),
 ]
