@@ -224,8 +224,9 @@ def test_least_squares_start_undoes_gemmas_norm_scale_of_one_plus_weight():
     teacher = teacher_log_probs(unembedding, features, rows, None)
 
     def loss(start, e):
-        student = torch.log_softmax(unembedding.head_logits(features.exits[e][rows].float(), start), -1)
-        return float(restricted_kl(student, teacher))
+        with torch.no_grad():
+            student = torch.log_softmax(unembedding.head_logits(features.exits[e][rows].float(), start), -1)
+            return float(restricted_kl(student, teacher))
 
     fitted, misfitted = least_squares_init(unembedding, features, rows), least_squares_init(raw, features, rows)
     for e in (1, 2):
