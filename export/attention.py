@@ -103,6 +103,8 @@ def _expand(node: onnx.NodeProto, own: _Builder, shared: _Builder) -> None:
     a = _attrs(node)
     heads, kv_heads, dim = a["num_heads"], a["kv_num_heads"], a["head_dim"]
     window, rotary_dim, rotary_op, dtype = a["window"], a["rotary_dim"], a["rotary_op"], a["dtype"]
+    table = a.get("rotary_table", b"rope")
+    table = table.decode() if isinstance(table, bytes) else table
     if heads % kv_heads:
         raise ValidationError(f"{node.name}: {heads} query heads do not group over {kv_heads} key/value heads.")
     if rotary_dim and (not cos or not sin):
@@ -112,8 +114,8 @@ def _expand(node: onnx.NodeProto, own: _Builder, shared: _Builder) -> None:
     # rotary embeddings on q and k [B, T, heads*D]
     if rotary_dim:
         rotate = _rotary_op if rotary_op else _rotary_elementwise
-        q = rotate(own, shared, q, cos, sin, heads, dim, rotary_dim, "q")
-        k = rotate(own, shared, k, cos, sin, kv_heads, dim, rotary_dim, "k")
+        q = rotate(own, shared, q, (cos, sin, table), heads, dim, rotary_dim, "q")
+        k = rotate(own, shared, k, (cos, sin, table), kv_heads, dim, rotary_dim, "k")
 
     # the new keys and values into the cache, in place: [B, T, H_kv*D] -> [B, H_kv, T, D] at positions[:, 0]
     first = shared.node("Gather", [POSITIONS, shared.const("zero", np.array(0, np.int64))], "write_index", axis=1)
@@ -183,23 +185,26 @@ def _bias(shared: _Builder, cache: str, window: int, group: int, dtype: int) -> 
     return bias
 
 
-def _rotary_op(own, shared, x, cos, sin, heads, dim, rotary_dim, hint) -> str:
+def _rotary_op(own, shared, x, tables, heads, dim, rotary_dim, hint) -> str:
     """Rotary embeddings as onnxruntime's RotaryEmbedding operator (ONNX opset 23), on [B, T, heads*D]."""
+    cos, sin, _ = tables
     attrs = dict(num_heads=heads, interleaved=0)
     if rotary_dim != dim:
         attrs["rotary_embedding_dim"] = rotary_dim
     return own.node("RotaryEmbedding", [x, cos, sin, POSITIONS], f"{hint}_rotated", **attrs)
 
 
-def _rotary_elementwise(own, shared, x, cos, sin, heads, dim, rotary_dim, hint) -> str:
+def _rotary_elementwise(own, shared, x, tables, heads, dim, rotary_dim, hint) -> str:
     """Rotary embeddings as elementwise operators, as `graphs.ops.apply_rope` computes them: with x1, x2 the halves
-    of the first `rotary_dim` features, (x1 cos - x2 sin, x2 cos + x1 sin), the rest passed through."""
+    of the first `rotary_dim` features, (x1 cos - x2 sin, x2 cos + x1 sin), the rest passed through. The tables'
+    rows for the call's positions are shared by the layers of a segment that turn by the same `table`."""
+    cos, sin, table = tables
     half = rotary_dim // 2
-    cos_rows = shared.node("Gather", [cos, POSITIONS], f"cos_rows_{cos}")  # [B, T, R/2]
-    sin_rows = shared.node("Gather", [sin, POSITIONS], f"sin_rows_{sin}")
+    cos_rows = shared.node("Gather", [cos, POSITIONS], f"cos_rows_{table}")  # [B, T, R/2]
+    sin_rows = shared.node("Gather", [sin, POSITIONS], f"sin_rows_{table}")
     axis_2 = shared.const("axis_2", np.array([2], np.int64))
-    cos_u = shared.node("Unsqueeze", [cos_rows, axis_2], f"cos_heads_{cos}")  # [B, T, 1, R/2]
-    sin_u = shared.node("Unsqueeze", [sin_rows, axis_2], f"sin_heads_{sin}")
+    cos_u = shared.node("Unsqueeze", [cos_rows, axis_2], f"cos_heads_{table}")  # [B, T, 1, R/2]
+    sin_u = shared.node("Unsqueeze", [sin_rows, axis_2], f"sin_heads_{table}")
     x4 = own.node("Reshape", [x, own.const(f"{hint}_rot_shape", np.array([0, 0, heads, dim], np.int64))], f"{hint}_4")
     axis = own.const("axis_3", np.array([3], np.int64))
 

@@ -97,8 +97,15 @@ def check_gguf_sizes(path: Path, reference: str) -> None:
         sizes = {f"{arch}.{key}": metadata_value(reader, f"{arch}.{key}") for key in SIZE_KEYS}
         blocks = {int(m.group(1)) for t in reader.tensors if (m := BLOCK_TENSOR.match(t.name))}
         embed_rows = next((int(t.shape[0]) for t in reader.tensors if t.name == "token_embd.weight"), None)
+        unread = UNREAD_BY_TRANSFORMERS[arch](reader, arch) if arch in UNREAD_BY_TRANSFORMERS else []
     except READ_ERRORS as err:  # UnicodeDecodeError (a ValueError) for a string that is not UTF-8
         raise read_error(reference, "metadata", err, reader="the gguf package") from err
+    if unread:
+        raise UnsupportedModelError(
+            f"transformers reads the GGUF file {reference} without {' and without '.join(unread)}, so the float model "
+            "it builds (the export's reference) would not be the file's model. Export the model's Hugging Face folder "
+            "instead: its config.json carries them."
+        )
     problems = [
         f"{key} is {show(value)}, expected a positive integer"
         for key, value in sizes.items()
@@ -126,6 +133,52 @@ def check_gguf_sizes(path: Path, reference: str) -> None:
             "Its metadata was damaged or edited: download the model again, or convert it again with llama.cpp's "
             "convert_hf_to_gguf.py, which writes the sizes from the model's config."
         )
+
+
+def chat_template_of_gguf(path: Path, reference: str) -> str | None:
+    """The file's `tokenizer.chat_template` (transformers' chat template for its tokenizer), None without one."""
+    from gguf import GGUFReader
+
+    try:
+        value = metadata_value(GGUFReader(str(path)), "tokenizer.chat_template")
+    except READ_ERRORS as err:
+        raise read_error(reference, "chat template", err, reader="the gguf package") from err
+    if value is not None and not isinstance(value, str):
+        raise UserInputError(
+            f"the GGUF file {reference} holds a tokenizer.chat_template of {type(value).__name__}; expected a string "
+            "of jinja2 source. Convert the model to GGUF again."
+        )
+    return value
+
+
+def _rope_scaling_unread(reader, arch: str) -> list[str]:
+    """transformers' GGUF mappings of gemma3 and phi3 read no rope scaling: a file that states one is misread."""
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return []
+    return [f"its rope scaling ({arch}.rope.scaling.type {show(kind)})"]
+
+
+def _phi3_unread(reader, arch: str) -> list[str]:
+    """Also no longrope factors (tensors of their own) and no partial rotary dims (transformers turns them all)."""
+    unread = _rope_scaling_unread(reader, arch)
+    factors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors_"))
+    if factors:
+        unread.append(f"its longrope factors ({', '.join(factors)})")
+    dims = metadata_value(reader, f"{arch}.rope.dimension_count")
+    width, heads = (
+        metadata_value(reader, f"{arch}.embedding_length"),
+        metadata_value(reader, f"{arch}.attention.head_count"),
+    )
+    if all(is_positive_int(v) for v in (dims, width, heads)) and dims != width // heads:
+        unread.append(
+            f"its partial rotary embedding ({arch}.rope.dimension_count {dims} of {width // heads} head dims)"
+        )
+    return unread
+
+
+# What transformers' GGUF reader leaves out of a model of these architectures, by architecture.
+UNREAD_BY_TRANSFORMERS = {"gemma3": _rope_scaling_unread, "phi3": _phi3_unread}
 
 
 def metadata_value(reader, key: str) -> Any:

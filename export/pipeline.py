@@ -33,7 +33,7 @@ from paradecode.export.heads.file import check_heads, load_heads
 from paradecode.export.onnx_export import GraphTemplate, save_onnx, stored_tensors
 from paradecode.export.segments import segment_from_layers
 from paradecode.export.source import ModelSource, resolve_model
-from paradecode.export.tokenizer import save_tokenizer
+from paradecode.export.tokenizer import check_chat_template, save_tokenizer
 from paradecode.export.weight_storage import head_quantized, quantized_weights
 from paradecode.graphs.errors import UserInputError, ValidationError
 from paradecode.graphs.manifest import (
@@ -74,6 +74,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         target = require_tensorrt()
     source = resolve_model(config.model)
     check_output_is_not_source(config.output, source)
+    check_chat_template(source)
     if config.weights == "auto" and source.gguf_path is not None and config.dtype != "float32":
         raise UserInputError(
             f"--weights auto keeps the GGUF file's quantized blocks, which compute in float32; for a dense "
@@ -86,10 +87,11 @@ def export_model(config: ExportConfig) -> ExportResult:
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     weights = family.weights(hf_model, spec)
-    if spec.positions == "rope":  # the rotary tables the exported layers read
-        weights["rope.cos"], weights["rope.sin"] = rope_caches(
-            weights["rope.inv_freq"], spec.rope_scaling, max_seq_len, torch.float32
-        )
+    if spec.positions == "rope":  # the rotary tables the exported layers read, one per inverse frequencies
+        for table in spec.rope_tables:
+            weights[f"{table}.cos"], weights[f"{table}.sin"] = rope_caches(
+                weights[f"{table}.inv_freq"], spec.rope_scaling, max_seq_len, torch.float32
+            )
     quantized = quantized_weights(config.weights, source.gguf_path, weights)
     weights.update(head_weights(spec, weights, transforms, vocab))
     quantized.update(head_quantized(quantized, weights, vocab))
@@ -235,11 +237,19 @@ def mismatch_line(mismatch) -> str:
 def resolve_max_seq_len(config: ExportConfig, spec: ModelSpec) -> int:
     limit = spec.max_position_embeddings
     if config.max_seq_len is None:
-        return min(limit, DEFAULT_MAX_SEQ_LEN)
+        return min(limit, spec.rope_max_positions or limit, DEFAULT_MAX_SEQ_LEN)
     if config.max_seq_len > limit:
         raise UserInputError(
             f"--max-seq-len {config.max_seq_len} exceeds the model's max_position_embeddings ({limit}, from its "
             f"config.json). Use --max-seq-len {limit} or less."
+        )
+    rope_limit = spec.rope_max_positions
+    if rope_limit is not None and config.max_seq_len > rope_limit:
+        raise UserInputError(
+            f"--max-seq-len {config.max_seq_len} exceeds the {rope_limit} positions the model's rotary embedding "
+            f"holds in a fixed table (its longrope scaling's original_max_position_embeddings: past it transformers "
+            f"switches to the long factors for the whole sequence, which a fixed graph cannot follow). Use "
+            f"--max-seq-len {rope_limit} or less."
         )
     return config.max_seq_len
 

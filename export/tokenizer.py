@@ -14,13 +14,35 @@ import tempfile
 from pathlib import Path
 
 from paradecode.export.source import TOKENIZER_FILES, ModelSource, tokenizer_json_problem
-from paradecode.graphs.errors import UserInputError, raise_if_interrupted
+from paradecode.graphs.errors import ManifestError, UserInputError, raise_if_interrupted
 
 logger = logging.getLogger(__name__)
 
 
 # Files a tokenizer can be rebuilt from (generation_config.json travels along but is not one).
 TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def check_chat_template(source: ModelSource) -> None:
+    """Refuse, before any work, a chat template that the runtime refuses to load (`runtime/chat.py`: at most
+    MAX_TEMPLATE_BYTES bytes and MAX_TEMPLATE_TOKENS tokens, compiled in its bounded sandbox), so an export is never
+    written that paradecode-serve and paradecode-generate then refuse."""
+    from paradecode.runtime.chat import ChatTemplate
+
+    try:
+        if source.gguf_path is None:
+            ChatTemplate.from_folder(source.path)
+            return
+        from paradecode.export.gguf_file import chat_template_of_gguf
+
+        template = chat_template_of_gguf(source.gguf_path, source.reference)
+        if template is not None:
+            ChatTemplate(template, origin=f"{source.reference}: its tokenizer.chat_template")
+    except ManifestError as err:
+        raise UserInputError(
+            f"the chat template of {source.reference} would make its export unusable (paradecode-serve and "
+            f"paradecode-generate refuse to load it): {err}"
+        ) from err
 
 
 def save_tokenizer(source: ModelSource, folder: Path) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ WEIGHTS_NAME = "onnx/weights.safetensors"  # beside the graphs: their external d
 TOKENIZER_DIR = "tokenizer"
 HEAD_KINDS = ("identity", "trained")
 OPS = ("fused", "portable")
+NAMES_SHOWN = 400  # characters of a list of subgraph names in an error message (a model's list can run to thousands)
 NEVER_EXIT = math.inf  # no token ever exits (the overhead test of docs/design.md §3); stored as null in JSON
 
 
@@ -87,6 +89,17 @@ def engine_path(name: str) -> str:
 # --- typed reading of the parts ---------------------------------------------------------------
 
 
+# ModelSpec's fields that may be null, by the type of their value otherwise.
+OPTIONAL_NUMBERS = ("attention_scale", "embed_scale", "final_logit_softcap")
+OPTIONAL_INTEGERS = ("rotary_dim", "rope_max_positions")
+
+
+def _flags(item: Any, where: str) -> None:
+    for i, flag in enumerate(json_array(item, where)):
+        if not isinstance(flag, bool):
+            raise ManifestError(f"{where}[{i}] is {show(flag)}; expected true or false.")
+
+
 def _spec(value: Any) -> ModelSpec:
     data = json_object(value, "spec")
     for f in dataclasses.fields(ModelSpec):
@@ -97,9 +110,14 @@ def _spec(value: Any) -> ModelSpec:
             for i, w in enumerate(json_array(item, where)):
                 if w is not None:
                     json_integer(w, f"{where}[{i}]")
-        elif f.name == "attention_scale":
+        elif f.name == "local_rope":
+            _flags(item, where)
+        elif f.name in OPTIONAL_NUMBERS:
             if item is not None:
                 json_number(item, where)
+        elif f.name in OPTIONAL_INTEGERS:
+            if item is not None:
+                json_integer(item, where)
         elif isinstance(f.default, bool):
             if not isinstance(item, bool):
                 raise ManifestError(f"{where} is {show(item)}; expected true or false.")
@@ -307,6 +325,11 @@ class Manifest:
                 f"limits.max_seq_len is {self.max_seq_len}; expected at most the model's "
                 f"max_position_embeddings ({spec.max_position_embeddings}, from spec)."
             )
+        if spec.rope_max_positions is not None and self.max_seq_len > spec.rope_max_positions:
+            raise ManifestError(
+                f"limits.max_seq_len is {self.max_seq_len}; expected at most the positions its rotary tables hold "
+                f"exactly ({spec.rope_max_positions}, spec.rope_max_positions)."
+            )
         if not self.exit_layers or list(self.exit_layers) != sorted(set(self.exit_layers)):
             raise ManifestError(
                 f"exit_layers is {list(self.exit_layers)}; expected distinct layers in increasing order, at least one."
@@ -347,6 +370,14 @@ class Manifest:
                 )
 
     def _check_subgraphs(self) -> None:
+        # The contract has a graph per layer besides the embedding and the final head: a spec with more layers than
+        # that is refused before the plan is built (10**9 layers would take the plan minutes and gigabytes).
+        layers, listed_count = self.spec.num_layers, len(self.subgraphs)
+        if layers + 2 > listed_count:
+            raise ManifestError(
+                f"spec.num_layers is {layers}, but subgraphs lists {listed_count} graphs: an export holds one graph "
+                f"per layer besides its embedding and final head, so at most {max(listed_count - 2, 0)} layers."
+            )
         settings = dict(
             dtype=self.dtype,
             max_seq_len=self.max_seq_len,
@@ -364,14 +395,17 @@ class Manifest:
         )
         expected, listed = [io.name for io in plan], [s.io.name for s in self.subgraphs]
         if listed != expected:
-            missing = [n for n in expected if n not in listed]
-            unexpected = [n for n in listed if n not in expected]
-            repeated = sorted({n for n in listed if listed.count(n) > 1})
+            known, given = set(expected), set(listed)
+            missing = [n for n in expected if n not in given]
+            unexpected = [n for n in listed if n not in known]
+            repeated = sorted(n for n, count in Counter(listed).items() if count > 1)
             if missing or unexpected:
-                detail = f"missing {missing}, unexpected {unexpected}"
+                detail = f"missing {show(missing, NAMES_SHOWN)}, unexpected {show(unexpected, NAMES_SHOWN)}"
             else:
-                detail = f"repeated {repeated}" if repeated else "in another order"
-            raise ManifestError(f"subgraphs lists {listed}; {contract} has {expected} ({detail}).")
+                detail = f"repeated {show(repeated, NAMES_SHOWN)}" if repeated else "in another order"
+            raise ManifestError(
+                f"subgraphs lists {show(listed, NAMES_SHOWN)}; {contract} has {show(expected, NAMES_SHOWN)} ({detail})."
+            )
         for i, (io, sub) in enumerate(zip(plan, self.subgraphs)):
             where = f"subgraphs[{i}] ({io.name})"
             difference = _difference(io, sub.io)

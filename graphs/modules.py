@@ -6,9 +6,12 @@ Weights use one canonical naming, independent of the source framework:
     layers.{i}.attn_norm.{weight,bias}                   (i = 1..L; bias for LayerNorm only)
     layers.{i}.attn.{q,k,v,o}.{weight,bias}              (Linear layout [out, in])
     layers.{i}.attn.{q_norm,k_norm}.weight               (q/k norm only)
+    layers.{i}.post_attn_norm.weight                     (sandwich norms only: on the attention's output)
     layers.{i}.mlp_norm.{weight,bias}
     layers.{i}.mlp.{gate,up,down}.{weight,bias}          (gate for gated MLPs only)
-    rope.inv_freq                                        (rotary positions only; float32)
+    layers.{i}.post_mlp_norm.weight                      (sandwich norms only: on the MLP's output)
+    rope.inv_freq                                        (rotary positions only; float32 [rotary_dims / 2])
+    rope_local.inv_freq                                  (the layers `spec.local_rope` marks read it instead)
     norm.{weight,bias}                                   (final norm)
     unembed.weight                                       (absent when tied to embed.tokens)
     exits.{e}.transform                                  (trained exit-head matrix [D, D])
@@ -49,6 +52,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.spec, self.window = spec, spec.window(layer)
+        self.table = spec.rope_table(layer) if spec.positions == "rope" else ""
         heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q = nn.Linear(spec.hidden_size, heads * dim, bias=spec.qkv_bias)
         self.k = nn.Linear(spec.hidden_size, kv_heads * dim, bias=spec.qkv_bias)
@@ -86,8 +90,9 @@ class Attention(nn.Module):
             head_dim=spec.head_dim,
             scale=spec.scale,
             window=self.window,
-            rotary_dim=spec.head_dim,
+            rotary_dim=spec.rotary_dims,
             rotary_op=fused,
+            rotary_table=self.table,
         )
         return self.o(out), present_key, present_value
 
@@ -134,9 +139,15 @@ class EmbedGraph(nn.Module):
         self.tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         if spec.positions == "learned":
             self.positions = nn.Embedding(spec.max_position_embeddings, spec.hidden_size)
+        if spec.embed_scale is not None:  # a float32 scalar, not a weight: cast to the activations' dtype as Gemma does
+            self.register_buffer("scale", torch.tensor(spec.embed_scale, dtype=torch.float32), persistent=False)
+        else:
+            self.scale = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.tokens(input_ids)
+        if self.scale is not None:
+            hidden = hidden * self.scale.to(hidden.dtype)
         if hasattr(self, "positions"):
             hidden = hidden + self.positions(positions)
         return hidden
@@ -160,21 +171,29 @@ class LayerGraph(nn.Module):
         self.attn = Attention(spec, layer)
         self.mlp_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
         self.mlp = MLP(spec)
+        self.post_attn_norm = self.post_mlp_norm = None
+        if spec.sandwich_norms:
+            self.post_attn_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
+            self.post_mlp_norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
         if spec.positions == "rope":
-            self.register_buffer("inv_freq", torch.zeros(spec.head_dim // 2))
+            self.register_buffer("inv_freq", torch.zeros(spec.rotary_dims // 2))
         else:
             self.inv_freq = None
         self.tables = ops is not None and spec.positions == "rope"  # the exported graph's rotary tables
         if self.tables:
             if max_seq_len is None:
                 raise ValueError("a layer module for export needs max_seq_len (the length of its rotary tables)")
-            self.register_buffer("cos_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
-            self.register_buffer("sin_cache", torch.zeros(max_seq_len, spec.head_dim // 2))
+            self.register_buffer("cos_cache", torch.zeros(max_seq_len, spec.rotary_dims // 2))
+            self.register_buffer("sin_cache", torch.zeros(max_seq_len, spec.rotary_dims // 2))
 
     def norm(self, norm: Norm, x: torch.Tensor) -> torch.Tensor:
         if self.fused and norm.kind == "rms" and torch.onnx.is_in_onnx_export():
             return ops.onnx_rms_norm(x, norm.weight, norm.eps)
         return norm(x)
+
+    def post_norm(self, norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output through its sandwich norm, where the model has them."""
+        return x if norm is None else self.norm(norm, x)
 
     def forward(self, hidden, positions, past_key, past_value):
         if torch.onnx.is_in_onnx_export():
@@ -190,8 +209,8 @@ class LayerGraph(nn.Module):
             attn, present_key, present_value = self.attn(
                 self.attn_norm(hidden), positions, past_key, past_value, self.inv_freq
             )
-        hidden = hidden + attn
-        hidden = hidden + self.mlp(self.norm(self.mlp_norm, hidden))
+        hidden = hidden + self.post_norm(self.post_attn_norm, attn)
+        hidden = hidden + self.post_norm(self.post_mlp_norm, self.mlp(self.norm(self.mlp_norm, hidden)))
         return hidden, present_key, present_value
 
 
@@ -208,7 +227,7 @@ class HeadGraph(nn.Module):
         self, spec: ModelSpec, *, transform: bool = False, vocab: int | None = None, with_logits: bool = False
     ):
         super().__init__()
-        self.with_logits = with_logits
+        self.with_logits, self.softcap = with_logits, spec.final_logit_softcap
         self.transform = nn.Linear(spec.hidden_size, spec.hidden_size, bias=False) if transform else None
         self.norm = Norm(spec.norm, spec.hidden_size, spec.norm_eps)
         self.unembed = nn.Linear(spec.hidden_size, vocab or spec.vocab_size, bias=False)
@@ -220,7 +239,8 @@ class HeadGraph(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.transform is not None:
             hidden = self.transform(hidden)
-        return self.unembed(self.norm(hidden))
+        logits = self.unembed(self.norm(hidden))
+        return logits if self.softcap is None else ops.softcap(logits, self.softcap)
 
     def forward(self, hidden: torch.Tensor):
         logits = self.logits(hidden)
@@ -306,9 +326,10 @@ def subgraph_state(
         prefix = f"layers.{io.layer}."
         state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         if spec.positions == "rope":
-            state["inv_freq"] = weights["rope.inv_freq"]
+            table = spec.rope_table(io.layer)
+            state["inv_freq"] = weights[f"{table}.inv_freq"]
             if ops is not None:
-                state["cos_cache"], state["sin_cache"] = weights["rope.cos"], weights["rope.sin"]
+                state["cos_cache"], state["sin_cache"] = weights[f"{table}.cos"], weights[f"{table}.sin"]
         return state
     state = {k: v for k, v in weights.items() if k.startswith(("norm.", "unembed."))}
     if "unembed.weight" not in state and spec.tie_word_embeddings:

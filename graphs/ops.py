@@ -60,6 +60,7 @@ def exported_attention(
     window: int | None,
     rotary_dim: int,
     rotary_op: bool,
+    rotary_table: str = "rope",
 ):
     """The attention of a layer graph, under `torch.onnx.export`: one placeholder node, `paradecode::CacheAttention`,
     which export/attention.py expands into standard operators (docs/design.md §4):
@@ -69,7 +70,9 @@ def exported_attention(
     positions[b, 0] .. are written into the cache passed in (the runtime binds `present_*` to it) and every query
     attends over the whole cache it is given, a slot visible where it is at or before the query's position (and
     within `window`): what `attention` computes with `write_cache`, each graph checked against it at export.
-    `rotary_op`: rotary embeddings as onnxruntime's RotaryEmbedding operator, else as elementwise operators.
+    `rotary_op`: rotary embeddings as onnxruntime's RotaryEmbedding operator, else as elementwise operators;
+    `rotary_table` names the tables (a model's layers may turn by two: Gemma 3's local and global bases), so layers
+    composed into one segment share the rows of a table for the call's positions, and only of the same table.
     """
     cos, sin = tables if tables is not None else (None, None)
     attrs = {
@@ -80,6 +83,7 @@ def exported_attention(
         "window": int(window or 0),
         "rotary_dim": int(rotary_dim if tables is not None else 0),
         "rotary_op": int(rotary_op),
+        "rotary_table": rotary_table,
         "dtype": ONNX_ELEMENT_TYPES[q.dtype],
     }
     return torch.onnx.ops.symbolic_multi_out(
@@ -105,7 +109,7 @@ def activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
-    """cos and sin [B, 1, T, D_h] for integer positions [B, T]."""
+    """cos and sin [B, 1, T, R] for integer positions [B, T]: R = 2 * len(inv_freq), the rotary dims."""
     freqs = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * scaling).to(dtype)
@@ -114,9 +118,23 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D_h] turned by the rotary embedding in its first R dims (cos and sin [..., R]; R = D_h but for partial
+    rotary embeddings, whose other dims pass through: Hugging Face's Phi-3 `apply_rotary_pos_emb`)."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    turned, passed = x[..., :rotary], x[..., rotary:]
+    return torch.cat((turned * cos + _rotate_half(turned) * sin, passed), dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in the order Hugging Face's Gemma computes it."""
+    return torch.tanh(logits / cap) * cap
 
 
 def write_cache(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Each entry exercises the family's odd corners: grouped-query attention with an uneven ratio,
 head_dim != hidden/heads, untied embeddings, rope scaling, q/k/v bias, q/k norm, sliding windows
-shorter than the test sequences, GPT-2's learned positions and Conv1D weights.
+shorter than the test sequences, GPT-2's learned positions and Conv1D weights, Gemma 3's interleaved
+sliding and full layers with two rotary bases, Phi-3's fused projections and partial longrope rotary.
 """
 
 from __future__ import annotations
@@ -69,6 +70,55 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=128,
         sliding_window=5,
         tie_word_embeddings=False,
+    ),
+    # Sliding layers (a window of 5, shorter than the prompts) around a full one, their own rotary base, one key/value
+    # head, head_dim independent of hidden / heads, query_pre_attn_scalar other than head_dim, soft-capped logits
+    # (Gemma 2's value; Gemma 3's configs leave it unset) and linear rope scaling on the full layers.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        vocab_size=91,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=20,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        final_logit_softcapping=15.0,
+        tie_word_embeddings=True,
+    ),
+    # Partial rotary embeddings (half of each head), longrope scaling (short factors up to 64 positions, the
+    # attention factor of a 4x longer context), a sliding window of 7 over every layer, untied embeddings.
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=87,
+        hidden_size=48,
+        intermediate_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        sliding_window=7,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.7],
+            "long_factor": [2.5, 6.0],
+        },
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     ),
     "gpt2": dict(
         model_type="gpt2",
@@ -146,6 +196,38 @@ HELDOUT_CONFIGS: dict[str, dict] = {
         sliding_window=3,
         tie_word_embeddings=True,
     ),
+    # head_dim 16, two key/value heads, no cap; a window of 6, shorter than the prompts, in a sliding layer between
+    # two full ones (each with its rotary base).
+    "gemma3": dict(
+        model_type="gemma3_text",
+        vocab_size=71,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=128,
+        sliding_window=6,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
+    # Full rotary embeddings, default rope, no window, multi-head attention, tied embeddings.
+    "phi3": dict(
+        model_type="phi3",
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
     "gpt2": dict(
         model_type="gpt2",
         vocab_size=53,
@@ -179,6 +261,34 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, c
                 param.uniform_(0.8, 1.2)
             else:
                 param.normal_(0.0, 0.05)
+    return model.eval()
+
+
+def tiny_gemma3_multimodal(seed: int = 0):
+    """A `gemma3` checkpoint (Gemma3ForConditionalGeneration: the tiny gemma3 text model beside a one-layer vision
+    tower), whose text part is what paradecode exports."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    text = {k: v for k, v in TINY_CONFIGS["gemma3"].items() if k != "model_type"}
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    special = dict(image_token_index=90, boi_token_index=88, eoi_token_index=89)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **special)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3 if "emb" in name else 0.15)
+            elif "norm" in name:
+                param.uniform_(0.8, 1.2)
     return model.eval()
 
 

@@ -5,7 +5,7 @@ of `paradecode.graphs.modules`, and names the model's final norm and LM head (wh
 heads reuse). Adding a family is one file here plus its tiny model in the tests.
 """
 
-from paradecode.export.families import gpt2, llama, mistral, qwen2, qwen3  # noqa: F401  (registration)
+from paradecode.export.families import gemma3, gpt2, llama, mistral, phi3, qwen2, qwen3  # noqa: F401  (registration)
 from paradecode.export.families.base import Family, family_for, register, registered_families
 
 __all__ = ["Family", "family_for", "register", "registered_families"]

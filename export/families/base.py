@@ -42,6 +42,10 @@ class Family:
         """The model's final norm, the module between the last decoder layer and the LM head."""
         raise NotImplementedError
 
+    def final_norm_scale(self, model: torch.nn.Module) -> torch.Tensor:
+        """What the final norm multiplies the normalised hidden state by (its weight; Gemma's 1 + weight)."""
+        return self.final_norm(model).weight.detach()
+
     def lm_head(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model's LM head (the unembedding), which exit heads share with the final head."""
         head = model.get_output_embeddings()

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from paradecode.export.cli import MODEL_HELP, layer_list
     from paradecode.export.heads.pipeline import COSTS, HeadsConfig
     from paradecode.export.prompt_sets import NAMES_HELP
-    from paradecode.graphs.arguments import positive_int
+    from paradecode.graphs.arguments import positive_int, seed
 
     def default(name: str) -> str:
         return f"default {HeadsConfig.default(name)}"
@@ -73,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "heads (its own graphs timed here: calibrate on the quantized export you will decode with) "
         f"({default('costs')})",
     )
-    parser.add_argument("--seed", type=int, help=f"for the held-out split and the training batches ({default('seed')})")
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        help="for the held-out split and the training batches, -2**63 to 2**64 - 1 as paradecode-generate takes it (a "
+        f"negative one wraps to 2**64 + seed) ({default('seed')})",
+    )
     parser.add_argument("--force", action="store_true", default=None, help="replace FILE if it exists")
     return parser
 

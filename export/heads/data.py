@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from paradecode.graphs.errors import UnsupportedModelError
+from paradecode.graphs.ops import softcap
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,10 @@ class Recorder:
         last_only: bool,
         eos: torch.Tensor | None = None,
         on_call: Callable[[], None] | None = None,
+        logit_softcap: float | None = None,
     ):
         self.modules = [(layers[e - 1], e) for e in exit_layers] + [(final_norm, "final"), (lm_head, "logits")]
+        self.logit_softcap = logit_softcap  # the model caps its LM head's output: the distribution is of capped logits
         self.last_only, self.on_call = last_only, on_call
         self.eos = eos if eos is not None else torch.zeros(0, dtype=torch.int64)
         self.calls: dict[int | str, list[torch.Tensor]] = {key: [] for _, key in self.modules}
@@ -159,6 +162,8 @@ class Recorder:
         return record
 
     def logits(self, logits: torch.Tensor) -> None:
+        if self.logit_softcap is not None:
+            logits = softcap(logits, self.logit_softcap)
         token = logits.argmax(-1)  # [B, T]
         self.calls["logits"].append(torch.logsumexp(logits, dim=-1))
         self.calls["token"].append(token)
@@ -181,7 +186,15 @@ class Recorder:
 
 def recorder_for(model, family, spec, exit_layers: tuple[int, ...], **kwargs) -> Recorder:
     layers = decoder_layers(model, spec.num_layers)
-    return Recorder(layers, family.final_norm(model), family.lm_head(model), exit_layers, spec.vocab_size, **kwargs)
+    return Recorder(
+        layers,
+        family.final_norm(model),
+        family.lm_head(model),
+        exit_layers,
+        spec.vocab_size,
+        logit_softcap=spec.final_logit_softcap,
+        **kwargs,
+    )
 
 
 @dataclass

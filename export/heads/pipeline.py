@@ -24,7 +24,9 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from paradecode.graphs.arguments import SEED_RANGE
 from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
+from paradecode.graphs.untrusted import show
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,12 @@ class HeadsConfig:
             )
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserInputError(f"--lr must be a positive number, got {self.lr}.")
+        low, high = SEED_RANGE
+        if not (isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed <= high):
+            raise UserInputError(
+                f"seed must be an integer from 0 to {high} (2**64 - 1, what torch's generators take), got "
+                f"{show(self.seed)}; paradecode-train-heads --seed takes {low} to {high} and wraps a negative one."
+            )
         if not 0 < self.held_out < 1:
             raise UserInputError(f"--held-out must be a share in (0, 1), got {self.held_out}.")
         if not (math.isfinite(self.head_budget) and self.head_budget > 0):
@@ -216,7 +224,7 @@ def split_check(held_out: torch.Tensor, sequence: torch.Tensor, seed: int) -> tu
     if len(chosen) < 2:
         rows = torch.nonzero(held_out).squeeze(1)
         return rows, rows
-    check = chosen[held_out_sequences(len(chosen), 0.5, seed + 1)]
+    check = chosen[held_out_sequences(len(chosen), 0.5, (seed + 1) % 2**64)]  # the seed's successor, in range
     in_check = torch.isin(sequence, check)
     return torch.nonzero(held_out & ~in_check).squeeze(1), torch.nonzero(held_out & in_check).squeeze(1)
 

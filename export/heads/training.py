@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from paradecode.export.heads.data import Features
+from paradecode.graphs.ops import softcap
 
 if TYPE_CHECKING:
     from paradecode.export.families import Family
@@ -49,14 +50,24 @@ PROGRESS_ROWS = 2048  # held-out positions the training progress measures agreem
 
 @dataclass(frozen=True)
 class Unembedding:
-    """The model's final norm and LM head, which every exit head reuses frozen."""
+    """The model's final norm and LM head, which every exit head reuses frozen, with what the norm multiplies by
+    (`norm_scale`: its weight, Gemma's 1 + weight) and the cap of the model's logits (`softcap`, None: uncapped)."""
 
     norm: torch.nn.Module
     lm_head: torch.nn.Module
+    norm_scale: torch.Tensor
+    softcap: float | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module, family: Family) -> Unembedding:
-        return cls(family.final_norm(model), family.lm_head(model))
+        spec = family.spec(model.config, model)
+        return cls(
+            family.final_norm(model), family.lm_head(model), family.final_norm_scale(model), spec.final_logit_softcap
+        )
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits as the model gives them: soft-capped where it caps them (graphs.ops.softcap)."""
+        return logits if self.softcap is None else softcap(logits, self.softcap)
 
     def freeze(self) -> None:
         for p in (*self.norm.parameters(), *self.lm_head.parameters()):
@@ -75,11 +86,11 @@ class Unembedding:
         """An exit head's logits over `vocab` for hidden states after its layer (no transform: the model's own)."""
         if transform is not None:
             hidden = hidden @ transform.t()
-        return F.linear(self.norm(hidden), *self.rows(vocab)).float()
+        return self.cap(F.linear(self.norm(hidden), *self.rows(vocab))).float()
 
     def final_logits(self, final: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The final head's logits over `vocab` for hidden states already through the final norm."""
-        return F.linear(final, *self.rows(vocab)).float()
+        return self.cap(F.linear(final, *self.rows(vocab))).float()
 
 
 def restricted_kl(student: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -102,7 +113,7 @@ def least_squares_init(
     """Per exit layer, T minimising sum ||T h_e - u||^2 over `rows` (ridge: `ridge` x the mean of diag(H^T H)),
     u the final normed hidden state with the norm's scale and shift undone; rescaled to the identity's norm
     (the norm makes T's scale irrelevant to the head, but Adam's steps are absolute)."""
-    weight = unembedding.norm.weight.detach().float()
+    weight = unembedding.norm_scale.detach().float()
     bias = getattr(unembedding.norm, "bias", None)
     scale = torch.where(weight.abs() > 1e-6, weight, torch.ones_like(weight))
     target = features.final[rows].float() - (0.0 if bias is None else bias.detach().float())
@@ -169,7 +180,9 @@ def train_heads(
         with torch.no_grad():
             teacher = teacher_log_probs(unembedding, features, rows, vocab)
         hidden = torch.stack([features.exits[e][rows] for e in layers]).float()  # [n, B, D]
-        logits = F.linear(unembedding.norm(torch.bmm(hidden, transforms.transpose(1, 2))), weight, bias)
+        logits = unembedding.cap(
+            F.linear(unembedding.norm(torch.bmm(hidden, transforms.transpose(1, 2))), weight, bias)
+        )
         loss = restricted_kl(F.log_softmax(logits.float(), dim=-1), teacher).mean()
         optimizer.zero_grad()
         loss.backward()

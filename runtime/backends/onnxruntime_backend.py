@@ -245,8 +245,8 @@ class OnnxRuntimeBackend(Backend):
         the manifest alone cannot tell: a larger one would fail at the first call past the tables."""
         if self.spec.positions != "rope" or self.weights is None:
             return
-        expected = (self.manifest.max_seq_len, self.spec.head_dim // 2)
-        for name in ("rope.cos", "rope.sin"):
+        expected = (self.manifest.max_seq_len, self.spec.rotary_dims // 2)
+        for name in [f"{table}.{part}" for table in self.spec.rope_tables for part in ("cos", "sin")]:
             shape = tuple(self.weights_tensor(name).shape)
             if shape != expected:
                 raise ManifestError(

@@ -174,3 +174,44 @@ def test_a_graph_without_placeholders_is_left_alone():
         )
     )
     assert expand_attention(model.graph) == 0 and [n.op_type for n in model.graph.node] == ["Relu"]
+
+
+def test_a_window_shorter_than_the_cache_exports_with_the_defaults_and_decodes_as_transformers(tmp_path):
+    """A Mistral model whose window (12) is shorter than its cache, head_dim 16, 4 layers: the default export (fused
+    operators) validates, and plain decoding and ParaDecode past the window give transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from paradecode.runtime import load
+    from tests.export.test_export import hf_greedy
+
+    config = MistralConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=12,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.3 if "emb" in name else 0.15)
+    model.save_pretrained(tmp_path / "mistral")
+    export_model(ExportConfig(model=str(tmp_path / "mistral"), output=tmp_path / "export", max_seq_len=64))
+    prompt = [(7 * i + 3) % 97 for i in range(20)]  # longer than the window
+    want = hf_greedy(model, prompt, 24)
+    loaded = load(tmp_path / "export")
+    try:
+        assert loaded.generate(prompt_ids=prompt, max_new_tokens=24, mode="ar", ignore_eos=True).token_ids == want
+        got = loaded.generate(prompt_ids=prompt, max_new_tokens=24, mode="paradecode", thresholds=0.0, ignore_eos=True)
+        assert got.token_ids == want
+    finally:
+        loaded.close()

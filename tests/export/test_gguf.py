@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import io
 import json
+import re
 import shutil
 import sys
 from dataclasses import replace
@@ -283,6 +284,101 @@ def test_bench_warns_when_the_reference_is_another_model(tiny, exported, caplog)
 
 
 # --- (e) bad input -------------------------------------------------------------------------------
+
+
+HUGE_TEMPLATE = "{{ 'x' }}" * (1 << 19)  # 4.5 MB: past the 1 MiB the runtime takes
+UNCOMPILABLE_TEMPLATE = "{% include 'other.jinja' %}"  # a chat template has no other templates to load
+TEMPLATES = [(HUGE_TEMPLATE, r"4,718,592 bytes, more than the 1 MiB"), (UNCOMPILABLE_TEMPLATE, r"uses \{% include %\}")]
+
+
+@pytest.mark.timeout(60)  # refused before the model loads: the regression ran the whole export (minutes on SmolLM2)
+@pytest.mark.parametrize(("template", "message"), TEMPLATES, ids=["4-MB", "include"])
+def test_a_chat_template_the_runtime_refuses_is_refused_before_any_work(tmp_path, monkeypatch, template, message):
+    import re
+
+    from paradecode.export import pipeline
+
+    path = tmp_path / "template.gguf"
+    write_tiny_gguf(path, chat_template=template)
+    loads = []
+    monkeypatch.setattr(pipeline, "load_hf_model", lambda *args: loads.append(args))
+    code, printed = run_cli([path, "-o", tmp_path / "out"])
+    assert code == 2 and not loads, printed
+    expected = rf"the chat template of {re.escape(str(path))} would make its export unusable .*{message}"
+    assert re.search(expected, printed), printed
+    assert "Traceback" not in printed and len(printed) < 2000, printed
+    assert_nothing_written(tmp_path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("template", [HUGE_TEMPLATE, UNCOMPILABLE_TEMPLATE], ids=["4-MB", "include"])
+def test_a_model_folders_chat_template_is_held_to_the_same_bounds(model_dirs, tmp_path, template):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], folder)
+    (folder / "chat_template.jinja").write_text(template)
+    code, printed = run_cli([folder, "-o", tmp_path / "out"])
+    assert code == 2 and "would make its export unusable" in printed and "Traceback" not in printed, printed
+    assert_nothing_written(tmp_path)
+
+
+class MetadataEdits:
+    """A GGUFWriter that writes a rotary dimension count of `rope_dims` and, at the end, a linear rope scaling."""
+
+    def __init__(self, writer, rope_dims: int | None):
+        self.writer, self.rope_dims = writer, rope_dims
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+    def add_rope_dimension_count(self, count: int) -> None:
+        self.writer.add_rope_dimension_count(self.rope_dims or count)
+
+
+def rope_scaling(layout, original, writer, shape, vocab):
+    from gguf import RopeScalingType
+
+    original(writer, shape, vocab)
+    writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(8.0)
+
+
+def half_rotary(layout, original, writer, shape, vocab):
+    original(MetadataEdits(writer, shape.head_dim // 2), shape, vocab)
+
+
+MISREAD = [
+    ("phi3", "tensors", r"without its longrope factors \(rope_factors_long\.weight, rope_factors_short\.weight\)"),
+    ("phi3", half_rotary, r"without its partial rotary embedding \(phi3\.rope\.dimension_count 8 of 16 head dims\)"),
+    ("phi3", rope_scaling, r"without its rope scaling \(phi3\.rope\.scaling\.type 'linear'\)"),
+    ("gemma3", rope_scaling, r"without its rope scaling \(gemma3\.rope\.scaling\.type 'linear'\)"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("family", "edit", "message"), MISREAD, ids=["factors", "partial", "phi3-scaling", "gemma3"])
+def test_a_gguf_file_transformers_would_misread_is_refused(tmp_path, monkeypatch, family, edit, message):
+    """transformers' gemma3 and phi3 GGUF mappings read no rope scaling, no longrope factors and no partial rotary
+    dims: its float model of such a file (the export's reference) is another model, so the export refuses it."""
+    from tests.tiny_gguf import LAYOUTS, TensorSpec
+
+    layout = type(LAYOUTS[family])
+    if edit == "tensors":
+        tensors = layout.tensors
+        factors = [TensorSpec(f"rope_factors_{k}.weight", f"rope_factors_{k}", (8,), "norm") for k in ("long", "short")]
+        monkeypatch.setattr(layout, "tensors", lambda self, *args: tensors(self, *args) + factors)
+    else:
+        original = layout.write_metadata
+        monkeypatch.setattr(
+            layout, "write_metadata", lambda self, *args: edit(self, lambda *a: original(self, *a), *args)
+        )
+    path = tmp_path / f"{family}.gguf"
+    write_tiny_gguf(path, family=family)
+    code, printed = run_cli([path, "-o", tmp_path / "out"])
+    assert code == 2 and re.search(rf"transformers reads the GGUF file \S+ {message}", printed), printed
+    assert "Traceback" not in printed and "Hugging Face folder" in printed
+    assert_nothing_written(tmp_path)
 
 
 def test_missing_gguf_file(tmp_path):

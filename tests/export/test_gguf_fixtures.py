@@ -47,7 +47,15 @@ TYPES = [t.name for t in BLOCK_TYPES]
 MIXED = "mixed-Q4_K"  # Q4_K with Q6_K where llama.cpp's Q4_K_M puts it
 MATRIX = [pytest.param(f, t, id=f"{f}-{t}") for f in FAMILIES for t in TYPES]
 # One block type per family for the (slow) export, spread over the kinds of block.
-EXPORTED = {"llama": MIXED, "qwen2": "Q5_K", "qwen3": "Q6_K", "mistral": "Q4_0", "gpt2": "Q5_1"}
+EXPORTED = {
+    "llama": MIXED,
+    "qwen2": "Q5_K",
+    "qwen3": "Q6_K",
+    "mistral": "Q4_0",
+    "gpt2": "Q5_1",
+    "gemma3": "Q5_0",
+    "phi3": "Q4_K",
+}
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +266,29 @@ def test_export_of_each_family_passes_validation(written, family, tmp_path):
     assert checks and all(line.startswith("[  ok]") for line in checks), printed
     model = json.loads((out / "manifest.json").read_text())["model"]
     assert model["model_type"] == weights.model_type and model["gguf_file"] == str(weights.path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
+def test_a_gguf_of_the_newer_families_decodes_as_transformers_generate(written, family, tmp_path):
+    """The file's blocks kept, float activations: plain decoding and ParaDecode (every token exiting at layer 1, so
+    nearly every one rolling back) give transformers' greedy tokens on its own (dequantized) model of the file;
+    gemma3's window of 5 is shorter than the prompt."""
+    from paradecode.runtime import load
+    from tests.parity import assert_same_tokens, hf_scorer
+
+    weights = written(family, EXPORTED[family])
+    out = tmp_path / "export"
+    printed = io.StringIO()
+    argv = [weights.path, "-o", out, "--max-seq-len", "64", "--exit-layers", "1", "--activations", "float"]
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        assert cli.main([str(a) for a in argv]) == 0, printed.getvalue()
+    hf = transformers_load(weights.path)[0].eval()
+    prompt = torch.randint(3, VOCAB_SIZE, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        generated = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    expected = generated[0, len(prompt) :].tolist()
+    with load(out) as model:
+        for mode in ("ar", "paradecode"):
+            result = model.generate(prompt_ids=prompt, max_new_tokens=30, mode=mode, thresholds=0.0, ignore_eos=True)
+            assert_same_tokens(result.token_ids, expected, f"{family} GGUF {mode}", prompt=prompt, score=hf_scorer(hf))

@@ -294,6 +294,26 @@ def eos_token_of_the_wrong_type(data, folder):
     data["model"]["eos_token_id"] = ["two"]
 
 
+def local_rope_of_the_wrong_type(data, folder):
+    data["spec"]["local_rope"] = [True, "no", False, True]
+
+
+def odd_rotary_dim(data, folder):
+    data["spec"]["rotary_dim"] = 5
+
+
+def max_seq_len_beyond_the_rotary_tables(data, folder):
+    data["spec"]["rope_max_positions"] = 32
+
+
+def a_billion_layers(data, folder):
+    data["spec"]["num_layers"] = 10**9  # building the plan first spun for minutes, memory growing
+
+
+def more_layers_than_graphs(data, folder):
+    data["spec"]["num_layers"] = 10**5  # building the plan first ended in a 3 MB one-line error
+
+
 TAMPERED = [
     (absolute_onnx, r"subgraphs\[1\]\.onnx is '/\S*layer_1\.onnx', an absolute path"),
     (absolute_files_key, r"a files key is '/\S*secret\.txt', an absolute path"),
@@ -350,6 +370,11 @@ TAMPERED = [
     (negative_file_size, r"files\['onnx/weights\.safetensors'\]\.bytes is -1; expected an integer >= 0"),
     (spec_field_of_the_wrong_type, r"spec\.norm_eps is '1e-5'; expected a finite number"),
     (eos_token_of_the_wrong_type, r"model\.eos_token_id\[0\] is 'two'; expected an integer >= 0"),
+    (local_rope_of_the_wrong_type, r"spec\.local_rope\[1\] is 'no'; expected true or false"),
+    (odd_rotary_dim, r"spec: ModelSpec\.rotary_dim must be an even number of dims from 2 to head_dim \(12\)"),
+    (max_seq_len_beyond_the_rotary_tables, r"limits\.max_seq_len is 64; expected at most .* \(32, spec\.rope_max"),
+    (a_billion_layers, r"spec\.num_layers is 1000000000, but subgraphs lists 12 graphs: .* at most 10 layers\. It"),
+    (more_layers_than_graphs, r"spec\.num_layers is 100000, but subgraphs lists 12 graphs"),
 ]
 
 
@@ -360,6 +385,33 @@ def test_a_tampered_manifest_is_refused_naming_the_field(folder, tamper, pattern
     rewrite(folder, lambda data: foreign.extend(tamper(data, folder) or []))
     message = refused(folder, pattern, foreign)
     assert "manifest.json does not describe a valid export" in message and "paradecode-export" in message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layers", [10**5, 10**9])
+def test_a_spec_with_more_layers_than_graphs_is_refused_at_once_in_a_short_message(folder, layers):
+    """Regression: the contract's plan was built before its size was checked (10**9 layers spun, 10**5 layers gave a
+    3 MB message); a listing that is not the contract's is shown shortened too."""
+    rewrite(folder, lambda data: data["spec"].update(num_layers=layers))
+    assert len(refused(folder, r"spec\.num_layers")) < 1000
+    rewrite(folder, lambda data: data.update(subgraphs=data["subgraphs"] * 400, spec={**data["spec"], "num_layers": 4}))
+    assert len(refused(folder, r"subgraphs lists \['embed', .*\.\.\.; the contract for")) < 2000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prog", ["generate", "serve"])
+def test_the_commands_refuse_an_impossible_layer_count_with_exit_2_and_no_traceback(folder, prog, capsys):
+    from paradecode.runtime import cli as generate_cli
+    from paradecode.runtime.serve import cli as serve_cli
+
+    rewrite(folder, lambda data: data["spec"].update(num_layers=10**9))
+    if prog == "generate":
+        code = generate_cli.main([str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"])
+    else:
+        code = serve_cli.main([str(folder), "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "spec.num_layers is 1000000000" in err and "Traceback" not in err and len(err) < 1500, err
 
 
 # --- symlinks, huge files and odd files on disk -----------------------------------------------

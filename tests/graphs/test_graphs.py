@@ -39,6 +39,51 @@ def test_spec_validates_itself():
     assert spec.window(1) is None and spec.window(2) == 4
 
 
+def test_spec_reads_a_manifest_without_the_newer_fields_and_round_trips_them():
+    """Manifests written before the rotary, embedding-scale, sandwich-norm and soft-cap fields read with their
+    defaults (the features off); a spec with them survives JSON."""
+    old = ModelSpec.from_dict(dict(SPEC))
+    assert (old.rotary_dims, old.local_rope, old.rope_max_positions, old.embed_scale) == (4, (), None, None)
+    assert not old.sandwich_norms and old.final_logit_softcap is None and old.rope_tables == ("rope",)
+    new = ModelSpec(
+        **SPEC,
+        rotary_dim=2,
+        local_rope=(True, False),
+        rope_max_positions=16,
+        embed_scale=8**0.5,
+        sandwich_norms=True,
+        final_logit_softcap=30.0,
+    )
+    assert ModelSpec.from_dict(json.loads(json.dumps(new.to_dict()))) == new
+    assert (
+        new.rope_table(1) == "rope_local" and new.rope_table(2) == "rope" and new.rope_tables == ("rope_local", "rope")
+    )
+    for bad, message in (
+        (dict(rotary_dim=3), "even number"),
+        (dict(rotary_dim=6), "even number"),
+        (dict(local_rope=(True,)), "1 entries for 2 layers"),
+        (dict(final_logit_softcap=0.0), "positive finite"),
+        (dict(embed_scale=float("nan")), "positive finite"),
+        (dict(rope_max_positions=0), "positive integer"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=message):
+            ModelSpec(**SPEC, **bad)
+
+
+def test_partial_rotary_turns_the_first_dims_as_transformers_phi3_does():
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    positions = torch.arange(5).repeat(2, 1) + torch.tensor([[0], [7]])
+    inv_freq = torch.tensor([1.0, 0.01])  # 4 of 8 dims turn
+    cos, sin = ops.rope_cos_sin(positions, inv_freq, 1.25, torch.float32)
+    expected = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
+    assert torch.equal(ops.apply_rope(q, cos, sin), expected[0]) and torch.equal(
+        ops.apply_rope(k, cos, sin), expected[1]
+    )
+    assert torch.equal(ops.apply_rope(q, cos, sin)[..., 4:], q[..., 4:])
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_write_cache_writes_in_place_at_each_rows_position(batch):
     cache = torch.zeros(batch, 2, 10, 3)

@@ -44,7 +44,14 @@ def heldout(tmp_path_factory) -> Cache:
         prompt = torch.randint(0, model.config.vocab_size, (7,), generator=generator).tolist()
         with torch.no_grad():
             generated = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
+                # the positions after it)
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             )
         return Heldout(model, folder / "export", result, prompt, generated[0, len(prompt) :].tolist())
 

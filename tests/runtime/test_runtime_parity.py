@@ -13,7 +13,7 @@ import torch
 from paradecode.runtime import NEVER, Tracing, load
 from tests.conftest import Cache
 from tests.parity import OVERLAPS, SETTINGS, assert_same_tokens, export_scorer, hf_scorer
-from tests.tiny_models import TINY_CONFIGS, tiny_model
+from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, tiny_model
 
 PROMPTS = {"p5x20": (5, 20), "p11x40": (11, 40)}  # (prompt length, new tokens); the exports hold 64 positions
 BACKENDS = ("onnxruntime", "torch")
@@ -28,7 +28,14 @@ def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
+            # the positions after it)
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
     return out[0, len(prompt) :].tolist()
 
@@ -212,3 +219,39 @@ def test_fused_exit_layers_are_used_and_optional(model_dirs, exports, tmp_path):
                 assert (fused_calls, head_calls) == ((True, False) if label == "fused" else (False, True)), (
                     f"{label}/{overlap}: subgraphs called {sorted(names)}"
                 )
+
+
+# --- the portable operators (what TensorRT reads, and the eager ops traced) -------------------------------------
+
+PORTABLE = {
+    "gemma3": TINY_CONFIGS["gemma3"],
+    "phi3": TINY_CONFIGS["phi3"],
+    # head_dim 16 and a window of 4: what the fused path would give onnxruntime's kernel, here in portable operators
+    "gemma3-head16": {**HELDOUT_CONFIGS["gemma3"], "sliding_window": 4},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PORTABLE))
+def test_portable_exports_of_the_newer_families_decode_as_transformers(name, tmp_path):
+    """`--ops portable`: the partial and per-layer rotary tables, sandwich norms, embedding scale and logit cap traced
+    from the eager ops; ar equals transformers' greedy, ParaDecode (every token exiting) equals ar, on both backends."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+
+    family = name.split("-")[0]
+    model = tiny_model(family, seed=2, configs={family: PORTABLE[name]})
+    model.save_pretrained(tmp_path / "model")
+    result = export_model(
+        ExportConfig(model=str(tmp_path / "model"), output=tmp_path / "export", max_seq_len=64, ops="portable")
+    )
+    assert result.manifest.ops == "portable"
+    prompt = prompt_of(9, model.config.vocab_size, seed=9)
+    expected = hf_greedy(model, prompt, 30)
+    for backend in BACKENDS:
+        with load(tmp_path / "export", backend=backend) as loaded:
+            ar = loaded.generate(prompt_ids=prompt, max_new_tokens=30, mode="ar", ignore_eos=True)
+            assert_same_tokens(ar.token_ids, expected, f"{name}/{backend} ar", prompt=prompt, score=hf_scorer(model))
+            result = loaded.generate(prompt_ids=prompt, max_new_tokens=30, thresholds=0.0, ignore_eos=True)
+            what = f"{name}/{backend} paradecode"
+            assert_same_tokens(result.token_ids, ar.token_ids, what, prompt=prompt, score=export_scorer(loaded))

@@ -5,7 +5,10 @@ llama.cpp's tensor names (`token_embd.weight`, `blk.{i}.attn_q.weight`, ...), sh
 in numpy order (a Linear weight's [out, in]), and the few layout changes transformers undoes on load:
 - llama and mistral: the rows of Q and K permuted per head (`LlamaModel.permute`);
 - gpt2: Conv1D weights ([in, out]) transposed to [out, in], q/k/v fused in `attn_qkv`;
-- qwen2 and qwen3: Hugging Face's layout as is.
+- qwen2 and qwen3: Hugging Face's layout as is;
+- gemma3: every norm weight stored plus one (llama.cpp's `norm_shift`; transformers subtracts it), Gemma's four
+  norms a layer under their own names (`post_attention_norm`, `ffn_norm` before the MLP, `post_ffw_norm`);
+- phi3: q/k/v in one matrix (`attn_qkv`) and gate/up in one (`ffn_up`), as Phi-3's checkpoints hold them.
 Mistral checkpoints are written with architecture "llama" (llama.cpp has no "mistral" architecture),
 so transformers reads them as a llama model.
 
@@ -47,7 +50,8 @@ class TensorSpec:
     """One tensor of the file: its GGUF name and shape, and the Hugging Face parameter it becomes.
 
     `layout` says how the GGUF layout differs from Hugging Face's: "as-is", "permuted" (rows reordered
-    per head for llama.cpp's rotary embedding, `heads` of them) or "transposed" (GPT-2's Conv1D).
+    per head for llama.cpp's rotary embedding, `heads` of them), "transposed" (GPT-2's Conv1D) or "shifted"
+    (Gemma's norm weights, stored plus one).
     `role` says how it is stored: "matrix" in the chosen block type; "norm", "bias" and "positions" F32.
     """
 
@@ -74,6 +78,8 @@ class TensorSpec:
             return unpermute_from_gguf(values, self.heads)
         if self.layout == "transposed":
             return np.ascontiguousarray(values.T)
+        if self.layout == "shifted":  # transformers' Gemma2TensorProcessor: `weights - 1`
+            return values - 1
         return values
 
     def to_gguf(self, values: np.ndarray) -> np.ndarray:
@@ -82,6 +88,8 @@ class TensorSpec:
             return permute_for_gguf(values, self.heads)
         if self.layout == "transposed":
             return np.ascontiguousarray(values.T)
+        if self.layout == "shifted":
+            return values + 1
         return values
 
 
@@ -236,6 +244,114 @@ class Qwen3(Llama):
                 f"a qwen3 GGUF file with head size {shape.head_dim} would be read with head size 128: transformers' "
                 "qwen3 GGUF mapping ignores attention.key_length and Qwen3Config's head_dim defaults to 128. "
                 "Use key_length=128."
+            )
+
+
+@register
+class Gemma3(Layout):
+    """transformers reads gemma3 files as `gemma3_text` with `layer_types` of its default pattern (every sixth layer
+    full, the rest sliding: `small` has six layers, so one of them is full) and the config's defaults where the file
+    says nothing (query_pre_attn_scalar 256, the sliding layers' rotary base 10,000, no logit cap)."""
+
+    family = arch = "gemma3"
+    model_type = "gemma3_text"
+    small = TinyShape(hidden=64, heads=4, kv_heads=1, key_length=16, intermediate=96, layers=6, eps=1e-6)
+    k_quant = TinyShape(hidden=256, heads=16, kv_heads=1, key_length=16, intermediate=512, layers=2, eps=1e-6)
+    window: ClassVar[int] = 5
+
+    def tensors(self, shape: TinyShape, vocab: int, tied: bool) -> list[TensorSpec]:
+        d, hd, f, h, kv = shape.hidden, shape.head_dim, shape.intermediate, shape.heads, shape.kv_heads
+        specs = [
+            TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
+            TensorSpec("output_norm.weight", "model.norm.weight", (d,), "norm", "shifted"),
+        ]
+        if not tied:
+            specs.append(TensorSpec("output.weight", "lm_head.weight", (vocab, d)))
+        for i in range(shape.layers):
+            b, p = f"blk.{i}.", f"model.layers.{i}."
+            specs += [
+                TensorSpec(b + "attn_norm.weight", p + "input_layernorm.weight", (d,), "norm", "shifted"),
+                TensorSpec(b + "attn_q.weight", p + "self_attn.q_proj.weight", (h * hd, d)),
+                TensorSpec(b + "attn_k.weight", p + "self_attn.k_proj.weight", (kv * hd, d)),
+                TensorSpec(b + "attn_v.weight", p + "self_attn.v_proj.weight", (kv * hd, d)),
+                TensorSpec(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", (hd,), "norm", "shifted"),
+                TensorSpec(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", (hd,), "norm", "shifted"),
+                TensorSpec(b + "attn_output.weight", p + "self_attn.o_proj.weight", (d, h * hd)),
+                TensorSpec(
+                    b + "post_attention_norm.weight", p + "post_attention_layernorm.weight", (d,), "norm", "shifted"
+                ),
+                TensorSpec(b + "ffn_norm.weight", p + "pre_feedforward_layernorm.weight", (d,), "norm", "shifted"),
+                TensorSpec(b + "ffn_gate.weight", p + "mlp.gate_proj.weight", (f, d)),
+                TensorSpec(b + "ffn_up.weight", p + "mlp.up_proj.weight", (f, d)),
+                TensorSpec(b + "ffn_down.weight", p + "mlp.down_proj.weight", (d, f)),
+                TensorSpec(
+                    b + "post_ffw_norm.weight", p + "post_feedforward_layernorm.weight", (d,), "norm", "shifted"
+                ),
+            ]
+        return specs
+
+    def write_metadata(self, writer, shape: TinyShape, vocab: int) -> None:
+        writer.add_context_length(shape.context)
+        writer.add_embedding_length(shape.hidden)
+        writer.add_block_count(shape.layers)
+        writer.add_feed_forward_length(shape.intermediate)
+        writer.add_head_count(shape.heads)
+        writer.add_head_count_kv(shape.kv_heads)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+        writer.add_rope_freq_base(shape.rope_theta)
+        writer.add_layer_norm_rms_eps(shape.eps)
+        writer.add_sliding_window(self.window)
+        writer.add_vocab_size(vocab)
+
+
+@register
+class Phi3(Layout):
+    """transformers' phi3 GGUF mapping reads no partial rotary factor and no rope scaling: a file written for full
+    rotary embeddings and the default rope."""
+
+    family = arch = model_type = "phi3"
+    small = TinyShape(hidden=64, heads=4, kv_heads=2, intermediate=96, layers=3)
+    k_quant = TinyShape(hidden=256, heads=4, kv_heads=2, intermediate=256, layers=2)
+
+    def tensors(self, shape: TinyShape, vocab: int, tied: bool) -> list[TensorSpec]:
+        d, hd, f, h, kv = shape.hidden, shape.head_dim, shape.intermediate, shape.heads, shape.kv_heads
+        specs = [
+            TensorSpec("token_embd.weight", "model.embed_tokens.weight", (vocab, d)),
+            TensorSpec("output_norm.weight", "model.norm.weight", (d,), "norm"),
+        ]
+        if not tied:
+            specs.append(TensorSpec("output.weight", "lm_head.weight", (vocab, d)))
+        for i in range(shape.layers):
+            b, p = f"blk.{i}.", f"model.layers.{i}."
+            specs += [
+                TensorSpec(b + "attn_norm.weight", p + "input_layernorm.weight", (d,), "norm"),
+                TensorSpec(b + "attn_qkv.weight", p + "self_attn.qkv_proj.weight", ((h + 2 * kv) * hd, d)),
+                TensorSpec(b + "attn_output.weight", p + "self_attn.o_proj.weight", (d, h * hd)),
+                TensorSpec(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", (d,), "norm"),
+                TensorSpec(b + "ffn_up.weight", p + "mlp.gate_up_proj.weight", (2 * f, d)),
+                TensorSpec(b + "ffn_down.weight", p + "mlp.down_proj.weight", (d, f)),
+            ]
+        return specs
+
+    def write_metadata(self, writer, shape: TinyShape, vocab: int) -> None:
+        writer.add_context_length(shape.context)
+        writer.add_embedding_length(shape.hidden)
+        writer.add_block_count(shape.layers)
+        writer.add_feed_forward_length(shape.intermediate)
+        writer.add_head_count(shape.heads)
+        writer.add_head_count_kv(shape.kv_heads)
+        writer.add_rope_dimension_count(shape.head_dim)
+        writer.add_rope_freq_base(shape.rope_theta)
+        writer.add_layer_norm_rms_eps(shape.eps)
+        writer.add_vocab_size(vocab)
+
+    def check(self, shape: TinyShape, with_tokenizer: bool) -> None:
+        super().check(shape, with_tokenizer)
+        if shape.head_dim != shape.hidden // shape.heads:
+            raise ValueError(
+                f"a phi3 GGUF file cannot carry a head size ({shape.head_dim}) other than hidden // heads "
+                f"({shape.hidden // shape.heads}): transformers' Phi3Config derives it."
             )
 
 

@@ -49,7 +49,7 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
 VOCAB_SIZE = len(vocabulary()[0])
 
 
-def write_tokenizer(writer, add_bos: bool) -> None:
+def write_tokenizer(writer, add_bos: bool, chat_template: str = CHAT_TEMPLATE) -> None:
     """The `tokenizer.*` keys llama.cpp's converter writes for a byte-level BPE with a chat template."""
     tokens, types, merges = vocabulary()
     writer.add_tokenizer_model("gpt2")
@@ -60,4 +60,4 @@ def write_tokenizer(writer, add_bos: bool) -> None:
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(EOS_ID)
     writer.add_add_bos_token(add_bos)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)

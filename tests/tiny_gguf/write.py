@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWrite
 
 from tests.tiny_gguf.blocks import FILE_TYPES, block_size, block_type, dequantized, random_tensor, weight_std
 from tests.tiny_gguf.layouts import Layout, TensorSpec, TinyShape, layout_for
-from tests.tiny_gguf.vocab import VOCAB_SIZE, write_tokenizer
+from tests.tiny_gguf.vocab import CHAT_TEMPLATE, VOCAB_SIZE, write_tokenizer
 
 BlockTypes = str | GGMLQuantizationType | Mapping[str, str | GGMLQuantizationType]
 DEFAULT_TYPE = "Q8_0"  # of matrices a `block_types` mapping does not name
@@ -144,6 +144,7 @@ def write_tiny_gguf(
     add_bos: bool = False,
     tied: bool = True,
     metadata_shape: TinyShape | None = None,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> TinyGGUF:
     """Write a tiny random `family` model as llama.cpp would; return what transformers should read back.
 
@@ -151,7 +152,8 @@ def write_tiny_gguf(
     ("Q4_K") or a mapping from "default", a kind ("token_embd", "attn_v", ...) or a tensor
     ("blk.1.ffn_down") to a type; norms, biases and GPT-2's positions are F32. `tied` leaves out
     output.weight (transformers then ties lm_head to the embedding). `metadata_shape` writes other sizes
-    into the metadata than the tensors have (a damaged or hostile file: `block_count` 1,000,000 over 4 blocks).
+    into the metadata than the tensors have (a damaged or hostile file: `block_count` 1,000,000 over 4 blocks);
+    `chat_template` replaces the tokenizer's chat template.
     """
     layout: Layout = layout_for(family)
     shape = shape or shape_for(family, block_types)
@@ -173,7 +175,7 @@ def write_tiny_gguf(
     writer.add_file_type(FILE_TYPES[block_type(as_mapping(block_types)["default"])])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     if with_tokenizer:
-        write_tokenizer(writer, add_bos)
+        write_tokenizer(writer, add_bos, chat_template)
     for t in tensors.values():
         quantized = t.data.dtype == np.uint8
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type if quantized else None)

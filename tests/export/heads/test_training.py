@@ -57,7 +57,7 @@ def recorded(family: str, prompts, new_tokens: int, exit_layers, held=None, batc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])  # gemma3: soft-capped logits, sliding windows
 def test_recording_during_batched_generation_equals_a_second_forward_pass(family):
     """Left-padded batches of uneven prompts: every generated token's features are what an unpadded forward pass
     over the finished sequence computes at the position that predicted it (float16 storage: 1e-2 relative)."""
@@ -204,6 +204,35 @@ def test_training_lowers_the_loss_raises_agreement_and_leaves_the_model_unchange
         assert confidence[e].max() <= 1 and confidence[e].min() >= 1 / len(vocab)
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed, f"training heads changed the model's own weights: {changed}"
+
+
+def test_least_squares_start_undoes_gemmas_norm_scale_of_one_plus_weight():
+    """Gemma 3's final norm multiplies by 1 + weight (its family's `final_norm_scale`), and its logits are capped: the
+    least-squares start fitted with that scale has a lower loss than the model's own head and than a start fitted with
+    the norm's raw weight. (The tiny model's own head agrees with the final layer unusually often, its embedding
+    dominating the residual stream, so agreement is not what is compared.)"""
+    import dataclasses
+
+    prompts = [[i, i + 1] for i in range(0, 90, 3)]
+    held = held_out_sequences(len(prompts), 0.2, seed=0)
+    model, _, recording = recorded("gemma3", prompts, 20, (1, 2), held=held)
+    features, rows = recording.features, torch.nonzero(~recording.held_out).squeeze(1)
+    unembedding = Unembedding.of(model, family_for("gemma3"))
+    assert unembedding.softcap == 15.0
+    assert torch.equal(unembedding.norm_scale, 1.0 + model.model.norm.weight.detach())
+    raw = dataclasses.replace(unembedding, norm_scale=model.model.norm.weight.detach())
+    teacher = teacher_log_probs(unembedding, features, rows, None)
+
+    def loss(start, e):
+        with torch.no_grad():
+            student = torch.log_softmax(unembedding.head_logits(features.exits[e][rows].float(), start), -1)
+            return float(restricted_kl(student, teacher))
+
+    fitted, misfitted = least_squares_init(unembedding, features, rows), least_squares_init(raw, features, rows)
+    for e in (1, 2):
+        own, right, wrong = loss(None, e), loss(fitted[e], e), loss(misfitted[e], e)
+        print(f"layer {e}: own head {own:.4f}, fitted with 1 + weight {right:.4f}, with the weight {wrong:.4f}")
+        assert right < min(own, wrong)
 
 
 def test_least_squares_start_fits_the_final_hidden_state():
@@ -441,6 +470,39 @@ def test_heads_cli_errors(model_dirs, tmp_path, capsys):
     assert f"(default {HeadsConfig.default('steps')})" in train_heads.build_parser().format_help()
 
 
+SEEDS = "an integer from -9223372036854775808 to 18446744073709551615 (-2**63 to 2**64 - 1, the seeds paradecode-serve"
+
+
+@pytest.mark.timeout(60)  # refused before the model loads: the regression loaded for 23 s, then failed in torch
+@pytest.mark.parametrize("seed", [str(2**64), str(2**80), str(-(2**63) - 1), "1e3"])
+def test_heads_refuse_a_seed_generate_refuses_before_any_work(model_dirs, tmp_path, capsys, seed):
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_:
+        train_heads.main([str(model_dirs["llama"]), "-o", str(tmp_path / "h"), f"--seed={seed}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --seed: expected {SEEDS}" in err and seed in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 10 and not (tmp_path / "h").exists()
+
+
+@pytest.mark.parametrize(("seed", "expected"), [("-1", 2**64 - 1), (str(2**64 - 1), 2**64 - 1), ("7", 7)])
+def test_heads_take_the_seeds_generate_takes(seed, expected, tmp_path):
+    """The edges of the range: the held-out split and the check split (the seed's successor) both take them."""
+    args = train_heads.build_parser().parse_args(["m", "-o", str(tmp_path / "h"), f"--seed={seed}"])
+    assert args.seed == expected and HeadsConfig(model="m", output=tmp_path / "h", seed=args.seed).seed == expected
+    from paradecode.export.heads.pipeline import split_check
+
+    sequence = torch.arange(8).repeat_interleave(2)
+    calibration, check = split_check(torch.ones(16, dtype=torch.bool), sequence, expected)
+    assert len(calibration) + len(check) == 16 and len(check) > 0
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_heads_config_refuses_a_seed_torch_cannot_take(seed, tmp_path):
+    with pytest.raises(UserInputError, match=r"seed must be an integer from 0 to 18446744073709551615"):
+        HeadsConfig(model="m", output=tmp_path / "h", seed=seed)
+
+
 @pytest.mark.timeout(60)  # refused before the model loads: a regression would train first
 @pytest.mark.parametrize(
     ("make", "message"),
@@ -628,3 +690,28 @@ def test_cascade_rates_follow_the_runtime():
         assert row["selected"] == (threshold is not None)
         remaining &= ~exits
     assert sum(result["layers"][str(e)]["cascade_exit_rate"] for e in (2, 4, 6)) > 0.3, result["layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["gemma3-folder", "phi3-folder", "gemma3-gguf", "phi3-gguf"])
+def test_heads_train_on_the_newer_families_from_either_source_and_decode_as_ar(source, model_dirs, tmp_path):
+    """paradecode-train-heads on a Gemma 3 and a Phi-3 (a model folder and a GGUF file of each), then an export
+    with those heads: ParaDecode with every token exiting at the trained heads gives plain decoding's tokens."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.pipeline import export_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    family, kind = source.split("-")
+    model = model_dirs[family] if kind == "folder" else tmp_path / f"{family}.gguf"
+    if kind == "gguf":
+        write_tiny_gguf(model, family=family)
+    heads = tmp_path / "heads.safetensors"
+    args = ["--exit-layers", "1,2", "--new-tokens", "12", "--steps", "5", "--max-prompts", "8", "--costs", "parameters"]
+    assert train_heads.main([str(model), "-o", str(heads), *args]) == 0
+    export_model(ExportConfig(model=str(model), output=tmp_path / "export", heads=heads, max_seq_len=64))
+    with load(tmp_path / "export") as loaded:
+        assert loaded.manifest.head_kind == "trained" and loaded.manifest.exit_layers == (1, 2)
+        prompt = [5, 9, 3, 7, 11, 4, 8]
+        ar = loaded.generate(prompt_ids=prompt, max_new_tokens=24, mode="ar", ignore_eos=True)
+        result = loaded.generate(prompt_ids=prompt, max_new_tokens=24, thresholds=0.0, ignore_eos=True)
+    assert result.token_ids == ar.token_ids and sum(result.stats.exits_per_layer.values()) > 0
