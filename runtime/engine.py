@@ -52,7 +52,7 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.batch import BatchStep
 from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
-from paradecode.runtime.decoding import DecodeContext, Executor, RowsContext, prefill
+from paradecode.runtime.decoding import MAIN, DecodeContext, Executor, RowsContext, prefill
 from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.notices import Notices
@@ -63,6 +63,7 @@ from paradecode.runtime.sampling import Sampler
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.tokenizer import TextTokenizer
+from paradecode.runtime.verification import chosen
 from paradecode.runtime.watched import WatchedFiles
 
 # The engine's step kinds, counted for the server's metrics: one sequence decoding with ParaDecode, or every
@@ -333,9 +334,6 @@ class Engine:
         or any row where a call of several sequences computes a row otherwise than alone (`RowForm.rows_alone`), so
         its tokens stay those of the request decoded alone; such a batch shares the machine between requests but not
         the weights' reads. A lone row's calls feed the estimates and its own timeline, as its calls alone do."""
-        from paradecode.runtime.decoding import MAIN
-        from paradecode.runtime.verification import chosen
-
         ctx = self._row_contexts.get(row)
         if ctx is None:
             rows = self.cache.rows(row, row + 1)

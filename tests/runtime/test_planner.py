@@ -100,7 +100,7 @@ class Script:
     def extend(self, tokens, upto):
         pass
 
-    def propose(self, tokens, end, count):
+    def propose(self, tokens, end, count, verified):
         self.asked.append((end - 1, count))
         return list(self.answers.get(end - 1, ()))[:count]
 
