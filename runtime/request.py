@@ -24,7 +24,7 @@ from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.row_exactness import RowForm
 from paradecode.runtime.sampling import SamplingParams
 
-# Warnings a request's settings make a model say (once per model: `runtime.warnings.Warnings`), by name.
+# Warnings a request's settings make a model say (once per runtime: `runtime.notices.Notices`), by name.
 INEXACT, ALONE, IDLE, UNTRAINED = "inexact", "alone", "idle", "untrained"
 
 

@@ -284,7 +284,14 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int,
             }
     summary = levels_summary[levels[-1]]
     ratio = speedup(summary)
+    agreement = answers_agree(records, len(prompts)) if settings.temperature is None else None
     table = markdown(levels_summary, settings)
+    if agreement is not None:
+        differing, total = agreement["differing"], agreement["prompts"]
+        table += (
+            f"\n\nanswers: {differing} of {total} prompts got more than one answer over every server, mode and "
+            "level (greedy: each prompt should get one)"
+        )
     outputs = []
     if args.json:
         from paradecode.tools.bench_modes import machine
@@ -301,6 +308,7 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int,
             "summary": summary,  # at the highest concurrency
             "levels": {str(level): rows for level, rows in levels_summary.items()},
             "paradecode_vs_ar": ratio,
+            "answers": agreement,
             "records": [asdict(r) for r in records],
         }
         outputs.append(("--json", args.json, lambda path: save_json(path, report)))
@@ -308,6 +316,17 @@ def run(args: argparse.Namespace, command: str) -> tuple[str, list[Record], int,
         outputs.append(("--plot", args.plot, lambda path: save_figure(path, load_figure(levels_summary, settings))))
     unwritten = save_outputs(outputs)
     return table, [r for r in records if r.error is not None], len(records), unwritten
+
+
+def answers_agree(records: list[Record], prompts: int) -> dict[str, Any]:
+    """Greedy answers, compared: per prompt, the distinct texts its successful requests got over every server, mode
+    and concurrency level (a batch, ParaDecode and plain decoding must all give a prompt plain decoding's answer)."""
+    texts: dict[int, set[str]] = {}
+    for record in records:
+        if record.error is None and record.finish_reason is not None:
+            texts.setdefault(record.index % prompts, set()).add(record.text)
+    differing = sorted(prompt for prompt, seen in texts.items() if len(seen) > 1)
+    return {"prompts": len(texts), "differing": len(differing), "differing_prompts": differing}
 
 
 def summarize(records: list[Record], target: Target) -> dict[str, Any]:

@@ -77,6 +77,7 @@ class Record:
     finish_reason: str | None = None
     error: str | None = None  # "ExceptionType: message"
     concurrency: int = 0  # requests in flight at once in its run
+    text: str = ""  # the streamed answer
 
 
 @dataclass
@@ -125,7 +126,9 @@ async def send(client, model: str, record: Record, request: dict[str, Any], cloc
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
                 for choice in chunk.choices:
-                    if choice.delta.content if chat else choice.text:
+                    piece = choice.delta.content if chat else choice.text
+                    if piece:
+                        record.text += piece
                         counted += 1
                         if record.first_token_seconds is None:
                             record.first_token_seconds = time.perf_counter() - start

@@ -39,6 +39,10 @@ def test_load_run_against_paradecode_and_ar(stories_export, tmp_path, capsys):
         assert row["tokens_per_second"] > 0 and row["ttft_ms_p50"] <= row["ttft_ms_p95"]
         assert row["rss_mb_before"] > 0 and row["rss_mb_after"] > 0 and row["rss_mb_growth"] is not None
     assert data["paradecode_vs_ar"] > 0
+    # greedy on one export: every prompt gets one answer, whatever the server, mode and level
+    assert data["answers"]["differing"] == 0 and data["answers"]["prompts"] > 0
+    assert all(r["text"] for r in data["records"])
+    assert "answers: 0 of " in table
 
 
 def parse(*flags: str):
@@ -187,3 +191,11 @@ def test_the_plot_is_drawn_when_no_request_brought_text():
     empty = {"tokens_per_second": None, **{f"{k}_ms_{p}": None for k in ("ttft", "itl") for p in ("p50", "p95")}}
     figure = load_bench.load_figure({1: {"ar": empty}, 4: {"ar": empty}}, LoadSettings())
     figure.savefig(io.BytesIO(), format="png")
+
+
+def test_answers_agree_counts_the_prompts_answered_otherwise():
+    def record(index: int, text: str, error=None) -> Record:
+        return Record(target="ar", round=0, index=index, endpoint="chat", text=text, finish_reason="stop", error=error)
+
+    records = [record(0, "a"), record(3, "a"), record(1, "b"), record(4, "c"), record(2, "d"), record(5, "", "Boom")]
+    assert load_bench.answers_agree(records, 3) == {"prompts": 3, "differing": 1, "differing_prompts": [1]}

@@ -3,16 +3,15 @@ beside the peer's graph (tools/results/cpu-2core/op-table.md, section 2026-11-28
 
     python tools/results/cpu-2core/ablation.py GENAI_FOLDER OUT.json EXPORT [EXPORT ...]
 
-Per export, four loads: as exported; without Q4_1's minima (each product's correction, `export/onnx_quant.py`, taken
-out: the products then compute other weights, so this is for timing only); without the attention's row copy
-(`export/exact_rows.py`: a lone row then takes GroupQueryAttention's one-row kernel, which is not exact); without both.
-Every load is fed the same tokens (the exported load's greedy continuation of a chat prompt, whatever a load's own
-head says), so each computes the same positions. The peer's graph (onnxruntime-genai's builder output on 2 threads,
-fed as `op-table.py` feeds it) decodes the same number of tokens in the same rounds. Rounds interleave every load
-and the peer; per load, the median wall time of a token in each round, then the median, min and max over rounds.
-The pieces overlap and the runs are noisy (identical graphs loaded twice differed by up to 1 ms a token here), so
-differences between loads are not additive. Where the machine's row form pads lone positions from the host (an
-AVX2 CPU, runtime/row_exactness.py), every load's calls have two rows and the "no row copy" load measures nothing.
+Per export, two loads: as exported; without Q4_1's minima (each product's correction,
+`export/quantized_products.py`, taken out: the products then compute other weights, so this is for timing only).
+(Until 2026-11-28 there were four: the attention's row copy, `export/exact_rows.py`, is gone with the attention of
+standard operators, which needs none.) Every load is fed the same tokens (the exported load's greedy continuation of
+a chat prompt, whatever a load's own head says), so each computes the same positions. The peer's graph (onnxruntime-
+genai's builder output on 2 threads, fed as `op-table.py` feeds it) decodes the same number of tokens in the same
+rounds. Rounds interleave every load and the peer; per load, the median wall time of a token in each round, then the
+median, min and max over rounds. The pieces overlap and the runs are noisy (identical graphs loaded twice differed
+by up to 1 ms a token here), so differences between loads are not additive.
 """
 
 import contextlib
@@ -33,7 +32,7 @@ from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
 from paradecode.runtime.lanes import Timeline
 
 TOKENS, DROPPED, ROUNDS = 64, 4, 5
-VARIANTS = {"as exported": (), "no minima": ("minima",), "no row copy": ("copy",), "neither": ("minima", "copy")}
+VARIANTS = {"as exported": (), "no minima": ("minima",)}
 
 _spec = importlib.util.spec_from_file_location("op_table", Path(__file__).with_name("op-table.py"))
 op_table = importlib.util.module_from_spec(_spec)
@@ -41,19 +40,14 @@ _spec.loader.exec_module(op_table)
 
 
 def without(data: bytes, pieces: tuple[str, ...]) -> bytes:
-    """The graph with `pieces` taken out: an output that adds a minima correction, or that pads or unpads the
-    attention's rows, becomes its first input; nodes no output needs any more are dropped."""
+    """The graph with `pieces` taken out: an output that adds a minima correction becomes its first input; nodes no
+    output needs any more are dropped."""
     model = onnx.load_model_from_string(data)
     nodes = []
     for node in model.graph.node:
         out = node.output[0]
         minima = node.op_type == "Add" and any("/quant/correction" in name for name in node.input)
-        copy = "/exact_rows/" in out and (
-            (node.op_type == "Concat" and out.endswith("padded"))
-            or (node.op_type == "Add" and out.endswith(("/seqlens", "/total")))
-        )
-        unpad = node.op_type == "Slice" and "/exact_rows/" in node.input[0] and node.input[0].endswith("/output")
-        if ("minima" in pieces and minima) or ("copy" in pieces and (copy or unpad)):
+        if "minima" in pieces and minima:
             node = helper.make_node("Identity", [node.input[0]], [out])
         nodes.append(node)
     live, kept = {o.name for o in model.graph.output}, []

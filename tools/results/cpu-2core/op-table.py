@@ -66,7 +66,11 @@ KINDS = {  # operator -> the kind the table groups it under
 }
 
 
-def kind_of(op: str) -> str:
+def kind_of(op: str, node: str = "") -> str:
+    """A node's kind: by its operator, except that every node of our attention (export/attention.py names them under
+    `/attention/`: its products, mask, softmax, cache writes) is "attention"."""
+    if "/attention/" in node:
+        return "attention"
     return KINDS.get(op, "casts, copies, shapes")
 
 
@@ -106,7 +110,7 @@ def tally(sessions: dict[str, list[tuple[dict, list[dict]]]], steps: int) -> dic
                 op = node["args"]["op_name"]
                 ops[op] += node["dur"]
                 counts[op] += 1
-                kinds[kind_of(op)] += node["dur"]
+                kinds[kind_of(op, node["name"])] += node["dur"]
 
     def per(counter: collections.Counter) -> dict:
         return {k: round(v / steps, 1) for k, v in counter.most_common()}
