@@ -458,9 +458,13 @@ def test_timeout_whole_streamed_and_in_the_queue(serve, served_export, monkeypat
     whole = running.post("/v1/completions", body)
     assert whole.status_code == 504 and whole.json()["error"]["code"] == "timeout"
     assert time.monotonic() - started < 4  # the whole request would take 4.8 s
+    # The cancelled request leaves the replica at its next step; a request sent before that would wait in the queue
+    # (under load, past its own 0.5 s: the queue's 504, tested below), so the streamed one is sent once it is free.
+    wait_until(lambda: running.pool.counts() == (0, 0), what="the replica freed after the whole request")
     # Streamed: the status was 200 already, so the timeout arrives as an error event, then [DONE].
     *_, error, done = sse_events(running.post("/v1/completions", {**body, "stream": True}).text.splitlines())
     assert error["error"]["code"] == "timeout" and done == "[DONE]"
+    wait_until(lambda: running.pool.counts() == (0, 0), what="the replica freed after the streamed request")
     with pytest.raises(openai.APIError, match="did not finish within 0.5 s"):
         list(running.openai().completions.create(model=NAME, prompt=PROMPT, max_tokens=LONG_RUN, stream=True))
     wait_until(lambda: running.pool.counts() == (0, 0), what="the replica freed")
