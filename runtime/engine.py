@@ -193,6 +193,8 @@ class Engine:
             raise UserInputError(f"the engine is full ({self.rows} rows): wait for a sequence to finish.")
         request = sequence.request
         row = self.size
+        if not self.sequences:
+            self.cache.shrink()  # the slots earlier sequences grew it to: every call would attend over them
         try:
             self.runtime.files.check()  # not started once the export's folder changed (runtime/watched.py)
             self.sequences.append(sequence)

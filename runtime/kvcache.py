@@ -8,7 +8,8 @@ How many slots the buffers hold: an exported layer attends over every slot of th
 (export/attention.py), so a call costs what its cache holds, not what the sequence needs. Where the backend's graphs
 take a cache of any length (`grows`: onnxruntime's), the buffers start at GRANULE slots and grow in steps of GRANULE
 to what the next call needs (`reserve`), up to the export's max_seq_len: growing copies every row's slots into new
-buffers, a few times over a sequence. Elsewhere (CUDA graphs and TensorRT engines bind fixed addresses) they hold
+buffers, a few times over a sequence. An engine with no sequence left drops its cache back to GRANULE slots
+(`shrink`) before the next one starts. Elsewhere (CUDA graphs and TensorRT engines bind fixed addresses) they hold
 max_seq_len slots from the start. Every slot is a finite number from the start (zeros): a masked slot adds an exact
 zero only if it holds no NaN.
 
@@ -116,6 +117,19 @@ class KVCache:
                 else:
                     new[:, :, :held] = old
                 buffers[i] = new
+        root.generation += 1
+
+    def shrink(self) -> None:
+        """Drop a growing cache back to its first GRANULE slots, nothing kept: for an engine none of whose rows
+        holds a sequence. Every call attends over every slot the buffers hold, so the slots a long sequence left
+        behind would slow every later one."""
+        root = self._root
+        if not root.grows or root.keys[0].shape[2] <= GRANULE:
+            return
+        slots = min(GRANULE, root.shape[2])
+        root.keys = [root._new(slots) for _ in root.keys]
+        root.values = [root._new(slots) for _ in root.values]
+        root.lengths = [0] * len(root.lengths)
         root.generation += 1
 
     @property

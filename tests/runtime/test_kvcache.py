@@ -81,6 +81,32 @@ def test_a_sequence_decodes_across_the_caches_growth_as_it_does_in_a_whole_cache
     assert [r.margins for r in grown] == [r.margins for r in whole]
 
 
+def test_an_engine_starts_each_sequence_in_a_small_cache_again(exports, monkeypatch):
+    """A long sequence grows the engine's cache; the next call, alone in the engine, starts from GRANULE slots (every
+    call attends over every slot the cache holds) and decodes the tokens a fresh engine gives."""
+    from paradecode.runtime import kvcache
+
+    folder, _ = exports["llama"]
+    monkeypatch.setattr(kvcache, "GRANULE", 8)
+    with load(folder) as model:
+        short = dict(prompt_ids=[5, 6, 7], max_new_tokens=4, ignore_eos=True)
+        fresh = model.generate(**short)
+        (engine,) = model._idle
+        model.generate(prompt_ids=list(range(1, 40)), max_new_tokens=8, ignore_eos=True)
+        assert model._idle == [engine] and engine.cache.slots == 48  # 39 + 8 positions, in steps of 8
+        again = model.generate(**short)
+        assert model._idle == [engine] and engine.cache.slots == 8  # 3 + 4 positions
+    assert again.token_ids == fresh.token_ids and again.margins == fresh.margins
+    growing = KVCache(2, (2, 1, 40, 2), torch.float32, "cpu", grows=True)
+    growing.reserve(30)
+    growing.written(1, 30)
+    growing.shrink()
+    assert growing.slots == 8 and growing.generation == 2 and growing.lengths == [0, 0]
+    fixed = KVCache(2, (2, 1, 40, 2), torch.float32, "cpu")
+    fixed.shrink()  # a cache that does not grow keeps its buffers (CUDA graphs and engines bind their addresses)
+    assert fixed.slots == 40 and fixed.generation == 0
+
+
 def test_shallow_layers_hold_more_positions_while_tokens_are_pending(exports, monkeypatch):
     folder, _ = exports["llama"]
     with load(folder) as model:
