@@ -181,6 +181,10 @@ class OnnxRuntimeBackend(Backend):
         self._creating = threading.Lock()  # sessions are created by whichever lane calls first
         self._exact_shares: dict[int, bool] = {}  # threads -> whether calls on them give all threads' bits (set once)
         self._share_probe = threading.Lock()  # held while a share is probed (row_exactness.shares_exactly)
+        # A call of many positions (a prefill) gives back the memory it took beyond the session's arena's first
+        # block when it ends: each session's arena would otherwise keep the largest prompt's peak for good.
+        self._release_peak = ort.RunOptions()
+        self._release_peak.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         for sub in self.manifest.subgraphs:
             self._check_graph(sub)
         self._check_rotary_tables()
@@ -393,7 +397,7 @@ class OnnxRuntimeBackend(Backend):
             self._bind(binding.bind_ortvalue_input, binding.bind_input, key, tensor)
         for key, tensor in result.items():
             self._bind(binding.bind_ortvalue_output, binding.bind_output, key, tensor)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, self._release_peak if self.device.type == "cpu" else None)
         return result, False
 
     def _forget_bindings(self) -> None:
