@@ -99,7 +99,7 @@ class Bound:
         self.binding = session.io_binding()
         self.buffers: dict[str, np.ndarray] = {}
         self.in_place = io.in_place  # output -> input
-        self.bound: dict[str, int] = {}  # in-place input -> data_ptr it is bound to
+        self.bound: dict[str, tuple] = {}  # in-place input -> (data_ptr, shape) it is bound to
         for spec in io.inputs:
             if spec.name not in self.in_place.values():
                 self._buffer(spec, batch, tokens, self.binding.bind_ortvalue_input)
@@ -117,11 +117,13 @@ class Bound:
     def __call__(self, feeds: Mapping[str, torch.Tensor]) -> Launched:
         for output, source in self.in_place.items():
             tensor = feeds[source]
-            if self.bound.get(source) != tensor.data_ptr():
+            # by address and shape: a cache that shrank may get a freed buffer's address back at another size
+            where = (tensor.data_ptr(), tuple(tensor.shape))
+            if self.bound.get(source) != where:
                 value = ort_value(tensor)
                 self.binding.bind_ortvalue_input(source, value)
                 self.binding.bind_ortvalue_output(output, value)
-                self.bound[source] = tensor.data_ptr()
+                self.bound[source] = where
         for name, tensor in feeds.items():
             if name in self.buffers:
                 self.buffers[name][...] = tensor.numpy()
