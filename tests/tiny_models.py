@@ -315,3 +315,19 @@ def save_random_heads(model, path, seed: int = 0):
     identity = source.identity()
     metadata = {"base_model": str(model), "base_weights_sha256": identity["weights_sha256"]}
     return save_heads(path, transforms, metadata, vocab=ids)
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` (token ids), the reference every parity test compares with."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
+            # the positions after it)
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )
+    return out[0, len(prompt) :].tolist()

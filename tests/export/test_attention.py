@@ -184,7 +184,7 @@ def test_a_window_shorter_than_the_cache_exports_with_the_defaults_and_decodes_a
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from paradecode.runtime import load
-    from tests.export.test_export import hf_greedy
+    from tests.tiny_models import hf_greedy
 
     config = MistralConfig(
         vocab_size=97,

@@ -17,24 +17,9 @@ from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.tensors import LOGITS
 from tests.conftest import EXPORT_SEQ_LEN
 from tests.ort_chain import OrtChain
-from tests.tiny_models import tiny_model
+from tests.tiny_models import hf_greedy, tiny_model
 
 LOGIT_TOLERANCE = 1e-4
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
-            # the positions after it)
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_export_is_complete(family, exports):

@@ -16,7 +16,7 @@ from paradecode.export.pipeline import export_model
 from paradecode.runtime import load
 from tests.conftest import Cache
 from tests.parity import SETTINGS, assert_same_tokens, hf_scorer
-from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, tiny_model
+from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, hf_greedy, tiny_model
 
 BACKENDS = ("onnxruntime", "torch")
 NEW_TOKENS = 50
@@ -42,18 +42,7 @@ def heldout(tmp_path_factory) -> Cache:
         result = export_model(ExportConfig(model=str(folder / "model"), output=folder / "export", max_seq_len=64))
         generator = torch.Generator().manual_seed(3)
         prompt = torch.randint(0, model.config.vocab_size, (7,), generator=generator).tolist()
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
-                # the positions after it)
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )
-        return Heldout(model, folder / "export", result, prompt, generated[0, len(prompt) :].tolist())
+        return Heldout(model, folder / "export", result, prompt, hf_greedy(model, prompt, NEW_TOKENS))
 
     return Cache(build)
 

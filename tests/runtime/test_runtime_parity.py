@@ -13,7 +13,7 @@ import torch
 from paradecode.runtime import NEVER, Tracing, load
 from tests.conftest import Cache
 from tests.parity import OVERLAPS, SETTINGS, assert_same_tokens, export_scorer, hf_scorer
-from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, tiny_model
+from tests.tiny_models import HELDOUT_CONFIGS, TINY_CONFIGS, hf_greedy, tiny_model
 
 PROMPTS = {"p5x20": (5, 20), "p11x40": (11, 40)}  # (prompt length, new tokens); the exports hold 64 positions
 BACKENDS = ("onnxruntime", "torch")
@@ -23,21 +23,6 @@ STORIES_NEW_TOKENS = 48
 
 def prompt_of(length: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            # no padding: a prompt token equal to pad_token_id is not padding (else generate masks it and shifts
-            # the positions after it)
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
