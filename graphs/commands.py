@@ -28,13 +28,15 @@ from paradecode.graphs.errors import INTERRUPT_SIGNALS, report_interrupt
 
 @dataclass(frozen=True)
 class Command:
-    """A console script: the command `prog`, whose `main(argv=None) -> int` is in `module`."""
+    """A console script: the command `prog`, whose `main(argv=None) -> int` is in `module`; `take_ignored` for a
+    command that stops on SIGINT even where it was inherited as ignored (see `interrupts_exit_at_once`)."""
 
     prog: str
     module: str
+    take_ignored: bool = False
 
     def __call__(self) -> int:
-        with interrupts_exit_at_once(self.prog):
+        with interrupts_exit_at_once(self.prog, self.take_ignored):
             return importlib.import_module(self.module).main()
 
 
@@ -46,20 +48,22 @@ profile = Command("paradecode-profile", "paradecode.tools.profiler")
 characterise = Command("paradecode-characterise", "paradecode.tools.characterise")
 demo = Command("paradecode-demo", "paradecode.tools.demo")
 footprint = Command("paradecode-footprint", "paradecode.tools.footprint")
-serve = Command("paradecode-serve", "paradecode.runtime.serve.cli")
+# uvicorn stops the server on SIGINT whatever its inherited disposition (a shell's background job ignores it): the
+# command does too, from its first line, so that it always ends with "stopped" and 130
+serve = Command("paradecode-serve", "paradecode.runtime.serve.cli", take_ignored=True)
 loadtest = Command("paradecode-loadtest", "paradecode.tools.load_bench")
 perplexity = Command("paradecode-perplexity", "paradecode.tools.perplexity")
 
 
 @contextmanager
-def interrupts_exit_at_once(prog: str) -> Iterator[None]:
+def interrupts_exit_at_once(prog: str, take_ignored: bool = False) -> Iterator[None]:
     """While the block runs, SIGINT and SIGTERM end the process at once: "PROG: interrupted" on stderr and exit code
     128 + the signal number, without a traceback, whatever Python was doing (an import included).
 
     Only for code with nothing to unwind. What was printed before the signal is flushed first. A handler set inside
     the block (`run_command`'s) takes over until it puts this one back. Handlers can only be set in the main thread;
-    elsewhere, and for a signal the process was told to ignore (a shell's background job ignores SIGINT), the current
-    handling is left alone. The previous handlers come back afterwards.
+    elsewhere the current handling is left alone, and so it is for a signal the process was told to ignore (a shell's
+    background job ignores SIGINT) unless `take_ignored`. The previous handlers come back afterwards.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -74,12 +78,11 @@ def interrupts_exit_at_once(prog: str) -> Iterator[None]:
             os._exit(128 + signum)
 
     previous = {s: signal.getsignal(s) for s in INTERRUPT_SIGNALS}
-    for s, old in previous.items():
-        if old is not signal.SIG_IGN:
-            signal.signal(s, exit_now)
+    taken = [s for s, old in previous.items() if take_ignored or old is not signal.SIG_IGN]
+    for s in taken:
+        signal.signal(s, exit_now)
     try:
         yield
     finally:
-        for s, old in previous.items():
-            if old is not signal.SIG_IGN:
-                signal.signal(s, signal.SIG_DFL if old is None else old)
+        for s in taken:
+            signal.signal(s, signal.SIG_DFL if previous[s] is None else previous[s])

@@ -95,16 +95,19 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def run_command(prog: str, work: Callable[[], object], interrupted: str = "interrupted") -> tuple[int, object]:
+def run_command(
+    prog: str, work: Callable[[], object], interrupted: str = "interrupted", take_ignored: bool = False
+) -> tuple[int, object]:
     """Run a command's `work()`; map paradecode errors to their exit codes with one message on stderr.
 
     Returns (exit code, what `work` returned or None). Every command-line tool goes through here,
     so they all report a user's mistake the same way: "PROG: error: MESSAGE" and exit code 2.
     An interrupt (see `interrupt_signal`) prints "PROG: INTERRUPTED" and returns 128 + the signal
     number, whatever exception it surfaced as, and also where `work` returned all the same (a library caught
-    the interrupt, or the signal was deferred past the work's last import: `interrupts_raised`).
+    the interrupt, or the signal was deferred past the work's last import: `interrupts_raised`). `take_ignored`:
+    see `interrupts_raised`.
     """
-    with interrupts_raised() as received:
+    with interrupts_raised(take_ignored) as received:
         try:
             result = work()
         except BaseException as err:
@@ -183,12 +186,14 @@ def raise_if_interrupted() -> None:
 
 
 @contextmanager
-def interrupts_raised() -> Iterator[list[int]]:
+def interrupts_raised(take_ignored: bool = False) -> Iterator[list[int]]:
     """While the block runs, SIGINT raises KeyboardInterrupt and SIGTERM raises `Terminated`.
 
     Yields the list of signal numbers received, in order. Handlers can only be set in the main
-    thread; elsewhere, and for a signal the process was told to ignore (a shell's background job
-    ignores SIGINT), the current handling is left alone. The previous handlers come back afterwards.
+    thread; elsewhere the current handling is left alone, and so it is for a signal the process was told to
+    ignore (a shell's background job ignores SIGINT) unless `take_ignored`: for work that stops on the signal
+    all the same (uvicorn's server handles SIGINT whatever it inherited), so that it ends as an interrupt.
+    The previous handlers come back afterwards.
 
     A signal that arrives while the main thread imports a module is deferred until the import is over: an
     import's Python code may run under a native extension's C++ frames (torch calls back into Python while it
@@ -243,9 +248,9 @@ def interrupts_raised() -> Iterator[list[int]]:
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     previous = {s: signal.getsignal(s) for s in INTERRUPT_SIGNALS}
-    for s, old in previous.items():
-        if old is not signal.SIG_IGN:
-            signal.signal(s, handler)
+    taken = [s for s, old in previous.items() if take_ignored or old is not signal.SIG_IGN]
+    for s in taken:
+        signal.signal(s, handler)
     outer, _received = _received, received
     try:
         yield received
@@ -254,6 +259,5 @@ def interrupts_raised() -> Iterator[list[int]]:
             over.set()
             deferred.clear()  # recorded in `received` when it arrived
         _received = outer
-        for s, old in previous.items():
-            if old is not signal.SIG_IGN:
-                signal.signal(s, signal.SIG_DFL if old is None else old)
+        for s in taken:
+            signal.signal(s, signal.SIG_DFL if previous[s] is None else previous[s])

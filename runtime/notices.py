@@ -16,10 +16,14 @@ import threading
 logger = logging.getLogger("paradecode.runtime.model")
 
 MESSAGES = {
-    "untrained": "%s has no trained exit heads, so ParaDecode does not exit early by default and decodes like ar "
-    "(the model's own head at an intermediate layer rarely agrees with the last layer). Train heads with "
-    "`paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass thresholds to exit with the "
-    "model's own head anyway.",
+    "untrained": "%s has no trained exit heads, so ParaDecode does not exit early by default (the model's own head "
+    "at an intermediate layer rarely agrees with the last layer); it still proposes tokens by prompt lookup, verified "
+    "by the final layer as every proposal is. Train heads with `paradecode-train-heads MODEL -o heads.safetensors` and "
+    "export with --heads, or pass thresholds to exit with the model's own head anyway.",
+    "untrained_no_lookup": "%s has no trained exit heads, so ParaDecode does not exit early by default (the model's "
+    "own head at an intermediate layer rarely agrees with the last layer), and with lookup off it proposes nothing: "
+    "it decodes like ar. Turn lookup on, train heads with `paradecode-train-heads MODEL -o heads.safetensors` and "
+    "export with --heads, or pass thresholds to exit with the model's own head anyway.",
     "inexact": "ParaDecode requests on %s decode as plain decoding (mode 'ar') on this machine: its kernels give a "
     "position other bits in a call of several positions than in a call of its own, so verifying several at once "
     "would change the output (runtime/row_exactness.py). Re-export with other --activations or --weights to try "

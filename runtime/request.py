@@ -25,7 +25,8 @@ from paradecode.runtime.row_exactness import RowForm
 from paradecode.runtime.sampling import SamplingParams
 
 # Warnings a request's settings make a model say (once per runtime: `runtime.notices.Notices`), by name.
-INEXACT, ALONE, IDLE, UNTRAINED = "inexact", "alone", "idle", "untrained"
+INEXACT, ALONE, IDLE = "inexact", "alone", "idle"
+UNTRAINED, UNTRAINED_NO_LOOKUP = "untrained", "untrained_no_lookup"
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: i
         if config.skips_exits(facts.device, overlap) and not config.lookup_tokens:
             warnings.append((IDLE, ("on CUDA" if facts.device == "cuda" else "when sampling on a CPU",)))
         if config.thresholds is None and not facts.trained_heads:
-            warnings.append((UNTRAINED, (facts.path,)))
+            warnings.append((UNTRAINED if config.lookup_tokens else UNTRAINED_NO_LOOKUP, (facts.path,)))
     stops = Stops(len(ids), config.max_new_tokens, frozenset(() if config.ignore_eos else facts.eos), facts.capacity)
     return Request(
         tuple(ids),

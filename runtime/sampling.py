@@ -38,6 +38,12 @@ class SamplingParams:
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (float64, summing to 1) of one position's logits [V] after temperature, top-k, top-p."""
     scores = logits.to(torch.float64) / params.temperature
+    if not torch.isfinite(scores).all():
+        # A temperature too small to divide by (below about 1e-307 for logits of ~20): the logits over it
+        # overflow, to +inf or, where every logit is negative, -inf. Its limit is greedy, which the scores relative
+        # to the largest give exactly: 0 there, -inf (or far below) elsewhere, so softmax is one-hot at the argmax
+        # (shared among exact ties).
+        scores = (logits.to(torch.float64) - logits.max().to(torch.float64)) / params.temperature
     if 0 < params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run(config, ray_config)
 
-    code, _ = run_command(PROG, work, interrupted="stopped")
+    # uvicorn (and Ray) stop on SIGINT even where it was inherited as ignored: so it is an interrupt here too
+    code, _ = run_command(PROG, work, interrupted="stopped", take_ignored=True)
     return code
 
 

@@ -18,7 +18,8 @@ replica workers update them, the event loop renders them.
     paradecode_lookup_accepted_tokens_total           ... and the final layer verified (spec_decode_num_accepted_tokens)
     paradecode_rollbacks_total                        proposed tokens (of exits or lookup) the final layer rejected,
                                                       discarding what followed
-    paradecode_requests_waiting / _requests_running   the queue depth, and requests being decoded
+    paradecode_requests_waiting / _requests_running   requests queued past every replica's rows (at most --max-queue),
+                                                      and the admitted ones a row holds or is free for
     paradecode_batch_size                             requests in a batch's last step (batching replicas)
     paradecode_batch_steps_total{calls}               batch steps: `alone` (one request, with all of ParaDecode)
                                                       or `together` (every request in one call per segment,
@@ -96,8 +97,14 @@ class Metrics(PoolMetrics):
             "Rollbacks: proposed tokens (of exit heads or lookup) the final layer rejected",
             registry=registry,
         )
-        self.waiting = Gauge("paradecode_requests_waiting", "Requests waiting for a replica", registry=registry)
-        self.running = Gauge("paradecode_requests_running", "Requests being decoded", registry=registry)
+        self.waiting = Gauge(
+            "paradecode_requests_waiting",
+            "Requests queued past every replica's rows (at most --max-queue)",
+            registry=registry,
+        )
+        self.running = Gauge(
+            "paradecode_requests_running", "Admitted requests a replica's row holds or is free for", registry=registry
+        )
         Gauge("paradecode_replicas", "Models loaded in this server", registry=registry).set(replicas)
         self.batch_size = Gauge("paradecode_batch_size", "Requests in a batch's last step", registry=registry)
         self.batch_steps = Counter(

@@ -138,9 +138,17 @@ class ReplicaPool:
         return self.config.replicas * self.rows + self.config.max_queue
 
     def counts(self) -> tuple[int, int]:
-        """(waiting, running) jobs."""
+        """(waiting, running) jobs: see `_depth`."""
         with self._lock:
-            return len(self._waiting), len(self._running)
+            return self._depth()
+
+    def _depth(self) -> tuple[int, int]:
+        """(waiting, running) under the lock. Running: every admitted job that a row holds or has room for (one the
+        worker takes at its next step waits for nothing else: it joins in the order it came, a few prompts a step);
+        waiting: the admitted jobs beyond every replica's rows, so never more than --max-queue."""
+        admitted = len(self._waiting) + len(self._running)
+        waiting = max(0, admitted - self.config.replicas * self.rows)
+        return waiting, admitted - waiting
 
     # --- the event loop's side -----------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -151,7 +159,7 @@ class ReplicaPool:
             if len(self._waiting) + len(self._running) >= self.capacity:
                 raise QueueFull(
                     f"all {self.config.replicas} replica(s) are busy ({self.rows} request(s) each) and "
-                    f"{len(self._waiting)} request(s) are waiting "
+                    f"{self._depth()[0]} request(s) are waiting "
                     f"(--max-queue {self.config.max_queue}); retry after {self.config.retry_after} s."
                 )
             self._waiting.append(job)
@@ -202,7 +210,7 @@ class ReplicaPool:
 
     # --- the workers' side ---------------------------------------------------------------------
     def _changed(self) -> None:
-        self.metrics.depth(len(self._waiting), len(self._running))
+        self.metrics.depth(*self._depth())
 
     def _take(self, engine: Engine) -> list[Job] | None:
         """Waiting jobs for `engine`'s free rows (the oldest first; their prompts within `prefill_tokens`, but at

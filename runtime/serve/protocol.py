@@ -1,11 +1,21 @@
-"""The connection side of paradecode-serve: the listening socket, and HTTP/1.1 with a deadline for a request's head.
+"""The connection side of paradecode-serve: the listening socket, and HTTP/1.1 with a request head bounded in time
+and size, and framing errors answered in OpenAI's error format.
 
-uvicorn bounds the idle wait between two requests (`timeout_keep_alive`) and the size of a request's
-head (h11's `max_incomplete_event_size`, 16 KiB), but not the time a client takes to send that head:
-a client that sends half a header block and stops holds its connection for ever. `head_timed(seconds)`
-is uvicorn's h11 protocol with that deadline: from the connection's start, and from the end of each
-response, the request line and headers must all arrive within `seconds`, or the connection is
-closed. (The body has its own deadline, in the app: app.py's `read_body`.)
+uvicorn bounds the idle wait between two requests (`timeout_keep_alive`), but not the time a client takes to send a
+request's head: a client that sends half a header block and stops holds its connection for ever. `head_timed(seconds)`
+is uvicorn's h11 protocol with that deadline: from the connection's start, and from the end of each response, the
+request line and headers must all arrive within `seconds`, or the connection is closed. (The body has its own
+deadline, in the app: app.py's `read_body`.)
+
+The head's size: h11 refuses a head still arriving once its buffer passes 16 KiB (`max_incomplete_event_size`), but a
+larger head that arrives whole in one read (100 KB over loopback) passed. `BoundedHeadConnection` also refuses a whole
+head over HEAD_BYTES (16 KiB, measured as h11 parsed it: the request line and each `name: value` line) or with more
+than HEAD_FIELDS header fields: 431, the connection closed.
+
+Framing errors (a bad request line, `Content-Length: -1`, a bad chunk size, a head too large) are found by h11
+before or while the app reads the body; uvicorn answers them itself with a plain-text 400. Here they get OpenAI's JSON
+error object with h11's status (400, or 431), wherever no response has started; where one has (the app answered
+before the body's end), the connection is only closed, as uvicorn does.
 
 `listening_socket` binds the address before uvicorn starts, so that a bad `--host` and a taken
 `--port` each get their own message (uvicorn logs the OSError and exits 1).
@@ -14,6 +24,7 @@ closed. (The body has its own deadline, in the app: app.py's `read_body`.)
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 
@@ -22,9 +33,89 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from paradecode.graphs.errors import UserInputError
 
+HEAD_BYTES = 16 * 1024  # a request head's bytes: request line and header lines (h11's bound for a head arriving)
+HEAD_FIELDS = 100  # header fields in one request (gunicorn's limit_request_fields; a client sends about 15)
+
+
+class HeadTooLarge(h11.RemoteProtocolError):
+    """A whole request head over HEAD_BYTES or HEAD_FIELDS (431)."""
+
+
+class BoundedHeadConnection(h11.Connection):
+    """h11's server side that refuses a whole request head over HEAD_BYTES or HEAD_FIELDS, and keeps the protocol
+    error it raised last (`error`), for the answer."""
+
+    def __init__(self):
+        super().__init__(h11.SERVER, max_incomplete_event_size=HEAD_BYTES)
+        self.error: h11.RemoteProtocolError | None = None
+
+    def next_event(self):
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as err:
+            self.error = err
+            raise
+        if isinstance(event, h11.Request):
+            size = head_bytes(event)
+            if size > HEAD_BYTES or len(event.headers) > HEAD_FIELDS:
+                self.error = HeadTooLarge(
+                    f"the request's head is {size} bytes in {len(event.headers)} header fields; this server takes at "
+                    f"most {HEAD_BYTES} bytes and {HEAD_FIELDS} fields: send fewer or shorter headers.",
+                    error_status_hint=431,
+                )
+                raise self.error
+        return event
+
+
+def head_bytes(request: h11.Request) -> int:
+    """The bytes of `request`'s head as h11 parsed it: "METHOD TARGET HTTP/1.1\r\n", a "name: value\r\n" line per
+    field, and the blank line."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
+
+
+def error_answer(err: h11.RemoteProtocolError | None) -> tuple[int, bytes]:
+    """The status and OpenAI error body for a request h11 refused (`err`: its error, None where unknown)."""
+    status = err.error_status_hint if err is not None else 400
+    if status == 431:
+        code = "request_header_fields_too_large"
+        message = (
+            str(err)
+            if isinstance(err, HeadTooLarge)
+            # h11's own: the head still arriving passed it
+            else (
+                f"the request's head passed {HEAD_BYTES} bytes before it ended; this server takes at most {HEAD_BYTES} "
+                f"bytes and {HEAD_FIELDS} fields: send fewer or shorter headers."
+            )
+        )
+    else:
+        reason = f" ({err})" if err is not None and str(err) else ""
+        message = f"malformed HTTP/1.1 request{reason}: send a valid request line, headers and framing."
+        code = "malformed_request"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return status, json.dumps(body).encode()
+
 
 class _HeadTimedH11Protocol(H11Protocol):
     head_timeout = 15.0  # set by `head_timed`
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conn = BoundedHeadConnection()  # in place of uvicorn's, before any byte arrives
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 refused, as OpenAI's JSON error with h11's status; a connection whose
+        response has started is only closed."""
+        status, body = error_answer(self.conn.error)
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers.append((b"connection", b"close"))
+        try:
+            data = self.conn.send(h11.Response(status_code=status, headers=headers))
+            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:  # a response has started: nothing more can be said on this connection
+            data = b""
+        self.transport.write(data)
+        self.transport.close()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -62,7 +153,8 @@ class _HeadTimedH11Protocol(H11Protocol):
 
 
 def head_timed(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol (its `http=` setting) that closes a connection whose request head takes over `seconds`."""
+    """uvicorn's h11 protocol (its `http=` setting) that closes a connection whose request head takes over `seconds`,
+    refuses a head over HEAD_BYTES or HEAD_FIELDS, and answers framing errors with OpenAI's JSON error."""
     return type("HeadTimedH11Protocol", (_HeadTimedH11Protocol,), {"head_timeout": float(seconds)})
 
 

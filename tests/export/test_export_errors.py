@@ -150,6 +150,24 @@ def test_run_command_leaves_an_ignored_sigint_ignored():
 
 
 @pytest.mark.timeout(30)
+def test_run_command_takes_an_ignored_sigint_where_asked(capsys):
+    """paradecode-serve's case: uvicorn stops on SIGINT whatever it inherited, so the command counts it as Ctrl-C."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+
+        def work():
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(5)
+            return "finished"
+
+        assert run_command("prog", work, interrupted="stopped", take_ignored=True) == (130, None)
+        assert capsys.readouterr().err == "prog: stopped\n"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(30)
 def test_run_command_off_the_main_thread(capsys):
     results = []
     thread = threading.Thread(target=lambda: results.append(run_command("prog", raise_(KeyboardInterrupt()))))

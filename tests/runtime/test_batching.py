@@ -88,6 +88,20 @@ def test_batched_sampling_draws_what_each_request_draws_alone(loaded):
     assert [r.token_ids for r in got] != [r.token_ids for r in greedy]  # it did sample
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-308, 1e-300, 1e-30])
+def test_a_temperature_too_small_to_divide_by_is_greedy_in_a_batch(loaded, temperature):
+    """A seeded temperature near 0 gives each row the greedy answer, plain and ParaDecode (runtime/sampling.py)."""
+    model = loaded["llama", "onnxruntime"]
+    for settings in ({"mode": "ar"}, {"mode": "paradecode", "thresholds": 0.0, "max_unverified": 3}):
+        greedy = alone(model, requests_of(model, mode="ar"))
+        requests = [
+            model.request(prompt_ids=r.ids, config=r.config, temperature=temperature, seed=i)
+            for i, r in enumerate(requests_of(model, **settings))
+        ]
+        got = generate_batched(model.runtime, requests, rows=4)
+        assert [r.token_ids for r in got] == greedy, (temperature, settings)
+
+
 def repeating_requests(model, count: int, **settings):
     """Requests whose prompts repeat a pattern (lookup proposes at every step), of different lengths."""
     vocab = model.manifest.spec.vocab_size

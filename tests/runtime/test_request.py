@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.engine import Engine, Runtime, Sequence, StreamedToken
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.notices import Notices
-from paradecode.runtime.request import ALONE, IDLE, INEXACT, UNTRAINED, ModelFacts, resolve
+from paradecode.runtime.request import ALONE, IDLE, INEXACT, UNTRAINED, UNTRAINED_NO_LOOKUP, ModelFacts, resolve
 from paradecode.runtime.row_exactness import ALONE as EVERY_POSITION_ALONE
 from paradecode.runtime.row_exactness import AS_IS
 from paradecode.runtime.speculation import Speculation
@@ -59,10 +60,24 @@ def test_a_request_is_a_pure_function_of_its_inputs():
         (dataclasses.replace(FACTS, row_form=None), GenerationConfig(), "ar", (INEXACT,)),
         (dataclasses.replace(FACTS, row_form=EVERY_POSITION_ALONE), GenerationConfig(), "ar", (ALONE,)),
         (dataclasses.replace(FACTS, trained_heads=False), GenerationConfig(), "paradecode", (UNTRAINED,)),
+        (
+            dataclasses.replace(FACTS, trained_heads=False),
+            GenerationConfig(lookup_tokens=0),
+            "paradecode",
+            (UNTRAINED_NO_LOOKUP,),
+        ),
         (FACTS, GenerationConfig(temperature=0.7, lookup_tokens=0), "paradecode", (IDLE,)),
         (FACTS, GenerationConfig(mode="ar"), "ar", ()),
     ],
-    ids=["exact", "no exact form", "every position alone", "untrained heads", "nothing to speculate", "ar"],
+    ids=[
+        "exact",
+        "no exact form",
+        "every position alone",
+        "untrained heads",
+        "untrained heads, no lookup",
+        "nothing to speculate",
+        "ar",
+    ],
 )
 def test_the_mode_as_it_will_run_and_the_warnings_to_say(facts, config, mode, warnings):
     request = resolve(facts, config, [1, 2], seed=0)
@@ -70,6 +85,19 @@ def test_the_mode_as_it_will_run_and_the_warnings_to_say(facts, config, mode, wa
     assert request.speculates == (mode == "paradecode")
     if mode == "ar":
         assert not request.thresholds and not request.adaptive
+
+
+def test_the_no_heads_notice_says_what_paradecode_still_does(identity_exports, caplog):
+    """Without trained heads ParaDecode still proposes by lookup (Gemma 3 270M without heads ran 2.06x plain decoding):
+    the notice said "decodes like ar", true only with lookup off. Each is said once by the model that meets it."""
+    folder, _ = identity_exports["llama"]
+    with caplog.at_level(logging.WARNING, logger="paradecode.runtime.model"), load(folder) as model:
+        for lookup in (4, 4, 0, 0):
+            model.generate(prompt_ids=[3, 4, 5], max_new_tokens=2, lookup_tokens=lookup)
+    said = [r.getMessage() for r in caplog.records if "has no trained exit heads" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "it still proposes tokens by prompt lookup" in said[0] and "like ar" not in said[0]
+    assert "with lookup off it proposes nothing: it decodes like ar" in said[1]
 
 
 @pytest.mark.parametrize(

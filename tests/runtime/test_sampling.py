@@ -210,6 +210,34 @@ def test_temperature_zero_and_top_k_one_are_greedy(sampled, settings):
         assert result.token_ids == greedy.token_ids, (settings, extra)
 
 
+TINY_TEMPERATURES = (1e-320, 1e-308, 1e-300, 1e-30)  # 1e-320 is subnormal; logits over the first two overflow
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_temperature_too_small_to_divide_by_is_greedy(sampled, temperature):
+    """The API accepts any temperature in [0, 2]; one near 0 behaves as its limit, the greedy token, in plain
+    decoding and in ParaDecode with exits at every token and lookup proposing at every chance."""
+    model, prompt, _ = sampled
+    greedy = model.generate(prompt_ids=prompt, max_new_tokens=10, mode="ar", ignore_eos=True)
+    for extra in ({"mode": "ar"}, {"thresholds": 0.0, "overlap": "both", "lookup_tokens": 3, "lookup_min_ngram": 1}):
+        for seed in (1, 2):
+            result = model.generate(
+                prompt_ids=prompt, max_new_tokens=10, temperature=temperature, seed=seed, ignore_eos=True, **extra
+            )
+            assert result.token_ids == greedy.token_ids, (temperature, seed, extra)
+
+
+def test_distribution_at_a_tiny_temperature_is_one_hot_at_the_argmax():
+    logits = torch.tensor([3.0, 19.5, -7.0, 19.25, 0.0])
+    for temperature in TINY_TEMPERATURES:
+        p = distribution(logits, SamplingParams(temperature=temperature, top_k=3, top_p=0.9))
+        assert p.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0], temperature
+        p = distribution(logits - 40, SamplingParams(temperature=temperature))  # every score overflows to -inf
+        assert p.tolist() == [0.0, 1.0, 0.0, 0.0, 0.0], temperature
+    normal = distribution(logits, SamplingParams(temperature=0.5))
+    assert torch.equal(normal, torch.softmax(logits.double() / 0.5, 0))  # the usual path is untouched
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

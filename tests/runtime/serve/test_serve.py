@@ -685,9 +685,13 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 
-def start_cli(export: Path, log: Path, delay: float, *flags: str) -> tuple[subprocess.Popen, str]:
-    """paradecode-serve with slow tokens in a subprocess, its output in `log`; (process, its URL) once it serves."""
+def start_cli(
+    export: Path, log: Path, delay: float, *flags: str, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen, str]:
+    """paradecode-serve with slow tokens in a subprocess, its output in `log`; (process, its URL) once it serves.
+    `sigint_ignored`: it inherits SIGINT ignored, as a shell script's background job does."""
     port = free_port()
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     with log.open("w") as out:
         process = subprocess.Popen(
             [
@@ -705,6 +709,7 @@ def start_cli(export: Path, log: Path, delay: float, *flags: str) -> tuple[subpr
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            preexec_fn=ignore,
         )
     url = f"http://127.0.0.1:{port}"
 
@@ -749,6 +754,21 @@ def test_sigterm_finishes_in_flight_requests(served_export, tmp_path):
     assert events[-2]["paradecode"]["stop_reason"] == "max_new_tokens"
     assert process.returncode == 128 + signal.SIGTERM, err
     assert "stopped (received SIGTERM)" in err and "replicas closed" in err
+
+
+@pytest.mark.slow
+def test_sigint_stops_with_130_where_it_was_inherited_as_ignored(served_export, tmp_path):
+    """uvicorn stops on SIGINT whatever the server inherited; the server said nothing and exited 0 where a shell's
+    background job had SIGINT ignored. Now it stops as on Ctrl-C: "stopped", the replicas closed, 130."""
+    process, _ = start_cli(served_export, tmp_path / "log", 0.0, sigint_ignored=True)
+    try:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
+    finally:
+        process.kill()
+    err = (tmp_path / "log").read_text()
+    assert process.returncode == 128 + signal.SIGINT, err
+    assert "paradecode-serve: stopped" in err and "replicas closed" in err and "Traceback" not in err, err
 
 
 def whole_request(url: str, into: list) -> None:

@@ -170,6 +170,38 @@ def test_a_full_batch_queues_and_a_full_queue_answers_429(serve, served_export, 
     assert results == [(want.text, want.token_ids)] * 3
 
 
+def test_requests_admitted_to_free_rows_count_as_running_never_as_waiting(served_export):
+    """Jobs admitted while the worker is between steps sit in the pool's queue until it takes them (a few prompts a
+    step), but a row is theirs: /health, the gauges and the 429 message count them as running, so waiting never
+    exceeds --max-queue (a probe saw "11 request(s) are waiting (--max-queue 4)" with 12 admitted)."""
+    import asyncio
+
+    from paradecode.runtime.serve.errors import QueueFull
+    from paradecode.runtime.serve.pool import Job, ReplicaPool
+    from tests.serving import config_of
+
+    pool = ReplicaPool(config_of(served_export, replicas=1, max_batch=4, max_queue=1))
+    request = pool.models[0].request(prompt_ids=[1, 2, 3], config=GENERATION, max_new_tokens=2)
+    try:
+
+        async def scenario():
+            loop = asyncio.get_running_loop()
+            with pool._lock:  # the worker takes nothing while the jobs arrive
+                depths = []
+                for _ in range(5):
+                    pool.submit(Job(request, loop))
+                    depths.append(pool.counts())
+                with pytest.raises(QueueFull) as refused:
+                    pool.submit(Job(request, loop))
+            return depths, str(refused.value)
+
+        depths, message = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert depths == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 4)]
+    assert "and 1 request(s) are waiting (--max-queue 1)" in message
+
+
 def test_a_batch_larger_than_the_export_holds_is_refused(served_export):
     from paradecode.graphs.errors import UserInputError
     from paradecode.runtime.serve.pool import ReplicaPool

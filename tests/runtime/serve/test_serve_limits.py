@@ -95,6 +95,48 @@ def test_http_surface(serve, served_export, method, path, headers, status):
         assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+def big_head(fields: int, value_bytes: int) -> bytes:
+    lines = b"".join(b"X-Field-%d: %s\r\n" % (i, b"v" * value_bytes) for i in range(fields))
+    return b"GET /health HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        (big_head(1, 100_000), 431, "request_header_fields_too_large"),  # one read over loopback: h11 let it pass
+        (big_head(1_000, 1), 431, "request_header_fields_too_large"),  # 14 KB, but 1,000 fields
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400, "malformed_request"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            400,
+            "malformed_request",
+        ),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400, "malformed_request"),
+    ],
+    ids=["100 KB head", "1000 fields", "Content-Length -1", "bad chunk size", "bad request line"],
+)
+def test_oversized_heads_and_bad_framing_get_openai_json_errors(serve, served_export, request_bytes, status, code):
+    """The head is bounded as protocol.py says (16 KiB, 100 fields) and h11's framing errors are answered with
+    OpenAI's error object, not uvicorn's plain-text 400; the server serves on."""
+    running = serve(served_export, replicas=1)
+    answer = closed_within(raw_connection(running.port, request_bytes), 5)
+    assert answer is not None, "the connection was not closed"
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert b"content-type: application/json" in head_part.lower(), head_part
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == code, error
+    if status == 431:
+        assert "16384 bytes and 100 fields" in error["message"], error
+    assert running.http.get("/health").status_code == 200
+
+
+def test_a_head_within_the_bounds_is_served(serve, served_export):
+    running = serve(served_export, replicas=1)
+    answer = closed_within(raw_connection(running.port, big_head(90, 150)[:-2] + b"Connection: close\r\n\r\n"), 5)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
 # --- slow and vanishing clients -------------------------------------------------------------------------------------
 
 
