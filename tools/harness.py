@@ -24,14 +24,20 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.errors import ParadecodeError, UserInputError
 
 logger = logging.getLogger(__name__)
 
 
+class ModeFailed(ParadecodeError):
+    """A mode that cannot run any more (a peer whose process died): `measure` leaves it out of the rest of the run,
+    its samples too, and says why in `Results.skipped`."""
+
+
 @dataclass(kw_only=True)
 class Sample:
-    """One decode of one prompt. `measure` fills in mode, prompt, repeat and peak_rss_mb."""
+    """One decode of one prompt. `measure` fills in mode, prompt, repeat and (unless the mode measured its own)
+    peak_rss_mb."""
 
     mode: str = ""
     prompt: int = 0  # index into the prompts
@@ -105,7 +111,9 @@ def measure(
     """Warm every mode up on the first prompt, then run every mode on every prompt, interleaved, `repeat` times.
 
     With `skip_failing`, a mode whose warm-up raises (one the model or library does not support) is
-    reported and left out (`Results.skipped` says why); otherwise the error propagates.
+    reported and left out (`Results.skipped` says why); otherwise the error propagates. A mode that raises
+    `ModeFailed`, in its warm-up or later, is left out whatever `skip_failing` says, its samples dropped: the other
+    modes' run goes on.
     """
     if not modes or not prompts or repeat < 1:
         raise UserInputError(f"need modes, prompts and repeat >= 1; got {len(modes)}, {len(prompts)}, {repeat}.")
@@ -122,6 +130,10 @@ def measure(
             bar.set_postfix(mode=mode.name, prompt="warm-up")
             try:
                 mode.run(prompts[0], warmup_tokens)
+            except ModeFailed as err:
+                skipped[mode.name] = str(err)
+                logger.warning("leaving %s out: %s", mode.name, err)
+                bar.total -= runs_per_mode
             except Exception as err:
                 if not skip_failing:
                     raise
@@ -133,9 +145,17 @@ def measure(
             bar.update()
         for r in range(repeat):
             for p, prompt in enumerate(prompts):
-                for mode in active:
+                for mode in list(active):
                     bar.set_postfix(mode=mode.name, prompt=f"{p + 1}/{len(prompts)}", repeat=f"{r + 1}/{repeat}")
-                    samples.append(_timed(mode, prompt, max_new_tokens, p, r))
+                    try:
+                        samples.append(_timed(mode, prompt, max_new_tokens, p, r))
+                    except ModeFailed as err:
+                        done = sum(s.mode == mode.name for s in samples)
+                        samples = [s for s in samples if s.mode != mode.name]
+                        active.remove(mode)
+                        skipped[mode.name] = str(err)
+                        logger.warning("leaving %s out after %d of its runs: %s", mode.name, done, err)
+                        bar.total -= runs_per_mode - done - 1
                     bar.update()
     return Results(list(modes), samples, skipped)
 
@@ -143,22 +163,23 @@ def measure(
 def _timed(mode: Mode, prompt: list[int], max_new_tokens: int, p: int, r: int) -> Sample:
     before = peak_rss_reset()
     sample = mode.run(prompt, max_new_tokens)
-    peak = _status_mb("VmHWM") if before is not None else None
-    return replace(
-        sample, mode=mode.name, prompt=p, repeat=r, peak_rss_mb=None if peak is None else max(0.0, peak - before)
-    )
+    peak = status_mb("VmHWM") if before is not None else None
+    if sample.peak_rss_mb is None:  # a mode decoding in another process measures its own
+        sample = replace(sample, peak_rss_mb=None if peak is None else max(0.0, peak - before))
+    return replace(sample, mode=mode.name, prompt=p, repeat=r)
 
 
 def peak_rss_reset() -> float | None:
     """Reset the process's peak RSS (Linux) and return the current RSS in MB; None where unsupported."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return _status_mb("VmRSS")
+        return status_mb("VmRSS")
     except OSError:
         return None
 
 
-def _status_mb(key: str) -> float | None:
+def status_mb(key: str) -> float | None:
+    """A size from /proc/self/status (VmRSS, VmHWM) in MB; None where it is not there."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024

@@ -11,7 +11,8 @@ same new-token budget and stop tokens, every core.
 
 A runner owns its library's objects and has one lifecycle: `load()`, then `generate(ids, max_new_tokens)`
 any number of times, then `close()` (or `with runner.load(): ...`). Each library is imported in `load`,
-so importing this module (and `paradecode.tools.bench`) never imports them.
+so importing this module (and `paradecode.tools.bench`) never imports them. The benchmark runs each peer's runner in
+a process of its own (tools/peer_process.py), so that a peer that crashes ends itself, not the run.
 
 Threading model: a runner is used by one thread at a time (the harness calls modes one after another);
 each `generate` call makes its own per-request state (a genai `Generator`; llama.cpp's context is reset).
@@ -26,7 +27,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,20 @@ def check_peer_packages(peers: Sequence[str]) -> None:
 
 
 @dataclass(frozen=True)
+class TimedOutput:
+    """A `generate` call timed: `time.perf_counter()` at its start and at each token's arrival; the peak RSS growth
+    of the process that decoded it, where that is not the benchmark's own (tools/peer_process.py)."""
+
+    output: PeerOutput
+    started: float
+    stamps: list[float]
+    peak_rss_mb: float | None = None
+
+    def with_peak(self, peak_rss_mb: float) -> TimedOutput:
+        return replace(self, peak_rss_mb=peak_rss_mb)
+
+
+@dataclass(frozen=True)
 class PeerOutput:
     """What one `generate` call decoded: the new tokens (the stop token included) and speculation counts."""
 
@@ -158,8 +173,7 @@ class PeerRunner:
     def generate(
         self, ids: Sequence[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None
     ) -> PeerOutput:
-        if not self._loaded:
-            raise UserInputError(f"{self.name}: generate() before load() (or after close()).")
+        self._check_loaded()
         ids = [int(i) for i in ids]
         if not ids or max_new_tokens < 1:
             raise UserInputError(
@@ -184,6 +198,16 @@ class PeerRunner:
         finally:
             stream.close()
         return PeerOutput(tokens, **stats)
+
+    def _check_loaded(self) -> None:
+        if not self._loaded:
+            raise UserInputError(f"{self.name}: generate() before load() (or after close()).")
+
+    def timed(self, ids: Sequence[int], max_new_tokens: int) -> TimedOutput:
+        """`generate`, timed from its start and at each token's arrival."""
+        started, stamps = time.perf_counter(), []
+        output = self.generate(ids, max_new_tokens, on_token=lambda _: stamps.append(time.perf_counter()))
+        return TimedOutput(output, started, stamps)
 
     def _load(self) -> None:
         raise NotImplementedError
@@ -300,16 +324,16 @@ def peer_mode(name: str, runner: PeerRunner, settings: dict[str, Any]) -> Mode:
     """A harness mode that decodes with `runner`, timing every token as it arrives (as `stream_mode` does)."""
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Sample:
-        stamps: list[float] = []
-        started = time.perf_counter()
-        out = runner.generate(prompt_ids, max_new_tokens, on_token=lambda _: stamps.append(time.perf_counter()))
+        timed = runner.timed(prompt_ids, max_new_tokens)
+        out = timed.output
         return Sample.from_stamps(
             out.token_ids,
-            started,
-            stamps,
+            timed.started,
+            timed.stamps,
             lookup_proposed=out.proposed,
             lookup_accepted=out.accepted,
             rollbacks=out.rollbacks,
+            peak_rss_mb=timed.peak_rss_mb,
         )
 
     return Mode(name, "peer", run, settings)
@@ -319,6 +343,7 @@ def peer_modes(settings: PeerSettings, model, stack: ExitStack, *, ignore_eos: b
     """The peers' modes beside `model` (a loaded export): their models prepared (onnxruntime-genai's built once
     and cached), their runners loaded and registered on `stack` to be closed with it."""
     from paradecode.tools import peer_models
+    from paradecode.tools.peer_process import PeerProcess  # each peer in a process of its own: its crash is its own
 
     check_peer_packages(settings.peers)
     manifest = model.manifest
@@ -335,11 +360,11 @@ def peer_modes(settings: PeerSettings, model, stack: ExitStack, *, ignore_eos: b
         folder = peer_models.genai_model_folder(source, settings.precision, settings.cache)
         described = {"peer": "ort-genai", "precision": settings.precision, "threads": settings.threads}
         for name, speculative in (("ort-genai", None), ("ort-genai-ngram", NGRAM_OPTIONS)):
-            runner = stack.enter_context(OrtGenaiRunner(folder, speculative=speculative, **common))
+            runner = stack.enter_context(PeerProcess(OrtGenaiRunner, folder=folder, speculative=speculative, **common))
             settings_row = {**described, "model": str(folder), **({"speculative": speculative} if speculative else {})}
             modes.append(peer_mode(f"{name} {settings.precision} ({threads})", runner, settings_row))
     if gguf is not None:
-        runner = stack.enter_context(LlamaCppRunner(gguf, **common))
+        runner = stack.enter_context(PeerProcess(LlamaCppRunner, gguf=gguf, **common))
         described = {"peer": "llama.cpp", "model": str(gguf), "threads": settings.threads}
         modes.append(peer_mode(f"llama.cpp gguf ({threads})", runner, described))
     logger.info(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +24,7 @@ from paradecode.export.source import ModelSource
 from paradecode.graphs.errors import UnsupportedModelError, UserInputError
 from paradecode.tools import bench, harness, peer_models, peers, reporting
 from tests.tiny_gguf import BOS_ID, write_tiny_gguf
+from tests.tools.stand_in_peers import CountingPeer, CrashingPeer
 
 DEMO_MODEL = Path(__file__).resolve().parents[2] / "tools" / "demo_model"
 NEW_TOKENS = 24
@@ -160,32 +163,6 @@ def test_a_failed_build_says_why_keeps_its_log_and_leaves_no_model(tmp_path, mon
 # --- the runner lifecycle and stopping rules (a fake peer) ------------------------------------------------
 
 
-class CountingPeer(peers.PeerRunner):
-    """Emits 100, 101, 102, ... after any prompt; records what it was asked."""
-
-    name = "counting"
-
-    def __init__(self, **common):
-        super().__init__(**common)
-        self.events = []
-
-    def _load(self):
-        self.events.append("load")
-
-    def _tokens(self, ids, budget, stats):
-        self.events.append(("decode", len(ids), budget))
-        token = 100
-        try:
-            while True:
-                yield token
-                token += 1
-        finally:
-            stats["proposed"], stats["accepted"], stats["rollbacks"] = 3, 2, 1
-
-    def _close(self):
-        self.events.append("close")
-
-
 def test_runner_stops_at_the_stop_token_or_the_budget_and_reports_each_token():
     runner = CountingPeer(threads=2, max_seq_len=10, eos_token_ids=(102,))
     with pytest.raises(UserInputError, match="before load"):
@@ -211,6 +188,68 @@ def test_peer_mode_times_every_token_and_carries_the_speculation_counts():
     sample = mode.run([1, 2], 5)
     assert mode.kind == "peer" and sample.token_ids == [100, 101, 102, 103, 104] and len(sample.timestamps) == 5
     assert (sample.lookup_proposed, sample.lookup_accepted, sample.rollbacks) == (3, 2, 1)
+
+
+# --- a peer in a process of its own (tools/peer_process.py) -----------------------------------------------
+
+
+def test_a_peer_in_its_own_process_decodes_times_and_refuses_as_in_this_one():
+    from paradecode.tools.peer_process import PeerProcess
+
+    runner = PeerProcess(CountingPeer, threads=1, max_seq_len=10, eos_token_ids=(102,))
+    with pytest.raises(UserInputError, match="before load"):
+        runner.timed([1], 4)
+    with runner:
+        child = runner._process
+        timed = runner.timed([1, 2], 8)
+        assert timed.output == peers.PeerOutput([100, 101, 102], 3, 2, 1)
+        assert timed.started < timed.stamps[0] <= timed.stamps[1] <= timed.stamps[2]  # stamped in the child
+        assert timed.peak_rss_mb is not None and timed.peak_rss_mb >= 0  # the child's own (Linux)
+        with pytest.raises(UserInputError, match="fills the 10 positions"):  # the child's refusal, raised here
+            runner.timed(list(range(10)), 4)
+        seen = []
+        assert runner.generate([1], 2, on_token=seen.append).token_ids == [100, 101] == seen
+        assert child.is_alive() and child.pid != os.getpid()
+    assert not child.is_alive() and child.exitcode == 0
+
+
+def test_a_peer_that_crashes_is_reported_and_the_run_finishes_the_others(capsys):
+    """A stand-in that kills its process with SIGSEGV, once in its warm-up and once in the middle of the run: each is
+    left out, with its signal and the advice, and the other modes' samples are all there."""
+    from paradecode.tools import bench_modes
+    from paradecode.tools.peer_process import PeerProcess
+
+    def ar(prompt_ids, max_new_tokens):
+        return harness.Sample(token_ids=[100, 101, 102, 103][:max_new_tokens], tokens_per_second=10.0)
+
+    common = {"threads": 1, "max_seq_len": 64}
+    with ExitStack() as stack:
+        runners = {
+            "crashes at once": PeerProcess(CrashingPeer, crash_at=1, **common),
+            "crashes later": PeerProcess(CrashingPeer, crash_at=3, **common),  # the warm-up, one run, then SIGSEGV
+            "counting": PeerProcess(CountingPeer, **common),
+        }
+        modes = [harness.Mode("ar", "ar", ar)]
+        modes += [peers.peer_mode(name, stack.enter_context(r), {}) for name, r in runners.items()]
+        results = harness.measure(modes, [[1, 2], [3, 4]], max_new_tokens=4, repeat=2)
+    for name in ("crashes at once", "crashes later"):
+        assert "crashing crashed: its process was killed by SIGSEGV" in results.skipped[name], results.skipped
+        assert "the benchmark goes on without it" in results.skipped[name] and not results.runs(name)
+    assert "while decoding a 2-token prompt" in results.skipped["crashes at once"]
+    assert len(results.runs("counting")) == len(results.runs("ar")) == 4
+    assert results.matches("counting", "ar") == 4
+    summary = bench_modes.summarize(results)
+    assert "killed by SIGSEGV" in summary["crashes later"]["skipped"]
+    assert "| crashes later | skipped: crashing crashed" in reporting.markdown_table(summary)
+
+
+def test_a_llama_cpp_crash_names_the_build_that_avoids_it():
+    from paradecode.tools.peer_process import crash_message
+
+    message = crash_message("llama.cpp", -11, "decoding an 8-token prompt")
+    assert message.startswith("llama.cpp crashed: its process was killed by SIGSEGV while decoding an 8-token prompt")
+    assert "-DGGML_AMX_INT8=OFF" in message and "-DGGML_NATIVE=OFF" in message
+    assert "ended (exit code 3) without an answer" in crash_message("ort-genai", 3, "loading")
 
 
 # --- agreement with ar ------------------------------------------------------------------------------------
