@@ -271,37 +271,46 @@ class ParaDecodeModel:
         and lookup proposals do; with `engine`, a server's engine of several rows, several requests in one call),
         with `config`'s settings (a server's: sampling, overlap, K) and with every token exiting. With
         `torch_compile`, the modules compile now rather than in the first requests (`paradecode-serve --compile`
-        does this before it listens); shapes it did not meet still compile at their first use. The warm-up decodes
-        over a runtime of its own estimates, shared lookup and muted warnings, so nothing it measures or says
-        reaches the user's requests, which may be decoding meanwhile."""
+        does this before it listens); shapes it did not meet still compile at their first use. Each of its calls
+        decodes over a runtime of fresh estimates (every proposal taken), shared lookup and muted warnings of its own,
+        so the calls it makes do not depend on timing, and nothing it measures or says reaches the user's requests,
+        which may be decoding meanwhile."""
         config = config or GenerationConfig()
         length = max(1, min(8, self.capacity // 2))
-        prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3) * 3][:length]  # repeated: lookup proposes
+        # repeated: lookup proposes from the first step on (the prompt's last tokens occur earlier in it)
+        prompt = [t % self.backend.spec.vocab_size for t in (1, 2, 3) * 3][:length]
         settings = dict(max_new_tokens=length, ignore_eos=True, lookup_shared=False)
-        runtime = replace(
-            self.runtime,
-            estimates=Speculation(self.backend.spec.num_layers),
-            shared_lookup=SharedSuffixIndex(),
-            notices=Notices.muted(),
-        )
+
+        def fresh() -> Runtime:
+            # estimates that know no costs yet: every step takes every proposal, so the kinds of call the warm-up
+            # makes do not depend on how fast its first calls ran (costs measured there that declined a batch's
+            # proposals left the call of several rows of several positions to compile in the first requests)
+            return replace(
+                self.runtime,
+                estimates=Speculation(self.backend.spec.num_layers),
+                shared_lookup=SharedSuffixIndex(),
+                notices=Notices.muted(),
+            )
+
         one = self._engine()  # the engine the next call takes: its CUDA graphs (by its cache's address) are warm
-        one_runtime, one.runtime = one.runtime, runtime
         engines = [one] if engine is None else [one, engine]
         saved = [(e, e.runtime) for e in engines]
-        for each in engines:
-            each.runtime = runtime
         try:
             for extra in ({"mode": "ar"}, {}, {"thresholds": 0.0}):  # thresholds 0: every token exits
+                one.runtime = fresh()
                 request = self._resolve(replace(config, **settings, **extra), prompt)
-                generate_batched(runtime, [request], engine=one)
+                generate_batched(one.runtime, [request], engine=one)
             if engine is not None:
                 rows = range(engine.rows)
-                requests = [self._resolve(replace(config, **settings), prompt[: max(1, length - i)]) for i in rows]
-                generate_batched(runtime, requests, engine=engine)
+                for extra in ({"mode": "ar"}, {}):  # one position a row; then each row's proposals too
+                    engine.runtime = fresh()
+                    requests = [
+                        self._resolve(replace(config, **settings, **extra), prompt[: max(1, length - i)]) for i in rows
+                    ]
+                    generate_batched(engine.runtime, requests, engine=engine)
         finally:
             for each, original in saved:
                 each.runtime = original
-            one.runtime = one_runtime
             self._release(one)
 
     def request(

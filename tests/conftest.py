@@ -33,6 +33,56 @@ def tensorrt_missing() -> str | None:
     return None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--order",
+        default="default",
+        metavar="default|reverse|shuffle:SEED",
+        help="run the tests in collection order (default, what CI runs), reversed, or shuffled by SEED (the modules, "
+        "and the tests within each module): a check that no test depends on what ran before it",
+    )
+
+
+def order_option(config: pytest.Config) -> tuple[str, int | None]:
+    """(kind, seed) of --order; a bad value is a usage error."""
+    value = config.getoption("--order")
+    kind, _, seed = value.partition(":")
+    if kind in ("default", "reverse") and not seed:
+        return kind, None
+    if kind == "shuffle" and seed.isdigit():
+        return kind, int(seed)
+    raise pytest.UsageError(f"--order {value!r}: expected default, reverse or shuffle:SEED (SEED an integer)")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    kind, seed = order_option(config)
+    return f"paradecode test order: {kind}" + (f" (seed {seed}: --order shuffle:{seed} runs it again)" if seed else "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--order: the modules reversed or shuffled, and the tests within each module alike, each module's tests kept
+    together (its module-scoped fixtures are made once, as in the default order)."""
+    import random
+
+    kind, seed = order_option(config)
+    if kind == "default":
+        return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    groups = list(modules.values())
+    if kind == "reverse":
+        order = [list(reversed(group)) for group in reversed(groups)]
+    else:
+        shuffle = random.Random(seed).shuffle
+        shuffle(groups)
+        order = []
+        for group in groups:
+            shuffle(group)
+            order.append(group)
+    items[:] = [item for group in order for item in group]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The tests keep what the runtime caches per user (runtime/row_exactness.py's verdicts, Inductor's compiled
     graphs) in a folder of their own, removed at the end, so they neither read a user's caches nor add to them."""
