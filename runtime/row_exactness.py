@@ -48,6 +48,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -281,9 +282,22 @@ def row_form(backend) -> RowForm | None:
         form = probe(backend)
         verdicts[key] = form.name if form is not None else NONE_NAME
         _write_cache(path, verdicts)
-    if form is not None:  # None: the model says so, once, where a ParaDecode request decodes as ar
+    if form is not None and said_once((backend.export.path.name, form.name)):  # None: a request's notice says so
         logger.info("%s on this machine: %s", backend.export.path.name, form.describe())
     return form
+
+
+_said: set[tuple] = set()  # (export, form) described so far in this process
+_said_lock = threading.Lock()
+
+
+def said_once(what: tuple) -> bool:
+    """True the first time this process asks about `what`: a demo or a bench loads one export several times, and
+    its verdict is told once."""
+    with _said_lock:
+        first = what not in _said
+        _said.add(what)
+        return first
 
 
 def probe(backend) -> RowForm | None:

@@ -138,6 +138,24 @@ def test_the_verdict_is_cached_per_machine_and_export(quantized_exports, tmp_pat
     assert calls == [1, 1] and len(json.loads(row_exactness.cache_path().read_text())) == 2
 
 
+def test_a_verdict_is_told_once_per_process(quantized_exports, monkeypatch, caplog):
+    """paradecode-demo loads one export three times (ParaDecode and two ar baselines, at other threads per call): its
+    verdict was logged three times in one run; now once, and again where another form is chosen."""
+    monkeypatch.setattr(row_exactness, "_said", set())
+    folder = quantized_exports["llama", "gguf"][0]
+    with caplog.at_level(logging.INFO, logger="paradecode.runtime.row_exactness"):
+        for threads in (None, 1, 2):
+            with load(folder, threads=threads) as model:
+                first = model.backend.row_form
+        other = TWO_ROWS if first != TWO_ROWS else ALONE
+        monkeypatch.setattr(row_exactness, "machine_identity", lambda: "another CPU")
+        monkeypatch.setattr(row_exactness, "probe", lambda backend: other)
+        with load(folder) as model:
+            assert model.backend.row_form == other
+    told = [r.getMessage() for r in caplog.records if " on this machine: " in r.getMessage()]
+    assert len(told) == 2 and told[1].endswith(other.describe()), told
+
+
 def test_a_form_pads_a_call_with_copies_of_its_last_position():
     assert [AS_IS.rows(t) for t in (1, 2, 3)] == [1, 2, 3] and AS_IS.spare == 0
     assert [ALONE.rows(t) for t in (1, 2, 3)] == [1, 1, 1] and ALONE.spare == 0
