@@ -142,7 +142,8 @@ def compare(
     A top-1 token may differ only where the expected top-1/top-2 margin (`expected[MARGIN]`) is a
     near tie, within what the tolerance allows the logits to move.
     """
-    worst, worst_excess, worst_ratio, near_ties, problems = 0.0, 0.0, 0.0, 0, []
+    worst, worst_excess, near_ties, problems = 0.0, 0.0, 0, []
+    worst_ratio: float | None = None  # of the outputs an L2 bound judges (not a head's token, margin, probability)
     for name, got in actual.items():
         want = expected[name]
         if tuple(got.shape) != tuple(want.shape):
@@ -172,7 +173,7 @@ def compare(
                 excess = float(diff.max()) / (2 * scale) - tol.l2 + tol.atol
             elif tol.l2 is not None:
                 ratio = float(diff.norm() / max(float(want[finite].norm()), 1e-12))
-                worst_ratio = max(worst_ratio, ratio)
+                worst_ratio = ratio if worst_ratio is None else max(worst_ratio, ratio)
                 excess = ratio - tol.l2 + tol.atol
             else:
                 excess = float((diff - tol.rtol * want[finite].abs()).max()) / _scale(name, expected, tol)
@@ -182,8 +183,7 @@ def compare(
     note = "; ".join(problems)
     if near_ties:
         note = (note + "; " if note else "") + f"{near_ties} near-tie token difference(s)"
-    ratio = worst_ratio if tol.l2 is not None else None
-    return Check(subject, what, "FAIL" if problems else "ok", worst, tol, note, ratio)
+    return Check(subject, what, "FAIL" if problems else "ok", worst, tol, note, worst_ratio)
 
 
 def _scale(name: str, expected: dict[str, torch.Tensor], tol: Tolerance) -> float:

@@ -271,10 +271,11 @@ class ParaDecodeModel:
         and lookup proposals do; with `engine`, a server's engine of several rows, several requests in one call),
         with `config`'s settings (a server's: sampling, overlap, K) and with every token exiting. With
         `torch_compile`, the modules compile now rather than in the first requests (`paradecode-serve --compile`
-        does this before it listens); shapes it did not meet still compile at their first use. Each of its calls
-        decodes over a runtime of fresh estimates (every proposal taken), shared lookup and muted warnings of its own,
-        so the calls it makes do not depend on timing, and nothing it measures or says reaches the user's requests,
-        which may be decoding meanwhile."""
+        does this before it listens); shapes it did not meet still compile at their first use. Each of its requests
+        decodes over a runtime of fresh estimates (no costs known: each step takes every proposal until the costs it
+        measures decide), shared lookup and muted warnings of its own, so the kinds of call it makes first do not
+        depend on timing, and nothing it measures or says reaches the user's requests, which may be decoding
+        meanwhile."""
         config = config or GenerationConfig()
         length = max(1, min(8, self.capacity // 2))
         # repeated: lookup proposes from the first step on (the prompt's last tokens occur earlier in it)

@@ -56,7 +56,8 @@ def order_option(config: pytest.Config) -> tuple[str, int | None]:
 
 def pytest_report_header(config: pytest.Config) -> str:
     kind, seed = order_option(config)
-    return f"paradecode test order: {kind}" + (f" (seed {seed}: --order shuffle:{seed} runs it again)" if seed else "")
+    again = f" (seed {seed}: --order shuffle:{seed} runs it again)" if seed is not None else ""
+    return f"paradecode test order: {kind}{again}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -29,6 +29,7 @@ from paradecode.tools.peers import PeerOutput, PeerRunner, TimedOutput
 logger = logging.getLogger(__name__)
 
 START_SECONDS = 600  # a child's load: onnxruntime-genai's model or llama.cpp's GGUF read, never a build
+CALL_SECONDS = 1800  # one prompt's decoding: a peer that takes longer has hung, and is left out as one that crashed
 STOP_SECONDS = 10  # a child's close before it is killed
 
 # llama-cpp-python's build without the AMX kernels that crashed (its other x86 kernels kept): the fix the crash names
@@ -72,6 +73,8 @@ class PeerProcess(PeerRunner):
         return self._call(([int(i) for i in ids], int(max_new_tokens)), f"decoding a {len(ids)}-token prompt")
 
     def generate(self, ids, max_new_tokens, on_token=None) -> PeerOutput:
+        """`PeerRunner.generate`, but `on_token` hears of each token once the call has ended (`timed` has the times
+        at which they arrived)."""
         timed = self.timed(ids, max_new_tokens)
         for token in timed.output.token_ids if on_token is not None else ():
             on_token(token)
@@ -99,19 +102,21 @@ class PeerProcess(PeerRunner):
             self._connection.send(call)
         except OSError:  # the child is gone already
             return self._answer(doing, 0)
-        return self._answer(doing, None)
+        return self._answer(doing, CALL_SECONDS)
 
     def _answer(self, doing: str, timeout: float | None):
         """The child's answer to the last call: its value, its error raised here, or PeerCrashed."""
+        process = self._process
         try:
-            if timeout is not None and not self._connection.poll(timeout):
+            if not self._connection.poll(timeout):
+                self._loaded = False
                 self._stop()
                 raise PeerCrashed(f"{self.name}: its process gave no answer within {timeout:g} s of {doing}.")
             kind, value = self._connection.recv()
         except (EOFError, OSError):
-            self._process.join(STOP_SECONDS)
             self._loaded = False
-            raise PeerCrashed(crash_message(self.name, self._process.exitcode, doing)) from None
+            self._stop()  # joined (killed if it lingers) and the pipe closed
+            raise PeerCrashed(crash_message(self.name, process.exitcode, doing)) from None
         if kind == "error":
             raise value
         return value
@@ -141,6 +146,7 @@ def crash_message(name: str, exitcode: int | None, doing: str) -> str:
 
 def serve(connection, factory: Callable[..., PeerRunner], arguments: dict[str, Any]) -> None:
     """The child: make and load the runner, answer ("ok", value) or ("error", exception) to each call until None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C at the terminal is the parent's: it closes its children
     try:
         runner = factory(**arguments).load()
     except Exception as err:

@@ -48,6 +48,7 @@ class BoundedHeadConnection(h11.Connection):
     def __init__(self):
         super().__init__(h11.SERVER, max_incomplete_event_size=HEAD_BYTES)
         self.error: h11.RemoteProtocolError | None = None
+        self.method: bytes | None = None  # the last request's (a HEAD request's answer has no body)
 
     def next_event(self):
         try:
@@ -56,6 +57,7 @@ class BoundedHeadConnection(h11.Connection):
             self.error = err
             raise
         if isinstance(event, h11.Request):
+            self.method = event.method
             size = head_bytes(event)
             if size > HEAD_BYTES or len(event.headers) > HEAD_FIELDS:
                 self.error = HeadTooLarge(
@@ -69,7 +71,7 @@ class BoundedHeadConnection(h11.Connection):
 
 def head_bytes(request: h11.Request) -> int:
     """The bytes of `request`'s head as h11 parsed it: "METHOD TARGET HTTP/1.1\r\n", a "name: value\r\n" line per
-    field, and the blank line."""
+    field, and the blank line (the whitespace h11 strips around a value is not counted: about the bytes sent)."""
     line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
     return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
 
@@ -111,9 +113,14 @@ class _HeadTimedH11Protocol(H11Protocol):
         headers.append((b"connection", b"close"))
         try:
             data = self.conn.send(h11.Response(status_code=status, headers=headers))
-            data += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+            if self.conn.method != b"HEAD":  # h11 takes no body for a HEAD request's answer
+                data += self.conn.send(h11.Data(data=body))
+            data += self.conn.send(h11.EndOfMessage())
         except h11.LocalProtocolError:  # a response has started: nothing more can be said on this connection
             data = b""
+        if self.cycle is not None and not self.cycle.response_complete:  # the app's request ends here, as at a
+            self.cycle.disconnected = True  # lost connection: its answer is not sent (uvicorn's connection_lost)
+            self.cycle.message_event.set()
         self.transport.write(data)
         self.transport.close()
 

@@ -131,6 +131,13 @@ def test_oversized_heads_and_bad_framing_get_openai_json_errors(serve, served_ex
     assert running.http.get("/health").status_code == 200
 
 
+def test_an_oversized_head_request_gets_its_431_without_a_body(serve, served_export):
+    running = serve(served_export, replicas=1)
+    answer = closed_within(raw_connection(running.port, big_head(1_000, 1).replace(b"GET ", b"HEAD ", 1)), 5)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+    assert answer.endswith(b"\r\n\r\n") and b"content-length: " in answer.lower(), answer
+
+
 def test_a_head_within_the_bounds_is_served(serve, served_export):
     running = serve(served_export, replicas=1)
     answer = closed_within(raw_connection(running.port, big_head(90, 150)[:-2] + b"Connection: close\r\n\r\n"), 5)
