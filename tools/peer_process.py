@@ -15,7 +15,6 @@ Threading model: one thread (the harness's) calls a PeerProcess; its child serve
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import signal
 from collections.abc import Callable, Sequence
@@ -25,8 +24,6 @@ from typing import Any
 from paradecode.graphs.errors import ParadecodeError
 from paradecode.tools.harness import ModeFailed, peak_rss_reset, status_mb
 from paradecode.tools.peers import PeerOutput, PeerRunner, TimedOutput
-
-logger = logging.getLogger(__name__)
 
 START_SECONDS = 600  # a child's load: onnxruntime-genai's model or llama.cpp's GGUF read, never a build
 CALL_SECONDS = 1800  # one prompt's decoding: a peer that takes longer has hung, and is left out as one that crashed
@@ -104,7 +101,7 @@ class PeerProcess(PeerRunner):
             return self._answer(doing, 0)
         return self._answer(doing, CALL_SECONDS)
 
-    def _answer(self, doing: str, timeout: float | None):
+    def _answer(self, doing: str, timeout: float):
         """The child's answer to the last call: its value, its error raised here, or PeerCrashed."""
         process = self._process
         try:
