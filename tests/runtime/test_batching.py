@@ -19,6 +19,7 @@ from paradecode.runtime import load
 from paradecode.runtime.engine import ALONE, TOGETHER, Engine, Sequence, generate_batched
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.model import StreamedToken
+from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult
 from tests.tiny_models import TINY_CONFIGS
 
@@ -113,9 +114,14 @@ def repeating_requests(model, count: int, **settings):
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, sampled):
+def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, sampled, monkeypatch):
     """In a batch, each `paradecode` row's lookup proposals go through the batch's calls with the other rows' tokens
-    and are verified there: lookup proposes, and every output is its request's alone (a seed's draws too)."""
+    and are verified there: lookup proposes, and every output is its request's alone (a seed's draws too).
+
+    The batch takes every proposal: how many the measured costs let through depends on the machine's timing (CI's
+    run on 2026-12-06 took only the 25 that were all accepted), and this test is about verifying them, not about
+    that policy (tests/runtime/test_speculation.py)."""
+    monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available: max(available, default=0))
     model = loaded["llama", "onnxruntime"]
     settings = dict(temperature=0.3, seed=5) if sampled else {}
     paradecode = repeating_requests(model, 4, mode="paradecode", lookup_tokens=4, lookup_min_ngram=2, **settings)
