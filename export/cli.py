@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(the model's own final norm and LM head)",
     )
     parser.add_argument(
+        "--draft-head",
+        type=Path,
+        metavar="FILE",
+        help="a draft head made for this model (export/draft_head.py): its graph is exported beside the layers "
+        "and ParaDecode may propose its guesses; default: none",
+    )
+    parser.add_argument(
         "--dtype", type=dtype_name, default="float32", help=f"one of {', '.join(DTYPES)} (default float32)"
     )
     parser.add_argument(
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             output=args.output,
             exit_layers=args.exit_layers,
             heads=args.heads,
+            draft_head=args.draft_head,
             dtype=args.dtype,
             weights=args.weights,
             activations=args.activations,

@@ -27,6 +27,7 @@ class ExportConfig:
     output: Path
     exit_layers: tuple[int, ...] | None = None  # None: an even spread (L/4, L/2, 3L/4), or the heads file's
     heads: Path | None = None
+    draft_head: Path | None = None  # a draft head's file (export/draft_head.py): its graph is exported too
     dtype: str = "float32"
     # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
     # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/weight_storage.py)
@@ -60,6 +61,8 @@ class ExportConfig:
         object.__setattr__(self, "output", Path(self.output))
         if self.heads is not None:
             object.__setattr__(self, "heads", Path(self.heads))
+        if self.draft_head is not None:
+            object.__setattr__(self, "draft_head", Path(self.draft_head))
         if self.dtype not in DTYPES:
             raise UserInputError(f"dtype {self.dtype!r} is not supported; expected one of {', '.join(DTYPES)}.")
         if self.weights not in WEIGHT_SETTINGS:

@@ -19,6 +19,8 @@ import torch
 
 from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
+from paradecode.export.draft_head import VOCAB as DRAFT_VOCAB
+from paradecode.export.draft_head import check_draft_head, draft_weights, load_draft_head
 from paradecode.export.families import family_for
 from paradecode.export.files import (
     check_output_folder,
@@ -86,6 +88,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     max_seq_len = resolve_max_seq_len(config, spec)
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
+    draft = resolve_draft_head(config, spec, identity)
     weights = family.weights(hf_model, spec)
     if spec.positions == "rope":  # the rotary tables the exported layers read, one per inverse frequencies
         for table in spec.rope_tables:
@@ -95,6 +98,9 @@ def export_model(config: ExportConfig) -> ExportResult:
     quantized = quantized_weights(config.weights, source.gguf_path, weights)
     weights.update(head_weights(spec, weights, transforms, vocab))
     quantized.update(head_quantized(quantized, weights, vocab))
+    if draft is not None:  # its unembedding rows as the graphs compute with them; its own weights stay float
+        name = "unembed.weight" if "unembed.weight" in weights else "embed.tokens.weight"
+        weights.update(draft_weights(draft[0], quantized[name].dequantize() if name in quantized else weights[name]))
     quantization = None
     if quantized:
         quantization = Quantization(config.activations, {name: q.format for name, q in quantized.items()})
@@ -111,6 +117,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         head_vocab=None if vocab is None else len(vocab),
         fused_exits=config.fused_exits and bool(transforms),
         segments=config.segments,
+        draft=draft is not None,
     )
     logger.info(
         "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
@@ -172,6 +179,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             thresholds=default_thresholds(exit_layers, heads_metadata, bool(transforms)),
             head_vocab=None if vocab is None else len(vocab),
             calibration=calibration_of(heads_metadata),
+            draft=None if draft is None else draft_entry(*draft),
             subgraphs=tuple(Subgraph(io, onnx_files[io.name], engines.get(io.name)) for io in plan),
             files=file_hashes(folder),
             tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
@@ -284,6 +292,26 @@ def resolve_exit_layers(
             f"layer ({last}), whose output the final head reads. Choose --exit-layers within 1..{last - 1}."
         )
     return tuple(exit_layers), transforms, metadata, vocab
+
+
+def resolve_draft_head(
+    config: ExportConfig, spec: ModelSpec, identity: dict
+) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """The draft head's tensors and metadata (--draft-head), checked against the model; None without one."""
+    if config.draft_head is None:
+        return None
+    tensors, metadata = load_draft_head(config.draft_head)
+    check_draft_head(config.draft_head, tensors, metadata, spec=spec, model=identity)
+    return tensors, metadata
+
+
+def draft_entry(tensors: dict[str, torch.Tensor], metadata: dict) -> dict:
+    """The manifest's record of a draft head: its vocabulary's size and where it came from."""
+    return {
+        "vocab": len(tensors[DRAFT_VOCAB]),
+        "trained": bool(metadata.get("trained", False)),
+        "base_weights_sha256": metadata.get("base_weights_sha256"),
+    }
 
 
 def head_weights(

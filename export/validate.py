@@ -23,6 +23,7 @@ from paradecode.graphs.errors import MissingDependencyError
 from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
+    EMBEDDED,
     HIDDEN,
     HIDDEN_OUT,
     INPUT_IDS,
@@ -244,6 +245,8 @@ def run_torch(module: torch.nn.Module, io: SubgraphIO, inputs: dict[str, torch.T
         if TOKEN in out and LOGITS not in out:
             if io.kind == "layer_exit":
                 out[LOGITS] = module.head.logits(out[HIDDEN_OUT][:, -1:])
+            elif io.kind == "draft":
+                out[LOGITS] = module.head.logits(out[HIDDEN_OUT])
             else:
                 out[LOGITS] = module.logits(inputs[HIDDEN])
     return out
@@ -401,8 +404,10 @@ def real_inputs(
         for io in plan
         if io.kind == "layer"
     }
+    draft_cache = (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
     recorded: dict[str, list[dict]] = {io.name: [] for io in plan}
     chunk, start = torch.tensor([ids]), 0
+    token = None  # the final head's newest token: a draft head's call reads it (the plan runs `final` before it)
     with torch.no_grad():
         for _ in range(decode_steps + 1):
             positions = torch.arange(start, start + chunk.shape[1])[None]
@@ -421,6 +426,16 @@ def real_inputs(
                         POSITIONS: positions,
                         PAST_KEY: caches[io.layer][0],
                         PAST_VALUE: caches[io.layer][1],
+                    }
+                elif io.kind == "draft":  # after the final head: each position's output beside the token after it
+                    following, shifted = torch.cat([chunk[:, 1:], token], dim=1), positions + 1
+                    embedded = modules["embed"](*([following, shifted] if len(plan[0].inputs) == 2 else [following]))
+                    inputs = {
+                        HIDDEN: hidden,
+                        EMBEDDED: embedded,
+                        POSITIONS: shifted,
+                        PAST_KEY: draft_cache[0],
+                        PAST_VALUE: draft_cache[1],
                     }
                 else:
                     inputs = {HIDDEN: hidden}

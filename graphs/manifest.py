@@ -216,6 +216,9 @@ class Manifest:
     tensorrt: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
+    # the draft head (export/draft_head.py): {"vocab": its vocabulary's size, "trained": bool, "base_weights_sha256":
+    # the model it was made for}; None: the export has none
+    draft: dict[str, Any] | None = None
     quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
     ops: str = "portable"  # "fused": onnxruntime's fused norms and rotary; "portable": operators TensorRT reads too
     paradecode_version: str = "unknown"
@@ -260,6 +263,7 @@ class Manifest:
             "head_vocab": self.head_vocab,
             "thresholds": {str(k): (None if v == NEVER_EXIT else v) for k, v in sorted(self.thresholds.items())},
             "calibration": self.calibration,
+            "draft": self.draft,
             "subgraphs": [s.to_dict() for s in self.subgraphs],
             "weights": self.weights,
             "tokenizer": list(self.tokenizer),
@@ -311,6 +315,7 @@ class Manifest:
             quantization=None if data.get("quantization") is None else Quantization.from_dict(data["quantization"]),
             ops=json_string(data.get("ops", "portable"), "ops", OPS),
             calibration=None if data.get("calibration") is None else json_object(data["calibration"], "calibration"),
+            draft=_draft(data.get("draft"), spec),
             paradecode_version=json_string(data.get("paradecode_version", "unknown"), "paradecode_version"),
             format_version=json_integer(json_field(data, "format_version", ""), "format_version"),
         )
@@ -387,6 +392,7 @@ class Manifest:
             head_vocab=self.head_vocab,
             fused_exits=self.fused_exits,
             segments=self.segments,
+            draft=self.draft is not None,
         )
         plan = export_plan(self.spec, self.exit_layers, **settings)
         contract = (
@@ -450,6 +456,19 @@ def _thresholds(value: Any) -> dict[int, float]:
             raise ManifestError(f"thresholds[{key!r}] is {show(item)}; expected a number in [0, 1] or null (never).")
         thresholds[int(key)] = float(item)
     return thresholds
+
+
+def _draft(value: Any, spec: ModelSpec) -> dict[str, Any] | None:
+    """The draft head's record: its vocabulary's size within the model's, whether it was trained."""
+    if value is None:
+        return None
+    draft = json_object(value, "draft")
+    vocab = json_integer(json_field(draft, "vocab", "draft."), "draft.vocab", minimum=2)
+    if vocab > spec.vocab_size:
+        raise ManifestError(f"draft.vocab is {vocab}; expected at most the model's vocabulary ({spec.vocab_size}).")
+    if not isinstance(draft.get("trained"), bool):
+        raise ManifestError(f"draft.trained is {show(draft.get('trained'))}; expected true or false.")
+    return draft
 
 
 def _tensorrt(value: Any) -> dict[str, Any] | None:

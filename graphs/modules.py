@@ -17,6 +17,9 @@ Weights use one canonical naming, independent of the source framework:
     exits.{e}.transform                                  (trained exit-head matrix [D, D])
     exits.vocab, exits.unembed                           (the exit heads' reduced vocabulary: token ids
                                                           [N] int64 and their unembedding rows [N, D])
+    draft.fuse.weight                                    (the draft head's fusion [D, 2D]: export/draft_head.py)
+    draft.layer.*                                        (its decoder layer: a layer's names, as layers.{i}.*)
+    draft.vocab, draft.unembed                           (its reduced vocabulary: token ids [N] and their rows)
 
 A module's parameters are the very tensors of the weights it was built from wherever the dtype
 allows (`build_subgraph`), so modules that read the same weight (a tied embedding and unembedding,
@@ -279,6 +282,29 @@ class LayerExitGraph(nn.Module):
         return hidden, present_key, present_value, token, prob, margin
 
 
+class DraftGraph(nn.Module):
+    """A draft head (export/draft_head.py): for each position p, the last layer's output at p - 1 and the embedding of
+    tokens[p], concatenated and fused by one linear map, through one decoder layer of its own (shaped as the model's
+    last layer, with a cache of its own), give a guess at the last layer's output at p; the model's final norm and the
+    unembedding rows of a reduced vocabulary read it as a guess at tokens[p + 1] (top-1, as a head's outputs).
+
+    forward(hidden, embedded, positions, past_key, past_value) -> (hidden_out, present_key, present_value, token,
+    prob, margin): drafting a chain feeds each call's `hidden_out` back as the next call's `hidden`.
+    """
+
+    def __init__(self, spec: ModelSpec, *, vocab: int, ops: str | None = None, max_seq_len: int | None = None):
+        super().__init__()
+        self.fuse = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=False)
+        self.layer = LayerGraph(spec, spec.num_layers, ops=ops, max_seq_len=max_seq_len)
+        self.head = HeadGraph(spec, vocab=vocab)
+
+    def forward(self, hidden, embedded, positions, past_key, past_value):
+        fused = self.fuse(torch.cat([hidden, embedded], dim=-1))
+        hidden, present_key, present_value = self.layer(fused, positions, past_key, past_value)
+        token, prob, margin = self.head(hidden)
+        return hidden, present_key, present_value, token, prob, margin
+
+
 class SegmentGraph(nn.Module):
     """Layers first..last in one call: each layer's inputs and outputs as `LayerGraph`'s, chained.
 
@@ -316,6 +342,17 @@ def subgraph_state(
     if io.kind == "embed":
         prefix = "embed."
         return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+    if io.kind == "draft":
+        layer = {k[len("draft.layer.") :]: v for k, v in weights.items() if k.startswith("draft.layer.")}
+        layer.update(rope_state(spec, spec.num_layers, weights, ops=ops))
+        final = SubgraphIO("final", "final", None, (), ())
+        head = {**subgraph_state(spec, final, weights), "unembed.weight": weights["draft.unembed"]}
+        return {
+            "fuse.weight": weights["draft.fuse.weight"],
+            **{f"layer.{k}": v for k, v in layer.items()},
+            **{f"head.{k}": v for k, v in head.items()},
+            "head.vocab": weights["draft.vocab"],
+        }
     if io.kind == "segment":
         state = {}
         for index, layer in enumerate(range(io.layer, io.last + 1)):
@@ -325,12 +362,7 @@ def subgraph_state(
     if io.kind == "layer":
         prefix = f"layers.{io.layer}."
         state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-        if spec.positions == "rope":
-            table = spec.rope_table(io.layer)
-            state["inv_freq"] = weights[f"{table}.inv_freq"]
-            if ops is not None:
-                state["cos_cache"], state["sin_cache"] = weights[f"{table}.cos"], weights[f"{table}.sin"]
-        return state
+        return {**state, **rope_state(spec, io.layer, weights, ops=ops)}
     state = {k: v for k, v in weights.items() if k.startswith(("norm.", "unembed."))}
     if "unembed.weight" not in state and spec.tie_word_embeddings:
         state["unembed.weight"] = weights["embed.tokens.weight"]
@@ -338,6 +370,18 @@ def subgraph_state(
         state["transform.weight"] = weights[f"exits.{io.layer}.transform"]
     if io.kind == "exit" and "exits.vocab" in weights:
         state["unembed.weight"], state["vocab"] = weights["exits.unembed"], weights["exits.vocab"]
+    return state
+
+
+def rope_state(spec: ModelSpec, layer: int, weights: dict[str, torch.Tensor], *, ops: str | None) -> dict:
+    """The rotary buffers of layer `layer`'s module (with `ops`, the exported graph's tables too); none without
+    rotary positions."""
+    if spec.positions != "rope":
+        return {}
+    table = spec.rope_table(layer)
+    state = {"inv_freq": weights[f"{table}.inv_freq"]}
+    if ops is not None:
+        state["cos_cache"], state["sin_cache"] = weights[f"{table}.cos"], weights[f"{table}.sin"]
     return state
 
 
@@ -400,6 +444,8 @@ def build_subgraph(
         module = LayerExitGraph(
             spec, io.layer, transform=transform, vocab=head_vocab(weights), ops=ops, max_seq_len=max_seq_len
         )
+    elif io.kind == "draft":
+        module = DraftGraph(spec, vocab=len(weights["draft.vocab"]), ops=ops, max_seq_len=max_seq_len)
     elif io.kind == "exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = HeadGraph(spec, transform=transform, vocab=head_vocab(weights), with_logits=with_logits)

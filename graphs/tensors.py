@@ -19,6 +19,12 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
 - ``layer_exit_e``: layer e and exit head e fused, for the newest token's call at an exit layer: the
   inputs and outputs of ``layer_e`` plus ``token``, ``prob``, ``margin`` [B, 1] of the exit head on
   the last position. One call instead of two where per-call cost matters.
+- ``draft`` (an export made with a draft head, export/draft_head.py): ``hidden`` [B, T, D], the last layer's
+  output at positions p - 1 (what the final head reads), ``embedded`` [B, T, D], the embedding of tokens[p] (the
+  ``embed`` graph's output), ``positions`` [B, T] (p), and the draft's own ``past_key`` / ``past_value`` (one layer's,
+  written in place as a layer's) -> ``hidden_out`` [B, T, D] (the draft's guess at the last layer's output at p, its
+  next call's ``hidden``), the caches, and ``token``, ``prob``, ``margin`` [B, T]: its top-1 guess at tokens[p + 1]
+  over its reduced vocabulary (a model token id), as a head's.
 - ``segment_a_b``: layers a..b in one graph, an execution unit beside the per-layer graphs (the
   contract's unit): ``hidden``, ``positions`` and each layer's ``past_key.i`` / ``past_value.i`` ->
   ``hidden_out`` and each layer's ``present_key.i`` / ``present_value.i`` (written in place, as a
@@ -43,6 +49,7 @@ TOKENS = "tokens"
 SLOTS = "slots"  # a KV cache's slots: up to the export's max_seq_len
 
 INPUT_IDS = "input_ids"
+EMBEDDED = "embedded"
 POSITIONS = "positions"
 HIDDEN = "hidden"
 HIDDEN_OUT = "hidden_out"
@@ -61,7 +68,7 @@ LOGITS = "logits"
 IN_PLACE = {PRESENT_KEY: PAST_KEY, PRESENT_VALUE: PAST_VALUE}
 
 DTYPES = ("float32", "float16", "bfloat16")
-KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment")
+KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment", "draft")
 HEAD_SUBGRAPHS = ("exit", "final")  # the kinds that are a head alone (layer_exit holds a layer too)
 
 
@@ -127,7 +134,7 @@ class SubgraphIO:
 def subgraph_name(kind: str, layer: int | None = None, last: int | None = None) -> str:
     if kind == "segment":
         return f"segment_{layer}_{last}"
-    if kind in ("embed", "final"):
+    if kind in ("embed", "final", "draft"):
         return kind
     if kind == "layer":
         return f"layer_{layer}"
@@ -191,6 +198,23 @@ def subgraph_io(
         inputs += [TensorSpec(of_layer(n, i), cache, dtype) for i in layers for n in (PAST_KEY, PAST_VALUE)]
         outputs = [TensorSpec(HIDDEN_OUT, hidden.shape, dtype)]
         outputs += [TensorSpec(of_layer(n, i), cache, dtype) for i in layers for n in (PRESENT_KEY, PRESENT_VALUE)]
+    elif kind == "draft":
+        cache = (batch, spec.num_kv_heads, SLOTS, spec.head_dim)
+        inputs = [
+            hidden,
+            TensorSpec(EMBEDDED, hidden.shape, dtype),
+            positions,
+            TensorSpec(PAST_KEY, cache, dtype),
+            TensorSpec(PAST_VALUE, cache, dtype),
+        ]
+        outputs = [
+            TensorSpec(HIDDEN_OUT, hidden.shape, dtype),
+            TensorSpec(PRESENT_KEY, cache, dtype),
+            TensorSpec(PRESENT_VALUE, cache, dtype),
+            TensorSpec(TOKEN, (batch, tokens), "int64"),
+            TensorSpec(PROB, (batch, tokens), "float32"),
+            TensorSpec(MARGIN, (batch, tokens), "float32"),
+        ]
     elif kind in ("exit", "final"):
         if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
@@ -208,7 +232,7 @@ def subgraph_io(
     return SubgraphIO(
         subgraph_name(kind, layer, last),
         kind,
-        layer if kind != "final" else None,
+        layer if kind not in ("final", "draft") else None,
         tuple(inputs),
         tuple(outputs),
         last if kind == "segment" else None,
@@ -234,9 +258,10 @@ def export_plan(
     head_vocab: int | None = None,
     fused_exits: bool = False,
     segments: bool = False,
+    draft: bool = False,
 ) -> list[SubgraphIO]:
     """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final, then
-    (`segments`) the segments between the exit layers.
+    (`segments`) the segments between the exit layers, then (`draft`) the draft head.
 
     `exit_heads`: whether the exit layers have exit head graphs of their own (trained heads). Without
     them an exit layer's head is the model's own final norm and unembedding, which is the `final`
@@ -256,4 +281,6 @@ def export_plan(
         plan += [
             subgraph_io(spec, "segment", a, **common, last=b) for a, b in segment_ranges(spec.num_layers, exit_layers)
         ]
+    if draft:
+        plan.append(subgraph_io(spec, "draft", **common))
     return plan

@@ -139,7 +139,10 @@ class Quantization:
             raise ValueError(f"weights {bad} cannot be quantized (only {QUANTIZABLE.pattern}).")
 
     def activations_of(self, kind: str) -> str:
-        """What a subgraph of this kind (graphs/tensors.py KINDS) computes with: "float" or "int8"."""
+        """What a subgraph of this kind (graphs/tensors.py KINDS) computes with: "float" or "int8" (a draft head's
+        weights are never quantized: float)."""
+        if kind == "draft":
+            return "float"
         if self.activations == "int8-heads":
             return "int8" if kind in HEAD_SUBGRAPHS else "float"
         return self.activations

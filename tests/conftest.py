@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import TINY_CONFIGS, save_random_heads, save_tiny_model
+from tests.tiny_models import TINY_CONFIGS, save_random_heads, save_tiny_model, save_untrained_draft_head
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("PARADECODE_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
@@ -136,18 +136,21 @@ def model_dirs(tmp_path_factory) -> Cache:
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory, model_dirs) -> Cache:
     """family -> (export folder, ExportResult) of that family's tiny model with every kind of graph: random
-    trained exit heads over a reduced vocabulary at every intermediate layer, fused layer+exit graphs, logits."""
+    trained exit heads over a reduced vocabulary at every intermediate layer, fused layer+exit graphs, logits, an
+    untrained draft head over a reduced vocabulary."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
 
     def build(family: str):
         folder = tmp_path_factory.mktemp(f"export-{family}")
         heads = save_random_heads(model_dirs[family], folder / "heads.safetensors")
+        draft = save_untrained_draft_head(model_dirs[family], folder / "draft.safetensors")
         result = export_model(
             ExportConfig(
                 model=str(model_dirs[family]),
                 output=folder / "export",
                 heads=heads,
+                draft_head=draft,
                 max_seq_len=EXPORT_SEQ_LEN,
                 with_logits=True,
                 fused_exits=True,
@@ -196,7 +199,7 @@ def quantized_exports(tmp_path_factory) -> Cache:
     dequantized weights quantized again by onnxruntime's quantizer (`int4` / `int8`). The GGUF fixtures, not the
     tiny float models: their greedy output varies (several of the tiny float models repeat one token whatever
     the prompt). Like `exports`: random trained heads over a reduced vocabulary, fused layer+exit graphs,
-    logits; float activations (not the default) but for the `gguf-int8*` sources."""
+    logits, an untrained draft head; float activations (not the default) but for the `gguf-int8*` sources."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
     from tests.tiny_gguf import write_tiny_gguf
@@ -211,6 +214,7 @@ def quantized_exports(tmp_path_factory) -> Cache:
             model=str(model),
             output=folder / "export",
             heads=heads,
+            draft_head=save_untrained_draft_head(model, folder / "draft.safetensors"),
             max_seq_len=EXPORT_SEQ_LEN,
             with_logits=True,
             fused_exits=True,

@@ -32,9 +32,10 @@ def test_export_is_complete(family, exports):
         + [f"layer_{i}" for i in range(1, spec.num_layers + 1)]
         + [f"exit_{e}" for e in manifest.exit_layers]
         + [f"layer_exit_{e}" for e in manifest.exit_layers]
-        + ["final"]
+        + ["final", "draft"]
     )
     assert sorted(names) == sorted(expected)
+    assert manifest.draft["vocab"] == 2 * spec.vocab_size // 3 and manifest.draft["trained"] is False
     assert manifest.exit_layers and all(1 <= e < spec.num_layers for e in manifest.exit_layers)
     assert manifest.head_kind == "trained" and manifest.head_vocab == 2 * spec.vocab_size // 3
     for sub in manifest.subgraphs:
@@ -80,6 +81,7 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
     folder, _ = exports[family]
     manifest = read_manifest(folder)
     model = tiny_model(family)
+    from paradecode.export.draft_head import draft_weights, load_draft_head
     from paradecode.export.families import family_for
     from paradecode.export.heads.file import load_heads
     from paradecode.export.pipeline import head_weights
@@ -88,6 +90,8 @@ def test_each_subgraph_matches_its_module_in_onnxruntime(family, exports, model_
     weights = adapter.weights(model, manifest.spec)
     transforms, _, vocab = load_heads(folder.parent / "heads.safetensors")
     weights.update(head_weights(manifest.spec, weights, transforms, vocab))
+    draft, _ = load_draft_head(folder.parent / "draft.safetensors")
+    weights.update(draft_weights(draft, weights.get("unembed.weight", weights["embed.tokens.weight"])))
     generator = torch.Generator().manual_seed(123)
     for sub in manifest.subgraphs:
         module = build_subgraph(manifest.spec, sub.io, weights, with_logits=True)

@@ -1,0 +1,172 @@
+"""The draft-head file: a draft head's own weights, its reduced vocabulary and the model it was made for.
+
+A draft head (graphs/modules.py `DraftGraph`, docs/design.md) guesses the next tokens one after another from the last
+layer's output and the embedding of the token just chosen; ParaDecode verifies its guesses as it verifies lookup's.
+Its file is a safetensors file with
+
+    draft.fuse.weight    [D, 2D]   the fusion of [last layer's output, next token's embedding]
+    draft.layer.*                  one decoder layer, its tensors named and shaped as a layer's (`layers.{i}.*`)
+    draft.vocab          [N] int64 the token ids it predicts over (distinct, within the model's vocabulary)
+
+and a JSON metadata entry naming the model it was made for (its weights' sha256) and how it was made. The export
+(`paradecode-export --draft-head FILE`) adds `draft.unembed`, the vocabulary's rows of the model's unembedding as the
+graphs compute with them, and refuses a head made for another model or of other shapes, saying which.
+
+Worked example (tests/export/test_draft_head.py): a head for stories260K (D 64, 5 layers), untrained, over the
+first 32 token ids:
+
+    tensors = untrained_draft_head(spec, range(32), seed=0)     # draft.fuse.weight [64, 128], draft.layer.attn.q...
+    save_draft_head(path, tensors, {"base_weights_sha256": ..., "trained": False})
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.modules import LayerGraph
+from paradecode.graphs.spec import ModelSpec
+
+FORMAT = "paradecode-draft/1"
+FUSE = "draft.fuse.weight"
+LAYER = "draft.layer."
+VOCAB = "draft.vocab"
+UNEMBED = "draft.unembed"  # added by the export, never stored in the file
+HOW_TO_MAKE = "Make one for this model with paradecode.export.draft_head.make_untrained_draft_head (untrained)."
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Each float tensor of a draft head for a model of `spec`, with its shape."""
+    layer = LayerGraph(spec, spec.num_layers)
+    shapes = {FUSE: (spec.hidden_size, 2 * spec.hidden_size)}
+    for name, parameter in layer.named_parameters():
+        shapes[LAYER + name] = tuple(parameter.shape)
+    return shapes
+
+
+def untrained_draft_head(spec: ModelSpec, vocab: Iterable[int], *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A draft head for a model of `spec` over the token ids `vocab`, with freshly initialised weights (as torch
+    initialises a layer's): what the machinery is tested with, and what training starts from."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layer = LayerGraph(spec, spec.num_layers)
+        fuse = torch.nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=False)
+    tensors = {FUSE: fuse.weight.detach().clone()}
+    tensors.update({LAYER + name: p.detach().clone() for name, p in layer.named_parameters()})
+    tensors[VOCAB] = torch.tensor(list(vocab), dtype=torch.int64)
+    return tensors
+
+
+def make_untrained_draft_head(
+    model: str, path: str | Path, vocab: Iterable[int] | None = None, *, seed: int = 0
+) -> Path:
+    """Write an untrained draft head for `model` (a folder, hub id or GGUF file, as `paradecode-export` takes) over
+    the token ids `vocab` (default: the whole vocabulary) to `path`."""
+    from paradecode.export.families import family_for
+    from paradecode.export.pipeline import load_hf_model
+    from paradecode.export.source import resolve_model
+
+    source = resolve_model(model)
+    hf_model = load_hf_model(source)
+    spec = family_for(source.config_dict().get("model_type")).spec(hf_model.config, hf_model)
+    tensors = untrained_draft_head(spec, range(spec.vocab_size) if vocab is None else vocab, seed=seed)
+    identity = source.identity()
+    metadata = {"base_model": model, "base_weights_sha256": identity["weights_sha256"], "trained": False}
+    return save_draft_head(path, tensors, metadata)
+
+
+def save_draft_head(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """Write a draft head atomically (a temporary name renamed at the end): nothing half-written is left."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    stored = {
+        k: t.detach().to(torch.int64 if k == VOCAB else torch.float32).contiguous() for k, t in sorted(tensors.items())
+    }
+    try:
+        save_file(stored, str(tmp), metadata={"format": FORMAT, "metadata": json.dumps(metadata)})
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_draft_head(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, metadata) of a draft-head file, its format checked; `check_draft_head` checks it fits a model."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(f"--draft-head {path}: no such file. {HOW_TO_MAKE}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    except (SafetensorError, OSError) as err:
+        raise UserInputError(f"--draft-head {path} is not a safetensors file ({err}).") from err
+    if header.get("format") != FORMAT:
+        raise UserInputError(
+            f"--draft-head {path} is not a paradecode draft-head file (format {header.get('format')!r}, expected "
+            f"{FORMAT!r})."
+        )
+    try:
+        metadata = json.loads(header.get("metadata", "{}"))
+    except json.JSONDecodeError as err:
+        raise UserInputError(f"--draft-head {path}: its metadata is not JSON ({err}).") from err
+    if not isinstance(metadata, dict):
+        raise UserInputError(f"--draft-head {path}: its metadata is {type(metadata).__name__}, expected an object.")
+    return tensors, metadata
+
+
+def check_draft_head(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, spec: ModelSpec, model: dict[str, Any]
+) -> None:
+    """Refuse a draft head made for another model, or whose tensors do not fit `spec`: name what differs."""
+    base = metadata.get("base_weights_sha256")
+    if base != model["weights_sha256"]:
+        raise UserInputError(
+            f"--draft-head {path} was made for another model ({metadata.get('base_model', 'unknown')}, weights "
+            f"sha256 {str(base)[:12]}...), not for {model['source']} "
+            f"(weights sha256 {model['weights_sha256'][:12]}...). {HOW_TO_MAKE}"
+        )
+    expected = expected_shapes(spec)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - {VOCAB})
+    if missing or unexpected:
+        raise UserInputError(
+            f"--draft-head {path} does not hold a draft head for this model's layers: missing {missing}, "
+            f"unexpected {unexpected}."
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape or not tensors[name].is_floating_point():
+            raise UserInputError(
+                f"--draft-head {path}: {name} is {tensors[name].dtype} {list(tensors[name].shape)}, expected a float "
+                f"tensor {list(shape)} (hidden size {spec.hidden_size}): it was made for a model of other shapes."
+            )
+    vocab = tensors.get(VOCAB)
+    if vocab is None or vocab.dtype != torch.int64 or vocab.dim() != 1 or len(vocab) < 2:
+        shown = "none" if vocab is None else f"{vocab.dtype} {list(vocab.shape)}"
+        raise UserInputError(f"--draft-head {path}: {VOCAB} must be at least 2 int64 token ids, got {shown}.")
+    if int(vocab.min()) < 0 or int(vocab.max()) >= spec.vocab_size:
+        raise UserInputError(
+            f"--draft-head {path}: {VOCAB} holds token ids outside 0..{spec.vocab_size - 1} (from {int(vocab.min())} "
+            f"to {int(vocab.max())}): it was made for another tokenizer."
+        )
+    if len(torch.unique(vocab)) != len(vocab):
+        raise UserInputError(f"--draft-head {path}: {VOCAB} lists a token id more than once; each must be distinct.")
+
+
+def draft_weights(tensors: dict[str, torch.Tensor], unembed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The draft head's canonical weights in an export: its own, and its vocabulary's rows of `unembed` (the model's
+    unembedding as its graphs compute with it)."""
+    weights = {k: t.to(torch.float32).contiguous() for k, t in tensors.items() if k != VOCAB}
+    weights[VOCAB] = tensors[VOCAB].contiguous()
+    weights[UNEMBED] = unembed[tensors[VOCAB]].to(torch.float32).contiguous()
+    return weights
