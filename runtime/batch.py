@@ -4,8 +4,9 @@ Glossary
 --------
 row          a sequence of the batch, in row r of the engine's cache; `position` its newest verified token's.
 proposals    for a `paradecode` sequence, the lookup proposals that follow its newest token (its own prompt and
-             output, then earlier requests' where it asks: runtime/lookup.py), at most its K, the tokens it still
-             needs, and the batch's share (`Speculation.batch_proposals`); none for plain decoding.
+             output, then earlier requests' where it asks: runtime/lookup.py), else its draft head's guesses (in
+             calls of its row alone), at most its K, the tokens it still needs, and the batch's share
+             (`Speculation.batch_proposals`); none for plain decoding.
 T            the call's positions per row: 1 + the most proposals a row takes. A row with fewer is padded with copies
              of its last token at the positions after it: their keys and values land in slots past what the row
              verifies, which its next calls write again before any query of it reads them. Every row's positions
@@ -22,9 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paradecode.runtime.decoding import MAIN, HeadOutput, RowsContext
+from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, RowsContext
 from paradecode.runtime.speculation import Speculation
-from paradecode.runtime.stats import LOOKUP
+from paradecode.runtime.stats import DRAFT, LOOKUP
 from paradecode.runtime.verification import verify
 
 if TYPE_CHECKING:
@@ -36,13 +37,14 @@ class BatchStep:
 
     def __init__(self, ctx: RowsContext):
         self.ctx = ctx
+        self._row_contexts: dict[int, DecodeContext] = {}  # row -> the calls of that row alone (a draft head's)
 
     def run(self, sequences: list[Sequence], estimates: Speculation) -> list[list[tuple[int, float]]]:
         """One step of `sequences` (sequence r in row r), its speculation decided and learned by `estimates`: per
         row, its new verified tokens with their final margins, in order (its accepted proposals, then the token after
         them)."""
         ctx = self.ctx
-        proposals = [self.proposals(s) for s in sequences]
+        proposals, sources = zip(*[self.proposals(s, r) for r, s in enumerate(sequences)])
         share = estimates.batch_proposals([len(p) for p in proposals])
         # every row's positions, padding included, within the cache: the row nearest its end bounds the step
         room = min(ctx.cache.shape[2] - s.position for s in sequences) - 1
@@ -56,40 +58,59 @@ class BatchStep:
         hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed_rows(rows), 0)
         sampled = any(s.sampler is not None for s in sequences)
         out = ctx.head(MAIN, "final", hidden, 0, logits=sampled)
-        return [
-            verdict(sequence, proposed, row_of(out, r, tokens), estimates)
-            for r, (sequence, proposed) in enumerate(zip(sequences, proposals))
-        ]
+        verdicts = []
+        for r, (sequence, proposed) in enumerate(zip(sequences, proposals)):
+            verdicts.append(verdict(sequence, proposed, sources[r], row_of(out, r, tokens), estimates))
+            if sequence.draft is not None:  # the positions whose successors are now verified
+                sequence.draft.verified(sequence.position, hidden[r : r + 1, : len(verdicts[-1])])
+        return verdicts
 
-    @staticmethod
-    def proposals(sequence: Sequence) -> list[int]:
-        """The lookup proposals to follow `sequence`'s newest token: at most its K, and no further than its last
-        needed position or its first end-of-sequence token."""
-        lookup = sequence.lookup
-        if lookup is None:
-            return []
+    def proposals(self, sequence: Sequence, row: int) -> tuple[list[int], int]:
+        """The proposals to follow `sequence`'s newest token (in row `row`), with their source: lookup's, else its
+        draft head's; at most its K, and no further than its last needed position or its first end-of-sequence
+        token."""
         stops, history = sequence.request.stops, sequence.history
-        room = min(lookup.max_tokens, sequence.request.config.max_unverified, stops.last_position - sequence.position)
-        proposed = lookup.propose(history, len(history), room, verified=len(history)) if room > 0 else []
+        room = min(sequence.request.config.max_unverified, stops.last_position - sequence.position)
+        proposed, source = [], LOOKUP
+        if sequence.lookup is not None and room > 0:
+            count = min(room, sequence.lookup.max_tokens)
+            proposed = sequence.lookup.propose(history, len(history), count, verified=len(history))
+        if not proposed and sequence.draft is not None and room > 0:
+            count = min(room, sequence.draft.max_tokens)
+            proposed, source = sequence.draft.propose(self.row_context(row), history, len(history), count), DRAFT
         for i, token in enumerate(proposed):
             if token in stops.eos:
-                return proposed[: i + 1]
-        return proposed
+                return proposed[: i + 1], source
+        return proposed, source
+
+    def row_context(self, row: int) -> DecodeContext:
+        """The calls of row `row` alone, over its view of the batch's cache."""
+        ctx = self._row_contexts.get(row)
+        if ctx is None:
+            whole = self.ctx
+            ctx = DecodeContext(whole.backend, whole.cache.rows(row, row + 1), whole.timeline, observe=whole.observe)
+            self._row_contexts[row] = ctx
+        return ctx
 
 
 def verdict(
-    sequence: Sequence, proposed: list[int], target: HeadOutput, estimates: Speculation
+    sequence: Sequence, proposed: list[int], source: int, target: HeadOutput, estimates: Speculation
 ) -> list[tuple[int, float]]:
-    """`sequence`'s new verified tokens from the final head's output on its row (`target`, its T positions)."""
+    """`sequence`'s new verified tokens from the final head's output on its row (`target`, its T positions), its
+    proposals having come from `source` (LOOKUP or DRAFT)."""
     start = sequence.position
     tokens = [*sequence.history, *proposed]
     accepted, token = verify(target, tokens, start, start + 1 + len(proposed), True, sequence.sampler)
     stats = sequence.stats
-    stats.lookup_proposed += len(proposed)
-    stats.lookup_accepted += accepted
+    if source == LOOKUP:
+        stats.lookup_proposed += len(proposed)
+        stats.lookup_accepted += accepted
+    else:
+        stats.draft_proposed += len(proposed)
+        stats.draft_accepted += accepted
     for depth in range(1, len(proposed) + 1):  # judged in order: the first rejected ends the judging
         judged = depth <= accepted + 1
-        estimates.verified(LOOKUP, depth <= accepted, depth if judged else None)
+        estimates.verified(source, depth <= accepted, depth if judged else None)
     if accepted < len(proposed):
         stats.rollbacks += 1
     kept = [*proposed[:accepted], token]

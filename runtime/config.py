@@ -93,6 +93,9 @@ class GenerationConfig:
     # SharedSuffixIndex). Proposals are verified, so outputs do not change; only their speed can tell that
     # an earlier request produced the same text. Off by default (runtime/policy.py's "shared lookup" row).
     lookup_shared: bool = False
+    # The draft head (an export made with --draft-head, runtime/proposers.py `DraftProposer`): the most tokens it
+    # guesses at once where lookup has none (0: off, the default: issue 58 sets it from measurements).
+    draft_tokens: int = 0
     # Sampling (runtime/sampling.py): temperature 0 is greedy; top_k 0 and top_p 1 are no limit; seed None
     # draws one (recorded in the result's stats, so the run can be reproduced).
     temperature: float = 0.0
@@ -127,6 +130,10 @@ class GenerationConfig:
         if not is_integer(self.lookup_tokens) or self.lookup_tokens < 0:
             raise UserInputError(
                 f"lookup_tokens must be a non-negative integer (0 turns lookup off), got {self.lookup_tokens!r}."
+            )
+        if not is_integer(self.draft_tokens) or self.draft_tokens < 0:
+            raise UserInputError(
+                f"draft_tokens must be a non-negative integer (0 turns the draft head off), got {self.draft_tokens!r}."
             )
         self.lookup_config()  # validates the match lengths and the length factor
         self._check_sampling()

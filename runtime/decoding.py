@@ -16,6 +16,7 @@ lane 0, are `ThreadedExecutor` (runtime/overlaps.py), whose docstring has their 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -25,6 +26,7 @@ import torch
 
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.graphs.tensors import (
+    EMBEDDED,
     HIDDEN,
     HIDDEN_OUT,
     INPUT_IDS,
@@ -42,7 +44,7 @@ from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Group, Planner, Step
-from paradecode.runtime.proposers import ExitHeads, LookupProposer
+from paradecode.runtime.proposers import DraftProposer, ExitHeads, LookupProposer
 from paradecode.runtime.row_exactness import AS_IS, RowForm
 from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams, distribution
 from paradecode.runtime.speculation import Speculation
@@ -201,6 +203,20 @@ class DecodeContext:
         out = _kept(self._call(lane, name, label, start, start + hidden.shape[1], feeds), hidden, rows)
         return out[HIDDEN_OUT], HeadOutput.of(out)
 
+    def draft(
+        self, lane: str, layer: int, hidden: torch.Tensor, embedded: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, HeadOutput]:
+        """The draft head (graphs/tensors.py `draft`) over the last layer's outputs `hidden` at positions start - 1..
+        and the embeddings `embedded` of the tokens at start..: its outputs and guesses, its rows written into the
+        cache's layer `layer`. Its calls run as they come, whatever the form: its guesses are verified, never kept."""
+        tokens = hidden.shape[1]
+        self.cache.reserve(self.end(start, tokens))
+        key, value = self.cache.layer(layer)
+        feeds = {HIDDEN: hidden, EMBEDDED: embedded, POSITIONS: self.at(start, tokens), PAST_KEY: key}
+        feeds[PAST_VALUE] = value
+        out = self._call(lane, "draft", "draft head", start, start + tokens, feeds)
+        return out[HIDDEN_OUT], HeadOutput.of(out)
+
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
         """A head's top-1 token, probability and margin per position; with `logits`, its logits too (sampling)."""
         outputs = (*HEAD_OUTPUTS, LOGITS) if logits else HEAD_OUTPUTS
@@ -295,14 +311,21 @@ def choose(out: HeadOutput, index: int, position: int, sampling: SamplingParams 
 
 
 def prefill(
-    ctx: DecodeContext, prompt: list[int], sampling: SamplingParams | None = None, draws: Draws | None = None
+    ctx: DecodeContext,
+    prompt: list[int],
+    sampling: SamplingParams | None = None,
+    draws: Draws | None = None,
+    draft: DraftProposer | None = None,
 ) -> tuple[int, float]:
-    """The whole prompt in one call per layer; the final head on its last position gives the first token."""
+    """The whole prompt in one call per layer; the final head on its last position gives the first token. `draft`:
+    handed the last layer's outputs of the prompt's positions (each one's successor is then verified)."""
     with ctx.phase("prefill", (0, len(prompt))), ctx.prompt():
         hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, prompt, 0), 0)
         for layer in range(1, ctx.num_layers + 1):
             ctx.cache.written(layer, len(prompt))
         out = ctx.head(MAIN, "final", hidden[:, -1:], len(prompt) - 1, logits=sampling is not None)
+    if draft is not None:
+        draft.verified(0, hidden)
     return choose(out, 0, len(prompt) - 1, sampling, draws), out.margin[0]
 
 
@@ -325,8 +348,10 @@ class Executor:
         planner: Planner,
         exits: ExitHeads,
         sampler: Sampler | None,
+        draft: DraftProposer | None = None,
     ):
         self.ctx = ctx
+        self.draft = draft  # handed the last layer's outputs of verified positions
         self.prompt = list(prompt)
         self.stops = stops
         self.planner = planner
@@ -348,6 +373,7 @@ class Executor:
         max_unverified: int,
         merge: bool,
         lookup: LookupProposer | None = None,
+        draft: DraftProposer | None = None,
         sampler: Sampler | None = None,
         speculation: Speculation | None = None,
         exit_policy=None,
@@ -358,6 +384,7 @@ class Executor:
 
         `thresholds`: per exit layer (above 1: never); `max_unverified`: K; `merge`: a pending group's remaining
         layers join the frontier's calls (`batched`, `both`); `lookup`: the request's lookup proposer (None: off);
+        `draft`: its draft head's (None: off), asked where lookup has nothing;
         `sampler`: None is greedy; `speculation`: adaptive speculation's estimates (None: always exit and propose);
         `exit_policy`: replaces the threshold test (`Tracing`)."""
         exits = ExitHeads(thresholds, ctx.backend.subgraph_names, sampler, exit_policy)
@@ -371,10 +398,12 @@ class Executor:
             eos=stops.eos,
             stats=stats,
             lookup=lookup,
+            draft=None if draft is None else functools.partial(draft.propose, ctx),
+            draft_tokens=0 if draft is None else draft.max_tokens,
             speculation=speculation,
             join=_join,
         )
-        return cls(ctx, prompt, stops, planner, exits, sampler, **executor)
+        return cls(ctx, prompt, stops, planner, exits, sampler, draft=draft, **executor)
 
     # --- the generator lane 0 runs ------------------------------------------------------------------------------------
     def run(self, resume: int | None = None) -> Iterator[tuple[int, float, str | None]]:
@@ -386,7 +415,7 @@ class Executor:
         if resume is None:
             sampler = self.sampler
             params, draws = (sampler.params, sampler.draws) if sampler is not None else (None, None)
-            token, margin = prefill(self.ctx, self.prompt, params, draws)
+            token, margin = prefill(self.ctx, self.prompt, params, draws, self.draft)
         else:
             token = resume
             for layer in range(1, self.L + 1):
@@ -475,6 +504,8 @@ class Executor:
                 ctx.timeline.add("phases", "verify", now, now, (group.start, group.end))
             bonus = planner.wants_successor(group)
             accepted, token = verify(group.final, planner.tokens, group.start, group.end, bonus, self.sampler)
+            if self.draft is not None:  # positions whose successors are now verified, before the next proposal
+                self.draft.verified(group.start, group.hidden[:, : min(accepted + 1, group.end - group.start)])
             position = planner.settle(group, accepted, token, verified)
             if position >= 0:
                 with ctx.phase("rollback", (position + 1, len(planner.tokens))):

@@ -57,7 +57,7 @@ from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.notices import Notices
 from paradecode.runtime.overlaps import ThreadedExecutor
-from paradecode.runtime.proposers import LookupProposer
+from paradecode.runtime.proposers import DraftProposer, LookupProposer
 from paradecode.runtime.request import Request
 from paradecode.runtime.sampling import Sampler
 from paradecode.runtime.speculation import Speculation
@@ -114,6 +114,7 @@ class Sequence:
     timeline: Timeline  # the calls made for it alone
     sampler: Sampler | None  # None: greedy
     lookup: LookupProposer | None  # its prompt's and output's index (and the shared one, where asked); None: off
+    draft: DraftProposer | None  # its draft head's guesses (where lookup has none); None: off
     position: int = 0  # the newest token's position: every position before it is in the row's cache
     decoder: Iterator[tuple[int, float, str | None]] | None = None  # its executor's tokens while it decodes alone
     started: float = field(default_factory=time.perf_counter)
@@ -134,6 +135,9 @@ class Sequence:
         lookup = None
         if request.speculates and request.lookup is not None:
             lookup = LookupProposer(request.lookup, runtime.shared_lookup if config.lookup_shared else None)
+        draft = None
+        if request.speculates and config.draft_tokens:
+            draft = DraftProposer(config.draft_tokens, runtime.backend.spec.num_layers + 1)
         return cls(
             request,
             sink,
@@ -149,6 +153,7 @@ class Sequence:
             Timeline(record_spans=tracing.spans),
             None if sampling is None else Sampler(sampling, runtime.backend.exit_vocab()),
             lookup,
+            draft,
         )
 
     @property
@@ -201,7 +206,11 @@ class Engine:
             ctx = self._alone_context(row, sequence)
             sampler = sequence.sampler
             token, margin = prefill(
-                ctx, list(request.ids), sampler.params if sampler else None, sampler.draws if sampler else None
+                ctx,
+                list(request.ids),
+                sampler.params if sampler else None,
+                sampler.draws if sampler else None,
+                sequence.draft,
             )
         except Exception as err:  # this request fails alone
             if sequence in self.sequences:
@@ -297,6 +306,7 @@ class Engine:
             sequence.stats,
             side_lanes=lanes,
             lookup=sequence.lookup,
+            draft=sequence.draft,
             sampler=sequence.sampler,
             exit_policy=sequence.tracing.exit_policy,
         )
@@ -395,12 +405,14 @@ def executor_of(
     *,
     side_lanes: list[Lane] = (),
     lookup: LookupProposer | None = None,
+    draft: DraftProposer | None = None,
     sampler: Sampler | None = None,
     exit_policy=None,
 ) -> Executor:
     """ParaDecode's executor of `request` over `ctx` after `history` (its prompt, or everything verified before the
     newest token when an engine hands a sequence back to ParaDecode), counting into `stats`: with `side_lanes` for
-    the `streams` and `both` overlaps, the request's lookup proposer and sampler, and `exit_policy` (its `Tracing`'s).
+    the `streams` and `both` overlaps, the request's lookup and draft proposers and sampler, and `exit_policy` (its
+    `Tracing`'s).
     Adaptive requests speculate by the runtime's estimates."""
     overlap = request.overlap
     lanes = list(side_lanes) if overlap in ("streams", "both") else []
@@ -415,6 +427,7 @@ def executor_of(
         merge=overlap in ("batched", "both"),
         exit_policy=exit_policy,
         lookup=lookup,
+        draft=draft,
         sampler=sampler,
         speculation=runtime.estimates if request.adaptive and exit_policy is None else None,
         **more,

@@ -153,6 +153,7 @@ class ParaDecodeModel:
             eos=tuple(self.export.eos_token_ids),
             thresholds=dict(self.manifest.thresholds),
             trained_heads=self.manifest.head_kind != "identity",
+            draft_head=self.manifest.draft is not None,
             with_logits=self.manifest.with_logits,
             has_tokenizer=self.tokenizer is not None,
             device=self.backend.device.type,

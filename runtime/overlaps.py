@@ -45,8 +45,8 @@ STALL_SECONDS = 120.0  # no progress for this long is a bug: raise instead of ha
 class ThreadedExecutor(Executor):
     """Lane 0 with side lanes beside it (see the module's docstring)."""
 
-    def __init__(self, *executor, side_lanes: list[Lane]):
-        super().__init__(*executor)  # an Executor's arguments
+    def __init__(self, *executor, side_lanes: list[Lane], **more):
+        super().__init__(*executor, **more)  # an Executor's arguments
         self.side_lanes = side_lanes
         # One lock, two conditions: lane 0 waits on `cond`; side lanes wait on `work`, which is only
         # signalled when pending groups exist, so idle side lanes cost nothing when nothing exits.

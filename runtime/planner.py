@@ -12,8 +12,9 @@ frontier   the last group: the newest token, with the lookup proposals that foll
 pending    a group that is not the frontier: positions waiting for their remaining layers. Side lanes compute them
            (`streams`, `both`), or the frontier's own calls take them in once it reaches their depth (`batched`,
            `both`: the two groups merge).
-proposal   a tentative token tokens[q + 1] (q >= verified - 1) from an exit layer or from lookup, until the final
-           layer's verdict on position q. `source_of[q]` says who proposed it (an exit layer, or LOOKUP).
+proposal   a tentative token tokens[q + 1] (q >= verified - 1) from an exit layer, lookup or the draft head, until
+           the final layer's verdict on position q. `source_of[q]` says who proposed it (an exit layer, LOOKUP or
+           DRAFT).
 verified   tokens[:verified] are verified: only those reach the caller.
 
 The cycle
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from paradecode.graphs.errors import SchedulerStallError
-from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
+from paradecode.runtime.stats import DRAFT, LOOKUP, GenerationStats, Mismatch
 
 if TYPE_CHECKING:
     from paradecode.runtime.proposers import ExitHeads, LookupProposer
@@ -100,6 +101,8 @@ class Planner:
         eos: Collection[int],
         stats: GenerationStats,
         lookup: LookupProposer | None = None,
+        draft: Callable[[list[int], int, int], list[int]] | None = None,
+        draft_tokens: int = 0,
         speculation: Speculation | None = None,
         join: Callable[[Any, Any], Any] | None = None,
     ):
@@ -111,6 +114,9 @@ class Planner:
         self.last_position = last_position  # the last position whose final output is needed
         self.eos = eos
         self.lookup = lookup
+        # draft(tokens, end, count): up to `count` draft-head guesses after tokens[:end] (`DraftProposer`, bound to
+        # its executor's calls), asked where lookup has none; at most `draft_tokens` at once
+        self.draft, self.draft_tokens = draft, draft_tokens
         self.speculation = speculation  # None: exit and propose whenever allowed
         self.join = join  # (hidden before, hidden after) -> the two groups' hidden state as one
         # next_exit[depth + 1]: the first exit layer above `depth`, or the last layer when none is
@@ -137,31 +143,37 @@ class Planner:
         it follows an EOS; with lookup, the tokens it proposes join the frontier."""
         if position > self.last_position or token in self.eos:
             return
-        proposals = self.propose(position)
+        proposals, source = self.propose(position)
         self.tokens.extend(proposals)
         for depth, q in enumerate(range(position, position + len(proposals)), start=1):
-            self.source_of[q] = LOOKUP
-            self.lookup_depth[q] = depth
-        self.stats.lookup_proposed += len(proposals)
+            self.source_of[q] = source
+            if source == LOOKUP:
+                self.lookup_depth[q] = depth
+        if source == LOOKUP:
+            self.stats.lookup_proposed += len(proposals)
+        else:
+            self.stats.draft_proposed += len(proposals)
         self.frontier = Group(position, position + 1 + len(proposals), -1)
         self.groups.append(self.frontier)
 
-    def propose(self, position: int) -> list[int]:
-        """Lookup proposals to follow tokens[position]: within the unverified limit, the needed positions,
-        and up to the first EOS."""
-        if self.lookup is None:
-            return []
-        room = min(self.lookup.max_tokens, self.K - (len(self.tokens) - self.verified), self.last_position - position)
-        proposals = self.lookup.propose(self.tokens, position + 1, room, self.verified)
-        if proposals and self.speculation is not None:
-            keep = self.speculation.lookup_tokens(len(proposals))
-            if keep == 0:
-                self.stats.lookups_skipped += 1
-            proposals = proposals[:keep]
+    def propose(self, position: int) -> tuple[list[int], int]:
+        """Proposals to follow tokens[position], with their source: lookup's, else where it has none the draft
+        head's; within the unverified limit, the needed positions, and up to the first EOS."""
+        room = min(self.K - (len(self.tokens) - self.verified), self.last_position - position)
+        proposals, source = [], LOOKUP
+        if self.lookup is not None:
+            proposals = self.lookup.propose(self.tokens, position + 1, min(room, self.lookup.max_tokens), self.verified)
+            if proposals and self.speculation is not None:
+                keep = self.speculation.lookup_tokens(len(proposals))
+                if keep == 0:
+                    self.stats.lookups_skipped += 1
+                proposals = proposals[:keep]
+        if not proposals and self.draft is not None:
+            proposals, source = self.draft(self.tokens, position + 1, min(room, self.draft_tokens)), DRAFT
         for i, token in enumerate(proposals):
             if token in self.eos:
-                return proposals[: i + 1]
-        return proposals
+                return proposals[: i + 1], source
+        return proposals, source
 
     # --- what to compute ----------------------------------------------------------------------------------------------
     def next_step(self) -> Step | None:

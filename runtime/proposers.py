@@ -12,8 +12,13 @@ requests' outputs), with the tokens it proposes:
   `position` after exit layer `layer`. The executor asks it after it has called that head, and hands the answer to
   the planner (`Planner.exit_proposed`).
 
-The two signatures differ in what they read, tokens or a call's output; the planner takes both answers alike, as
-tokens with their source (an exit layer, or LOOKUP) that stay tentative until verified.
+- `DraftProposer.propose(ctx, tokens, end, count) -> list[int]`: up to `count` tokens guessed one after another by
+  the export's draft head (its graph `draft`, graphs/tensors.py) from the last layer's outputs at verified positions,
+  which it is handed as they are verified (`verified`). The planner asks it where lookup has nothing; an engine's
+  batch step likewise, per row.
+
+The signatures differ in what they read, tokens, a call's output or the last layer's outputs; the planner takes the
+answers alike, as tokens with their source (an exit layer, LOOKUP or DRAFT) that stay tentative until verified.
 """
 
 from __future__ import annotations
@@ -21,10 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from paradecode.runtime.lookup import LookupConfig, Proposer, SharedSuffixIndex, SuffixIndex
 
+MAIN_LANE = "main"  # the lane a draft's calls run on: the decoding thread's (runtime/decoding.py MAIN)
+
 if TYPE_CHECKING:
-    from paradecode.runtime.decoding import HeadOutput
+    from paradecode.runtime.decoding import DecodeContext, HeadOutput
     from paradecode.runtime.sampling import Sampler
 
 
@@ -109,3 +118,63 @@ class ExitHeads:
         if self.sampler is None:
             return out.token[0]
         return self.sampler.draw_exit(position, out.logits[0], reduced=self.head[layer] != "final")
+
+
+class DraftProposer:
+    """A request's draft head (graphs/modules.py `DraftGraph`): its guesses at the tokens after the newest verified one.
+
+    The draft's row for position p reads the last layer's output at p - 1 and the embedding of tokens[p], and guesses
+    tokens[p + 1]. Its cache (the KV cache's layer L + 1) holds, at the positions before `fed`, rows computed from
+    verified positions only; the executor hands over the last layer's outputs of verified positions as the final
+    head's verdicts come in (`verified`), and `propose` first feeds the ones not fed yet in one call (writing their
+    rows), then drafts a chain, each guess's output and embedding giving the next guess. The chain's rows land past
+    the newest verified position, where the next feed writes again before any later query reads them (a query reads
+    only the slots at or before its position), so nothing is rolled back here.
+
+    Worked example (prompt of 4 tokens, first token 9 verified by the prefill):
+
+        verified(0, h[0..3])            outputs of positions 0..3: each one's successor is verified
+        propose(ctx, tokens, 5, 3)      one call over positions 1..4 (h[0..3] beside tokens[1..4]), its guess at
+                                        position 4 is tokens[5]'s; then two calls of one position: 3 tokens
+        verified(4, h[4..5])            the verdict on positions 4..5 (one guess accepted, the token after it)
+        propose(ctx, tokens, 7, 3)      one call over positions 5..6, then a chain from position 6
+
+    Where the outputs handed over skip positions (a sequence that decoded in a batch's rows without a draft), the
+    feed starts again from the newest ones: the rows before them are stale, which makes guesses worse, never
+    outputs other (the final layer verifies every guess)."""
+
+    def __init__(self, max_tokens: int, layer: int):
+        self.max_tokens = max_tokens
+        self.layer = layer  # the KV cache's layer that holds the draft's rows: L + 1
+        self.fed = 1  # the draft's rows of positions 1..fed-1 are in its cache (position 0 has nothing before it)
+        self.pending: torch.Tensor | None = None  # [1, n, D]: outputs of positions fed-1.. not fed yet
+
+    def verified(self, start: int, hidden: torch.Tensor) -> None:
+        """The last layer's outputs [1, n, D] at positions start..start+n-1, whose successors are verified."""
+        first, held = self.fed - 1, 0 if self.pending is None else self.pending.shape[1]
+        if start > first + held:  # a gap: start again from these
+            self.fed, self.pending = start + 1, hidden
+            return
+        skip = max(0, first - start)  # outputs of positions whose rows are in the cache already
+        if skip >= hidden.shape[1]:
+            return
+        keep = start + skip - first  # the pending outputs before these
+        self.pending = hidden[:, skip:] if keep == 0 else torch.cat([self.pending[:, :keep], hidden[:, skip:]], 1)
+
+    def propose(self, ctx: DecodeContext, tokens: Sequence[int], end: int, count: int) -> list[int]:
+        """Up to `count` guesses at the tokens after tokens[:end] (tokens[end - 1] verified), or none where the
+        outputs up to position end - 2 have not all been handed over."""
+        p = end - 1
+        if count < 1 or self.pending is None or self.fed - 1 + self.pending.shape[1] != p:
+            return []
+        start = self.fed
+        embedded = ctx.embed(MAIN_LANE, list(tokens[start : p + 1]), start)
+        hidden, out = ctx.draft(MAIN_LANE, self.layer, self.pending, embedded, start)
+        self.fed, self.pending = p + 1, None
+        guesses = [out.token[-1]]
+        hidden = hidden[:, -1:]
+        for position in range(p + 1, p + count):
+            embedded = ctx.embed(MAIN_LANE, guesses[-1:], position)
+            hidden, out = ctx.draft(MAIN_LANE, self.layer, hidden, embedded, position)
+            guesses.append(out.token[0])
+        return guesses

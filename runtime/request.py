@@ -40,6 +40,7 @@ class ModelFacts:
     eos: tuple[int, ...]
     thresholds: Mapping[int, float]  # the export's, per exit layer
     trained_heads: bool
+    draft_head: bool  # the export has a draft head's graph
     with_logits: bool
     has_tokenizer: bool
     device: str  # "cpu" or "cuda"
@@ -85,6 +86,11 @@ def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: i
         raise UserInputError(
             f"sampling (temperature {config.temperature}) needs the heads' logits, and {facts.path} was exported "
             "with --no-logits: re-export without it, or decode greedily (temperature 0)."
+        )
+    if config.draft_tokens and not facts.draft_head:
+        raise UserInputError(
+            f"draft_tokens {config.draft_tokens} asks for the export's draft head, and {facts.path} has none: "
+            "re-export the model with `paradecode-export --draft-head FILE`, or leave draft_tokens at 0."
         )
     warnings: list[tuple[str, tuple]] = []
     form = facts.row_form

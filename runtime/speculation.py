@@ -43,7 +43,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from paradecode.runtime.stats import LOOKUP
+from paradecode.runtime.stats import DRAFT, LOOKUP
 
 DECAY = 0.97  # weight of the estimate so far at each new observation: about the last 30 events count
 EXPLORE = 16  # a source that does not pay is still tried once every EXPLORE opportunities
@@ -160,6 +160,7 @@ class Speculation:
         self.lookup_rate = Rate(prior=0.5)  # every proposed token, discarded ones as rejected (reported)
         # [d - 1]: of the d-th tokens of proposals that were judged (the ones before accepted), the share accepted
         self.lookup_depth: list[Rate] = []
+        self.draft_rate = Rate(prior=0.5)  # every token a draft head proposed, discarded ones as rejected (reported)
         self._skipped: dict[object, int] = {}  # source -> opportunities passed up since its last try
         self._lock = threading.Lock()
 
@@ -181,6 +182,8 @@ class Speculation:
                 self.lookup_rate.add(accepted)
                 if depth is not None:
                     self._depth_rate(depth).add(accepted)
+            elif source == DRAFT:
+                self.draft_rate.add(accepted)
             else:
                 self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 LOOKUP = 0  # the source of a prompt-lookup proposal (exit layers are 1..L-1)
+DRAFT = -1  # the source of a draft head's proposal (runtime/proposers.py `DraftProposer`)
 
 
 @dataclass
@@ -13,7 +14,7 @@ class Mismatch:
     """A proposed token the final layer rejected: where, who proposed it, and how close the final call was."""
 
     position: int  # the position of the rejected token in the sequence
-    source: int  # the exit layer that proposed it, or LOOKUP (0) for a prompt-lookup proposal
+    source: int  # the exit layer that proposed it, LOOKUP (0) for a prompt-lookup proposal, DRAFT (-1) a draft head's
     early_token: int
     final_token: int
     final_margin: float  # top-1 minus top-2 logit of the final head at that position
@@ -31,6 +32,8 @@ class GenerationStats:
     accepted_per_layer: dict[int, int] = field(default_factory=dict)  # ... and verified by the final layer
     lookup_proposed: int = 0  # tokens proposed by prompt lookup
     lookup_accepted: int = 0  # ... and verified by the final layer
+    draft_proposed: int = 0  # tokens proposed by the draft head
+    draft_accepted: int = 0  # ... and verified by the final layer
     rollbacks: int = 0
     # adaptive speculation (runtime/speculation.py): exit-head calls and lookup proposals passed up as not paying
     exits_skipped: int = 0
@@ -45,6 +48,8 @@ class GenerationStats:
         """Count a proposed token the final layer verified."""
         if source == LOOKUP:
             self.lookup_accepted += 1
+        elif source == DRAFT:
+            self.draft_accepted += 1
         else:
             self.accepted_per_layer[source] = self.accepted_per_layer.get(source, 0) + 1
 

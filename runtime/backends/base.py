@@ -171,14 +171,21 @@ class Backend(ABC):
 
     # buffers -------------------------------------------------------------------------------
     def allocate_cache(self, batch: int = 1) -> KVCache:
-        """A KV cache of `batch` rows (at most the export's max_batch) at the export's max length."""
+        """A KV cache of `batch` rows (at most the export's max_batch) at the export's max length: a layer per decoder
+        layer, and one more (L + 1) for the draft head's rows where the export has one."""
         if batch > self.manifest.max_batch:
             raise UserInputError(
                 f"a batch of {batch} rows needs an export with --max-batch {batch} or more; {self.export.path} was "
                 f"exported with --max-batch {self.manifest.max_batch}. Re-export it, or batch fewer requests."
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
-        return KVCache(self.spec.num_layers, shape, self.dtype, self.device, self.cache_spare, grows=self.grows_cache)
+        layers = self.cache_layers
+        return KVCache(layers, shape, self.dtype, self.device, self.cache_spare, grows=self.grows_cache)
+
+    @property
+    def cache_layers(self) -> int:
+        """The layers a KV cache holds: the decoder's, and the draft head's (L + 1) where the export has one."""
+        return self.spec.num_layers + (self.manifest.draft is not None)
 
     @property
     def grows_cache(self) -> bool:
@@ -201,7 +208,7 @@ class Backend(ABC):
     def cache_bytes(self, batch: int = 1) -> int:
         """The bytes a KV cache of `batch` rows takes (keys and values of every layer)."""
         slots = batch * self.spec.num_kv_heads * self.manifest.max_seq_len * self.spec.head_dim
-        return 2 * self.spec.num_layers * slots * self.dtype.itemsize
+        return 2 * self.cache_layers * slots * self.dtype.itemsize
 
     def new_stream(self):
         """A stream for a new lane: a CUDA stream on a GPU, None on a CPU."""

@@ -110,14 +110,21 @@ def test_a_graph_opened_after_the_folder_changed_is_the_loaded_one(served_export
         assert model.generate(prompt_ids=[1, 2], max_new_tokens=2).token_ids
 
 
+def in_vocab_entry(data: bytes, old: bytes, new: bytes) -> bytes:
+    """The weights' bytes with `old` replaced by `new` once, in exits.vocab's header entry (the first after its name:
+    other int64 tensors, the draft head's vocabulary, come before it)."""
+    at = data.index(b'"exits.vocab"')
+    return data[:at] + data[at:].replace(old, new, 1)
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
         (lambda data: data[:4], "too short for a safetensors file"),
         (lambda data: (1 << 40).to_bytes(8, "little") + data[8:], "its safetensors header claims"),
         (lambda data: data.replace(b'"exits.vocab"', b'"exits.vocaX"', 1), "has no tensor 'exits.vocab'"),
-        (lambda data: data.replace(b'"I64"', b'"X64"', 1), "expected a known dtype"),
-        (lambda data: data.replace(b'"I64"', b"[6,4]", 1), "expected a known dtype"),  # a list: was a TypeError
+        (lambda data: in_vocab_entry(data, b'"I64"', b'"X64"'), "expected a known dtype"),
+        (lambda data: in_vocab_entry(data, b'"I64"', b"[6,4]"), "expected a known dtype"),  # a list: a TypeError
     ],
     ids=["short", "header-length", "missing", "dtype", "dtype-list"],
 )

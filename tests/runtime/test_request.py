@@ -30,6 +30,7 @@ FACTS = ModelFacts(
     eos=(2,),
     thresholds={1: 0.8, 2: 0.9},
     trained_heads=True,
+    draft_head=False,
     with_logits=True,
     has_tokenizer=False,
     device="cpu",
