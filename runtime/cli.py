@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(verified like early exits; default {default.lookup_tokens}; 0: off)",
     )
     parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        metavar="N",
+        help="the export's draft head (paradecode-export --draft-head) guesses up to N tokens where lookup has none "
+        f"(verified like lookup's; default {default.draft_tokens}: off)",
+    )
+    parser.add_argument(
         "--adaptive",
         choices=ADAPTIVE,
         help=ADAPTIVE_HELP,
@@ -214,6 +221,7 @@ def config_of(args: argparse.Namespace):
         "stop": tuple(args.stop) if args.stop else None,
         "ignore_eos": args.ignore_eos or None,
         "lookup_tokens": args.lookup,
+        "draft_tokens": args.draft_tokens,
         "lookup_max_ngram": args.lookup_ngram,
         "lookup_min_ngram": args.lookup_min_ngram,
         "lookup_length_factor": args.lookup_length_factor,
@@ -278,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[{stats.mode}{'/' + stats.overlap if stats.overlap else ''}] {stats.new_tokens} tokens, "
             f"{stats.tokens_per_second:.1f} tokens/s, early exits: {exits}, lookup: {stats.lookup_accepted} of "
-            f"{stats.lookup_proposed} accepted, rollbacks: {stats.rollbacks}, stopped by {stats.stop_reason}"
+            f"{stats.lookup_proposed} accepted"
+            + (f", draft head: {stats.draft_accepted} of {stats.draft_proposed}" if stats.draft_proposed else "")
+            + f", rollbacks: {stats.rollbacks}, stopped by {stats.stop_reason}"
             + (f", seed {stats.seed}" if stats.seed is not None else "")
             + (
                 f", passed up as not paying: {stats.exits_skipped} exit-head calls, {stats.lookups_skipped} lookups"

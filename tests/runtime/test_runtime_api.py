@@ -1,6 +1,7 @@
 """The service API and paradecode-generate: streaming, statistics, JSON, threads, and the import boundary."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -112,6 +113,23 @@ def test_generate_json_prints_new_tokens_text_and_stats(exports, capsys):
     assert len(data["token_ids"]) == 7 and data["text"] is None
     for key in ("tokens_per_second", "exits_per_layer", "rollbacks", "accepted_per_layer", "lane_busy_seconds"):
         assert key in data["stats"]
+
+
+def test_generate_draft_tokens_flag(exports, stories_export, capsys):
+    """--draft-tokens proposes from the export's draft head (its count printed), with plain decoding's tokens; on an
+    export without one it is refused with how to re-export."""
+    folder = str(exports["qwen3"][0])
+    common = [folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--ignore-eos", "--lookup", "0"]
+    assert cli.main([*common, "--draft-tokens", "3", "--threshold", "never"]) == 0
+    err = capsys.readouterr().err  # the statistics line
+    assert re.search(r"lookup: 0 of 0 accepted, draft head: \d+ of [1-9]\d*, rollbacks", err), err
+    assert cli.main([*common, "--draft-tokens", "3", "--threshold", "never", "--json"]) == 0
+    draft = json.loads(capsys.readouterr().out)
+    assert cli.main([*common, "--mode", "ar", "--json"]) == 0
+    assert draft["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    assert draft["stats"]["draft_proposed"] > 0
+    assert cli.main([str(stories_export[0]), "--prompt-ids", "1", "--draft-tokens", "2"]) == 2
+    assert "has none: re-export the model with `paradecode-export --draft-head FILE`" in capsys.readouterr().err
 
 
 def test_generate_cli_errors(exports, capsys, tmp_path):
