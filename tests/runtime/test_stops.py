@@ -17,7 +17,7 @@ from paradecode.runtime.engine import Engine, Sequence, StreamedToken, executor_
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import LookupProposer
-from paradecode.runtime.stats import GenerationResult, GenerationStats
+from paradecode.runtime.stats import LOOKUP, GenerationResult, GenerationStats
 
 
 def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:
@@ -132,7 +132,7 @@ def test_a_proposal_ending_with_the_eos_ends_the_output_there(stories_export, mo
         def proposing_the_rest(self, position):
             asked.append(position)
             propose(self, position)
-            return list(free[1 : k + 1]) if position == len(prompt) else []
+            return (list(free[1 : k + 1]) if position == len(prompt) else []), LOOKUP
 
         def recording(self, position, token):
             starts.append(position)
