@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from paradecode.export.heads.file import read_tagged
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.modules import LayerGraph
 from paradecode.graphs.spec import ModelSpec
@@ -100,29 +101,7 @@ def save_draft_head(path: str | Path, tensors: dict[str, torch.Tensor], metadata
 
 def load_draft_head(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, metadata) of a draft-head file, its format checked; `check_draft_head` checks it fits a model."""
-    from safetensors import SafetensorError, safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise UserInputError(f"--draft-head {path}: no such file. {HOW_TO_MAKE}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    except (SafetensorError, OSError) as err:
-        raise UserInputError(f"--draft-head {path} is not a safetensors file ({err}).") from err
-    if header.get("format") != FORMAT:
-        raise UserInputError(
-            f"--draft-head {path} is not a paradecode draft-head file (format {header.get('format')!r}, expected "
-            f"{FORMAT!r})."
-        )
-    try:
-        metadata = json.loads(header.get("metadata", "{}"))
-    except json.JSONDecodeError as err:
-        raise UserInputError(f"--draft-head {path}: its metadata is not JSON ({err}).") from err
-    if not isinstance(metadata, dict):
-        raise UserInputError(f"--draft-head {path}: its metadata is {type(metadata).__name__}, expected an object.")
-    return tensors, metadata
+    return read_tagged(path, "--draft-head", "draft-head", FORMAT, HOW_TO_MAKE)
 
 
 def check_draft_head(

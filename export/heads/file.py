@@ -48,23 +48,39 @@ def save_heads(
     return path
 
 
-def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any], torch.Tensor | None]:
-    """(transforms by exit layer, metadata, the reduced vocabulary's token ids or None)."""
+def read_tagged(
+    path: str | Path, flag: str, kind: str, fmt: str, how_to_make: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and JSON metadata of a paradecode safetensors file of format `fmt` (a heads file, a draft head's),
+    given as `flag`; `kind` names it in messages, `how_to_make` says how to make one where there is none."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise UserInputError(f"--heads {path}: no such file. Train heads with `paradecode-train-heads MODEL -o FILE`.")
+        raise UserInputError(f"{flag} {path}: no such file. {how_to_make}")
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     except (SafetensorError, OSError) as err:
-        raise UserInputError(f"--heads {path} is not a safetensors file ({err}).") from err
-    if header.get("format") != FORMAT:
+        raise UserInputError(f"{flag} {path} is not a safetensors file ({err}).") from err
+    if header.get("format") != fmt:
         raise UserInputError(
-            f"--heads {path} is not a paradecode heads file (format {header.get('format')!r}, expected {FORMAT!r})."
+            f"{flag} {path} is not a paradecode {kind} file (format {header.get('format')!r}, expected {fmt!r})."
         )
+    try:
+        metadata = json.loads(header.get("metadata", "{}"))
+    except json.JSONDecodeError as err:
+        raise UserInputError(f"{flag} {path}: its metadata is not JSON ({err}).") from err
+    if not isinstance(metadata, dict):
+        raise UserInputError(f"{flag} {path}: its metadata is {type(metadata).__name__}, expected an object.")
+    return tensors, metadata
+
+
+def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any], torch.Tensor | None]:
+    """(transforms by exit layer, metadata, the reduced vocabulary's token ids or None)."""
+    how = "Train heads with `paradecode-train-heads MODEL -o FILE`."
+    tensors, metadata = read_tagged(path, "--heads", "heads", FORMAT, how)
     vocab = tensors.pop(VOCAB, None)
     if vocab is not None and (vocab.dtype != torch.int64 or vocab.dim() != 1 or len(vocab) < 2):
         raise UserInputError(
@@ -77,7 +93,7 @@ def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any
         if not match:
             raise UserInputError(f"--heads {path} has an unexpected tensor {key!r}.")
         transforms[int(match.group(1))] = tensor
-    return transforms, json.loads(header.get("metadata", "{}")), vocab
+    return transforms, metadata, vocab
 
 
 def check_heads(

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from paradecode.export.draft_head import (
+    FORMAT,
     FUSE,
     VOCAB,
     check_draft_head,
@@ -22,6 +23,7 @@ from paradecode.export.draft_head import (
     save_draft_head,
     untrained_draft_head,
 )
+from paradecode.export.heads.file import load_heads
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import MANIFEST_NAME, Manifest, read_manifest
 from paradecode.graphs.tensors import (
@@ -141,6 +143,13 @@ def test_a_draft_head_for_another_model_or_of_other_shapes_is_refused(tmp_path, 
         load_draft_head(exports["llama"][0].parent / "heads.safetensors")
     with pytest.raises(UserInputError, match="no such file.*make_untrained_draft_head"):
         load_draft_head(tmp_path / "absent.safetensors")
+    with pytest.raises(UserInputError, match="--heads .* is not a paradecode heads file .*'paradecode-draft/1'"):
+        load_heads(folder.parent / "draft.safetensors")  # the other way round: one reader, two formats
+    from safetensors.torch import save_file
+
+    save_file({FUSE: torch.zeros(1)}, str(tmp_path / "odd.safetensors"), metadata={"format": FORMAT, "metadata": "{"})
+    with pytest.raises(UserInputError, match="its metadata is not JSON"):
+        load_draft_head(tmp_path / "odd.safetensors")
     other_head = exports["qwen2"][0].parent / "draft.safetensors"
     out = tmp_path / "export"
     with pytest.raises(UserInputError, match="was made for another model"):
