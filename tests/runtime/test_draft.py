@@ -45,6 +45,18 @@ def test_paradecode_with_the_draft_head_is_plain_decoding(loaded, family, backen
     assert sum(r.stats.rollbacks for r in results) > 0  # an untrained head: rejections were rolled back
 
 
+@pytest.mark.parametrize("overlap", ["streams", "both"])
+def test_the_draft_head_beside_side_lanes_and_exits_is_plain_decoding(loaded, overlap):
+    """Side lanes compute pending groups while lane 0 drafts; exits on every token (threshold 0) propose unverified
+    tokens, after which the draft head proposes nothing until the verdicts reach them."""
+    model = loaded["mistral", "onnxruntime"]
+    requests = draft_requests(model, overlap=overlap, thresholds=0.0)
+    results = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
+    assert [r.token_ids for r in results] == alone(model, plain_of(model, requests))
+    assert sum(r.stats.draft_proposed for r in results) > 0
+    assert sum(sum(r.stats.exits_per_layer.values()) for r in results) > 0
+
+
 def test_paradecode_with_the_draft_head_samples_what_plain_decoding_samples(loaded):
     model = loaded["qwen2", "onnxruntime"]
     requests = draft_requests(model, temperature=0.8, top_p=0.95, seed=11)
