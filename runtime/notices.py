@@ -17,13 +17,14 @@ logger = logging.getLogger("paradecode.runtime.model")
 
 MESSAGES = {
     "untrained": "%s has no trained exit heads, so ParaDecode does not exit early by default (the model's own head "
-    "at an intermediate layer rarely agrees with the last layer); it still proposes tokens by prompt lookup, verified "
-    "by the final layer as every proposal is. Train heads with `paradecode-train-heads MODEL -o heads.safetensors` and "
-    "export with --heads, or pass thresholds to exit with the model's own head anyway.",
+    "at an intermediate layer rarely agrees with the last layer); it still proposes tokens by prompt lookup (and by "
+    "the export's draft head, where draft_tokens asks), verified by the final layer as every proposal is. Train "
+    "heads with `paradecode-train-heads MODEL -o heads.safetensors` and export with --heads, or pass thresholds to "
+    "exit with the model's own head anyway.",
     "untrained_no_lookup": "%s has no trained exit heads, so ParaDecode does not exit early by default (the model's "
-    "own head at an intermediate layer rarely agrees with the last layer), and with lookup off it proposes nothing: "
-    "it decodes like ar. Turn lookup on, train heads with `paradecode-train-heads MODEL -o heads.safetensors` and "
-    "export with --heads, or pass thresholds to exit with the model's own head anyway.",
+    "own head at an intermediate layer rarely agrees with the last layer), and with lookup and the draft head off it "
+    "proposes nothing: it decodes like ar. Turn lookup on, train heads with `paradecode-train-heads MODEL -o "
+    "heads.safetensors` and export with --heads, or pass thresholds to exit with the model's own head anyway.",
     "inexact": "ParaDecode requests on %s decode as plain decoding (mode 'ar') on this machine: its kernels give a "
     "position other bits in a call of several positions than in a call of its own, so verifying several at once "
     "would change the output (runtime/row_exactness.py). Re-export with other --activations or --weights to try "
@@ -34,8 +35,9 @@ MESSAGES = {
     "whole pass and no speculation can pay. An export with --activations int8 (the default) verifies several "
     "positions in one call; pass thresholds or adaptive=False (--adaptive off) to speculate anyway.",
     "idle": "ParaDecode here has nothing to speculate: with the export's thresholds it calls no exit heads %s "
-    "(measured not to pay: `GenerationConfig.skips_exits`), and lookup is off. Decode with mode 'ar' (it is faster), "
-    "turn lookup on, or pass thresholds or adaptive=False (--adaptive off) to use the exit heads anyway.",
+    "(measured not to pay: `GenerationConfig.skips_exits`), and lookup and the draft head are off. Decode with mode "
+    "'ar' (it is faster), turn lookup on, or pass thresholds or adaptive=False (--adaptive off) to use the exit heads "
+    "anyway.",
     "full": "stopped after %d new tokens: the KV cache is full (max_seq_len %d). Re-export with a larger "
     "--max-seq-len for longer outputs.",
 }

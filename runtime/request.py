@@ -108,10 +108,11 @@ def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: i
     if config.mode == "paradecode":
         thresholds = config.resolve_thresholds(facts.thresholds, facts.device, overlap)
         adaptive = config.adapts(facts.device, overlap)
-        if config.skips_exits(facts.device, overlap) and not config.lookup_tokens:
+        proposes = config.lookup_tokens or config.draft_tokens  # tokens beside the exit heads'
+        if config.skips_exits(facts.device, overlap) and not proposes:
             warnings.append((IDLE, ("on CUDA" if facts.device == "cuda" else "when sampling on a CPU",)))
         if config.thresholds is None and not facts.trained_heads:
-            warnings.append((UNTRAINED if config.lookup_tokens else UNTRAINED_NO_LOOKUP, (facts.path,)))
+            warnings.append((UNTRAINED if proposes else UNTRAINED_NO_LOOKUP, (facts.path,)))
     stops = Stops(len(ids), config.max_new_tokens, frozenset(() if config.ignore_eos else facts.eos), facts.capacity)
     return Request(
         tuple(ids),

@@ -98,7 +98,14 @@ def test_the_no_heads_notice_says_what_paradecode_still_does(identity_exports, c
     said = [r.getMessage() for r in caplog.records if "has no trained exit heads" in r.getMessage()]
     assert len(said) == 2, said
     assert "it still proposes tokens by prompt lookup" in said[0] and "like ar" not in said[0]
-    assert "with lookup off it proposes nothing: it decodes like ar" in said[1]
+    assert "with lookup and the draft head off it proposes nothing: it decodes like ar" in said[1]
+    # the draft head proposes with lookup off: the notice that says ParaDecode still proposes
+    facts = dataclasses.replace(FACTS, trained_heads=False, draft_head=True)
+    request = resolve(facts, GenerationConfig(lookup_tokens=0, draft_tokens=2), [1, 2], seed=0)
+    assert [name for name, _ in request.warnings] == ["untrained"]
+    assert [name for name, _ in resolve(facts, GenerationConfig(lookup_tokens=0), [1], seed=0).warnings] == [
+        "untrained_no_lookup"
+    ]
 
 
 @pytest.mark.parametrize(
