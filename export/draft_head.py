@@ -12,8 +12,8 @@ and a JSON metadata entry naming the model it was made for (its weights' sha256)
 (`paradecode-export --draft-head FILE`) adds `draft.unembed`, the vocabulary's rows of the model's unembedding as the
 graphs compute with them, and refuses a head made for another model or of other shapes, saying which.
 
-Worked example (tests/export/test_draft_head.py): a head for stories260K (D 64, 5 layers), untrained, over the
-first 32 token ids:
+Worked example: a head for stories260K (D 64, 5 layers), untrained, over the first 32 token ids (what
+`make_untrained_draft_head` does for any model, reading its spec and identity; the tests' `save_untrained_draft_head`):
 
     tensors = untrained_draft_head(spec, range(32), seed=0)     # draft.fuse.weight [64, 128], draft.layer.attn.q...
     save_draft_head(path, tensors, {"base_weights_sha256": ..., "trained": False})
