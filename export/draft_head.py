@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from paradecode.export.heads.file import read_tagged
+from paradecode.export.heads.file import check_made_for, read_tagged
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.modules import LayerGraph
 from paradecode.graphs.spec import ModelSpec
@@ -108,13 +108,7 @@ def check_draft_head(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any], *, spec: ModelSpec, model: dict[str, Any]
 ) -> None:
     """Refuse a draft head made for another model, or whose tensors do not fit `spec`: name what differs."""
-    base = metadata.get("base_weights_sha256")
-    if base != model["weights_sha256"]:
-        raise UserInputError(
-            f"--draft-head {path} was made for another model ({metadata.get('base_model', 'unknown')}, weights "
-            f"sha256 {str(base)[:12]}...), not for {model['source']} "
-            f"(weights sha256 {model['weights_sha256'][:12]}...). {HOW_TO_MAKE}"
-        )
+    check_made_for(f"--draft-head {path} was made", metadata, model, HOW_TO_MAKE)
     expected = expected_shapes(spec)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - {VOCAB})

@@ -77,6 +77,17 @@ def read_tagged(
     return tensors, metadata
 
 
+def check_made_for(what: str, metadata: dict[str, Any], model: dict[str, Any], how_to_make: str) -> None:
+    """Refuse a file (`what`: "--heads FILE was trained") whose metadata names another model's weights than `model`'s
+    (an export's identity), saying how to make one for this model."""
+    base = metadata.get("base_weights_sha256")
+    if base != model["weights_sha256"]:
+        raise UserInputError(
+            f"{what} for another model ({metadata.get('base_model', 'unknown')}, weights sha256 {str(base)[:12]}...), "
+            f"not for {model['source']} (weights sha256 {model['weights_sha256'][:12]}...). {how_to_make}"
+        )
+
+
 def load_heads(path: str | Path) -> tuple[dict[int, torch.Tensor], dict[str, Any], torch.Tensor | None]:
     """(transforms by exit layer, metadata, the reduced vocabulary's token ids or None)."""
     how = "Train heads with `paradecode-train-heads MODEL -o FILE`."
@@ -106,14 +117,9 @@ def check_heads(
     exit_layers: tuple[int, ...] | None,
 ) -> tuple[int, ...]:
     """Check heads against the model being exported; return the exit layers to export."""
-    base = metadata.get("base_weights_sha256")
-    if base != model["weights_sha256"]:
-        raise UserInputError(
-            f"--heads {path} was trained for another model ({metadata.get('base_model', 'unknown')}, weights "
-            f"sha256 {str(base)[:12]}...), not for {model['source']} "
-            f"(weights sha256 {model['weights_sha256'][:12]}...). "
-            "Train heads for this model with `paradecode-train-heads`."
-        )
+    check_made_for(
+        f"--heads {path} was trained", metadata, model, "Train heads for this model with `paradecode-train-heads`."
+    )
     for layer, t in transforms.items():
         if tuple(t.shape) != (spec.hidden_size, spec.hidden_size):
             raise UserInputError(
