@@ -43,6 +43,7 @@ class Command:
 export = Command("paradecode-export", "paradecode.export.cli")
 generate = Command("paradecode-generate", "paradecode.runtime.cli")
 train_heads = Command("paradecode-train-heads", "paradecode.export.heads.cli")
+train_draft = Command("paradecode-train-draft", "paradecode.export.draft.cli")
 bench = Command("paradecode-bench", "paradecode.tools.bench")
 profile = Command("paradecode-profile", "paradecode.tools.profiler")
 characterise = Command("paradecode-characterise", "paradecode.tools.characterise")

@@ -99,7 +99,8 @@ class Attention(nn.Module):
         )
         return self.o(out), present_key, present_value
 
-    def forward(self, x, positions, past_key, past_value, inv_freq):
+    def project(self, x, cos_sin):
+        """q [B, H, T, d], k and v [B, H_kv, T, d] of x [B, T, D]; q and k turned by `cos_sin` (rotary positions)."""
         spec = self.spec
         batch, tokens, _ = x.shape
         q = self.q(x).view(batch, tokens, spec.num_heads, spec.head_dim)
@@ -108,9 +109,15 @@ class Attention(nn.Module):
         if spec.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if inv_freq is not None:
-            cos, sin = ops.rope_cos_sin(positions, inv_freq, spec.rope_scaling, x.dtype)
-            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        if cos_sin is not None:
+            q, k = ops.apply_rope(q, *cos_sin), ops.apply_rope(k, *cos_sin)
+        return q, k, v
+
+    def forward(self, x, positions, past_key, past_value, inv_freq):
+        spec = self.spec
+        batch, tokens, _ = x.shape
+        cos_sin = None if inv_freq is None else ops.rope_cos_sin(positions, inv_freq, spec.rope_scaling, x.dtype)
+        q, k, v = self.project(x, cos_sin)
         write_index = positions[:, 0]
         present_key = ops.write_cache(past_key, k, write_index)
         present_value = ops.write_cache(past_value, v, write_index)

@@ -52,6 +52,13 @@ def interrupted(argv: list[str], delay: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
+def story_prompts(folder: Path) -> Path:
+    """A prompts file stories260K answers (it has no chat template for the `heads` set's chats)."""
+    path = folder / "prompts.txt"
+    path.write_text("Once upon a time\nThe cat was\n" * 8)
+    return path
+
+
 CASES = {
     # prog: (its arguments, from the stories260K export and model; a path it must not leave behind)
     "paradecode-bench": lambda export, hf, tmp: (
@@ -60,6 +67,10 @@ CASES = {
     ),
     "paradecode-loadtest": lambda export, hf, tmp: ([export, "--requests", "500", "--json", tmp / "l.json"], "l.json"),
     "paradecode-train-heads": lambda export, hf, tmp: ([hf, "-o", tmp / "heads.safetensors"], "heads.safetensors"),
+    "paradecode-train-draft": lambda export, hf, tmp: (
+        [export, "-o", tmp / "draft.safetensors", "--data", tmp / "data", "--prompts", story_prompts(tmp)],
+        "draft.safetensors",
+    ),
     "paradecode-export": lambda export, hf, tmp: ([hf, "-o", tmp / "export"], "export"),
     # waits for stdin; plain decoding: ParaDecode's request on this export without trained heads warns that it will
     # not exit early, a line of its own when the interrupt, deferred during the imports, lands after the request

@@ -1,0 +1,217 @@
+"""`train_draft_head`: an export -> a draft-head file trained on the export's own sequences, with its acceptance.
+
+Order of work: every check that can refuse the request (output file, export, prompts, texts) runs before anything is
+recorded. Then: the jobs (each prompt's greedy answer, `samples - 1` sampled ones, the texts' windows) and the
+held-out prompts (whose every sequence is kept from training; their greedy answers measure acceptance); the data is
+recorded into `--data`'s shards, going on after any a run left there (export/draft/data.py); the reduced vocabulary
+is the training answers' most frequent next tokens; a head is trained at each data size asked for (a share of the
+training sequences: the acceptance curve says whether more data would pay) and measured on the held-out answers; the
+largest size's head is written last, atomically, with the measurements in its metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from paradecode.export.draft.data import Job, load_data, record
+from paradecode.export.draft.training import TrainingConfig, acceptance, coverage, draft_of, train
+from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """What `paradecode-train-draft` is asked to do."""
+
+    export: Path
+    output: Path
+    data: Path  # the shards' folder (resumable)
+    prompts: str | Path = "heads"
+    texts: tuple[Path, ...] = ()
+    samples: int = 1  # answers per prompt: the greedy one, then sampled ones (seeded)
+    temperature: float = 0.8  # of the sampled answers
+    new_tokens: int = 256
+    text_chars: int = 1500  # a text is cut into windows of about this many characters
+    max_prompts: int | None = None
+    shard_size: int = 32  # sequences per shard
+    vocab: int = 4096
+    held_out: float = 0.1  # share of prompts held out
+    sizes: tuple[float, ...] = (1.0,)  # shares of the training sequences to train a head on, each
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    seed: int = 0
+    force: bool = False
+
+    def __post_init__(self):
+        if self.samples < 1:
+            raise UserInputError(f"--samples must be at least 1 (the greedy answer), got {self.samples}.")
+        if not 0 < self.held_out < 1:
+            raise UserInputError(f"--held-out must be between 0 and 1 (a share of prompts), got {self.held_out}.")
+        if not self.sizes or any(not 0 < s <= 1 for s in self.sizes):
+            raise UserInputError(f"--sizes must be shares in (0, 1] of the training data, got {list(self.sizes)}.")
+        if self.vocab < 2:
+            raise UserInputError(f"--vocab must be at least 2 tokens, got {self.vocab}.")
+
+
+@dataclass
+class SizeResult:
+    share: float
+    sequences: int
+    positions: int
+    seconds: float
+    acceptance: dict
+    history: list[dict]
+
+
+@dataclass
+class DraftResult:
+    output: Path
+    vocab: int
+    coverage: float
+    untrained: dict
+    sizes: list[SizeResult]
+
+
+def held_out_prompt(index: int, share: float, seed: int) -> bool:
+    """Whether prompt `index` is held out: by a digest of the seed and index, so the split never depends on order."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
+    """The jobs, and the indices of the held-out prompts' greedy answers among them (every sequence of a held-out
+    prompt is left out of training: `training_sequences`)."""
+    from paradecode.export.prompt_sets import is_evaluation_set, load_prompts
+    from paradecode.export.prompts import read_text_file
+
+    if is_evaluation_set(config.prompts):
+        raise UserInputError("--prompts eval is the held-out evaluation set, which nothing trains on; use heads.")
+    prompts = [p.prompt for p in load_prompts(config.prompts)]
+    if config.max_prompts is not None and len(prompts) > config.max_prompts:
+        chosen = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(config.seed))
+        prompts = [prompts[i] for i in sorted(chosen[: config.max_prompts].tolist())]
+    jobs, held = [], []
+    for i, prompt in enumerate(prompts):
+        if held_out_prompt(i, config.held_out, config.seed):
+            held.append(len(jobs))
+            jobs.append(Job(prompt=prompt))
+            continue
+        jobs.append(Job(prompt=prompt))
+        jobs += [
+            Job(prompt=prompt, temperature=config.temperature, seed=config.seed * 1000 + s)
+            for s in range(1, config.samples)
+        ]
+    for path in config.texts:
+        text = read_text_file(path, "--text")
+        jobs += [Job(text=text[a : a + config.text_chars]) for a in range(0, len(text), config.text_chars)]
+    return jobs, held
+
+
+def export_weights(model) -> dict[str, torch.Tensor]:
+    """The export's canonical weights, quantized ones dequantized: what its graphs compute with."""
+    from safetensors.torch import load
+
+    from paradecode.graphs.quantized_weights import dequantized
+
+    backend = model.backend
+    return dequantized(load(backend.export.read(backend.manifest.weights)), backend.manifest.quantization)
+
+
+def train_draft_head(config: DraftConfig) -> DraftResult:
+    from paradecode.export.draft_head import save_draft_head, untrained_draft_head
+    from paradecode.export.heads.vocab import frequent_tokens
+    from paradecode.runtime import load
+
+    if config.output.exists() and not config.force:
+        raise OutputNotWrittenError(f"{config.output} exists; pass --force to overwrite it.")
+    if config.output.is_dir():
+        raise UserInputError(f"-o {config.output} is a folder; give the draft-head file's path.")
+    jobs, held = jobs_of(config)
+    model = load(config.export, backend="onnxruntime")
+    try:
+        spec = model.backend.spec
+        paths = record(
+            model,
+            jobs,
+            config.data,
+            shard_size=config.shard_size,
+            new_tokens=config.new_tokens,
+            progress=lambda i, n, positions: logger.info("recorded shard %d of %d (%d positions)", i + 1, n, positions),
+        )
+        weights = export_weights(model)
+        identity = model.manifest.model
+    finally:
+        model.close()
+    data = load_data(paths)
+    held_set = set(held)
+    evaluation = data.select(held)
+    training = data.select([s for s in range(data.sequences) if s not in held_set])
+    if training.sequences == 0:
+        raise UserInputError("no training sequences were recorded: give more prompts or a lower --held-out.")
+    vocab = frequent_tokens(training.target, torch.zeros(spec.vocab_size), min(config.vocab, spec.vocab_size))
+    covered = coverage(vocab, evaluation)
+    logger.info(
+        "data: %d training sequences (%d positions), %d held out (%d answer positions); vocabulary of %d tokens "
+        "covers %.1f%% of held-out answers",
+        training.sequences,
+        len(training),
+        evaluation.sequences,
+        covered.positions,
+        len(vocab),
+        100 * covered.share,
+    )
+    depth = config.training.depth
+    untrained = acceptance(
+        draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed)), evaluation, depth
+    )
+    order = torch.randperm(training.sequences, generator=torch.Generator().manual_seed(config.seed)).tolist()
+    results, draft = [], None
+    for share in sorted(config.sizes):
+        subset = training.select(order[: max(1, round(share * training.sequences))])
+        draft = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed))
+        started = time.perf_counter()
+        history = train(draft, subset, config.training, progress=_progress(share, config.training.steps))
+        seconds = time.perf_counter() - started
+        measured = acceptance(draft, evaluation, depth)
+        logger.info(
+            "share %g (%d positions): accepted per chain %.3f, by depth %s",
+            share,
+            len(subset),
+            measured.per_chain,
+            [round(r, 3) for r in measured.rates],
+        )
+        results.append(SizeResult(share, subset.sequences, len(subset), round(seconds, 1), measured.to_dict(), history))
+    metadata = {
+        "base_export": str(config.export),
+        "base_weights_sha256": identity["weights_sha256"],
+        "trained": True,
+        "vocab_coverage": round(covered.share, 4),
+        "training": asdict(config.training),
+        "untrained": untrained.to_dict(),
+        "sizes": [{k: v for k, v in asdict(r).items() if k != "history"} for r in results],
+    }
+    save_draft_head(config.output, draft.tensors(), metadata)
+    return DraftResult(config.output, len(vocab), covered.share, untrained.to_dict(), results)
+
+
+def _progress(share: float, steps: int):
+    every = max(1, steps // 20)
+
+    def progress(step: int, loss: float, agreement: list[float]) -> None:
+        if step % every == 0 or step == steps - 1:
+            logger.info(
+                "share %g step %d/%d: loss %.3f, agreement by depth %s",
+                share,
+                step + 1,
+                steps,
+                loss,
+                [round(a, 3) for a in agreement],
+            )
+
+    return progress

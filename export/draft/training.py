@@ -1,0 +1,246 @@
+"""Training a draft head on recorded data (export/draft/data.py), and the acceptance it reaches at each depth.
+
+The head is the draft graph as the export computes it (graphs/modules.py `DraftGraph`: its fusion and decoder layer
+trained, the model's final norm and its vocabulary's unembedding rows frozen), trained with its own guesses in the
+loop: each step runs `chain_outputs` to `depth` guesses for every position of a batch of windows and moves each
+depth's distribution over the draft's vocabulary toward the final head's there (cross-entropy against the final
+head's softmax on the recorded output h[p], restricted to the vocabulary), so it learns to guess from its own
+outputs as decoding makes it do.
+
+Acceptance is measured as greedy decoding would see it: on the answers of held-out sequences, a chain starts at
+every position v whose next token is the model's answer, and its depth-j guess is accepted if it and every guess
+before it equal the final head's choices (`target`) there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from paradecode.export.draft.chain import chain_outputs, depth_mask
+from paradecode.export.draft.data import DraftData
+from paradecode.export.draft_head import FUSE, LAYER, VOCAB, draft_weights
+from paradecode.graphs.modules import DraftGraph, EmbedGraph, build_subgraph
+from paradecode.graphs.spec import ModelSpec
+from paradecode.graphs.tensors import SubgraphIO
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How a draft head is trained: `steps` Adam steps on `batch` windows of up to `window` tokens each, guesses
+    chained `depth` deep."""
+
+    steps: int = 1000
+    batch: int = 8
+    window: int = 256
+    depth: int = 3
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "window", "depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.window < 2:
+            raise ValueError(f"window must be at least 2 tokens, got {self.window}")
+
+
+@dataclass
+class Acceptance:
+    """Chains measured and how many reached each depth with every guess accepted."""
+
+    chains: int
+    accepted: list[int]  # accepted[j - 1]: chains whose guesses 1..j were all accepted
+
+    @property
+    def rates(self) -> list[float]:
+        """The share of chains accepted to each depth."""
+        return [a / self.chains if self.chains else 0.0 for a in self.accepted]
+
+    @property
+    def conditional(self) -> list[float]:
+        """At each depth, the share of chains accepted to the depth before that this depth accepts too."""
+        before = [self.chains, *self.accepted[:-1]]
+        return [a / b if b else 0.0 for a, b in zip(self.accepted, before, strict=True)]
+
+    @property
+    def per_chain(self) -> float:
+        """Guesses accepted per chain of the full depth (what one verification gains)."""
+        return sum(self.accepted) / self.chains if self.chains else 0.0
+
+    def to_dict(self) -> dict:
+        return {"chains": self.chains, "accepted": self.accepted, "per_chain": round(self.per_chain, 4)}
+
+
+@dataclass
+class Draft:
+    """A draft head being trained, with what it reads: the model's embedding, as the export computes it."""
+
+    module: DraftGraph
+    embed: EmbedGraph
+    vocab: torch.Tensor  # [N] token ids
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The draft-head file's tensors (export/draft_head.py)."""
+        out = {FUSE: self.module.fuse.weight.detach().clone(), VOCAB: self.vocab.clone()}
+        out |= {LAYER + n: p.detach().clone() for n, p in self.module.layer.named_parameters()}
+        return out
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [*self.module.fuse.parameters(), *self.module.layer.parameters()]
+
+
+def draft_of(spec: ModelSpec, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> Draft:
+    """A draft head of `tensors` (a draft-head file's) over the model of `weights` (an export's canonical weights,
+    dequantized), as its export would compute it."""
+    unembed = weights["unembed.weight"] if "unembed.weight" in weights else weights["embed.tokens.weight"]
+    weights = {**weights, **draft_weights(tensors, unembed)}
+    module = build_subgraph(spec, SubgraphIO("draft", "draft", None, (), ()), weights)
+    embed = build_subgraph(spec, SubgraphIO("embed", "embed", None, (), ()), weights)
+    draft = Draft(module, embed, tensors[VOCAB])
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    for parameter in draft.trainable():
+        parameter.requires_grad_(True)
+    return draft
+
+
+def windows(data: DraftData, length: int) -> list[tuple[int, int]]:
+    """(start, end) of the windows training draws from: each sequence cut into pieces of at most `length` tokens
+    (a later piece starts where the one before ended, so it reads none of it: what decoding's long sequences lose)."""
+    out = []
+    for s in range(data.sequences):
+        start, end = int(data.starts[s]), int(data.starts[s + 1])
+        out += [(a, min(a + length, end)) for a in range(start, end - 1, length) if min(a + length, end) - a >= 2]
+    return out
+
+
+def batch_of(draft: Draft, data: DraftData, spans: list[tuple[int, int]]):
+    """(hidden, embedded [B, T, D] float32, valid [B, T - 1] bool) of windows padded at their ends to the longest."""
+    tokens = max(end - start for start, end in spans)
+    dim = data.hidden.shape[1]
+    hidden = torch.zeros(len(spans), tokens, dim)
+    ids = torch.zeros(len(spans), tokens, dtype=torch.int64)
+    valid = torch.zeros(len(spans), tokens - 1, dtype=torch.bool)
+    positions = torch.zeros(len(spans), tokens, dtype=torch.int64)
+    for i, (start, end) in enumerate(spans):
+        first = int(data.starts[torch.searchsorted(data.starts, start, right=True) - 1])
+        positions[i, : end - start] = torch.arange(start - first, end - first)
+        hidden[i, : end - start] = data.hidden[start:end].to(torch.float32)
+        ids[i, : end - start] = data.tokens[start:end]
+        valid[i, : end - start - 1] = True
+    with torch.no_grad():  # at each token's position in its sequence (learned positions read it)
+        embedded = draft.embed(ids, positions)
+    return hidden, embedded, valid
+
+
+def chain_loss(draft: Draft, hidden, embedded, valid, depth: int) -> tuple[torch.Tensor, list[float]]:
+    """The mean over depths of each depth's cross-entropy against the final head's distribution over the draft's
+    vocabulary (positions a chain of that depth reaches, in the windows); and each depth's top-1 agreement there."""
+    head = draft.module.head
+    with torch.no_grad():
+        teacher = torch.softmax(head.logits(hidden[:, 1:]).to(torch.float32), dim=-1)
+        best = teacher.argmax(-1)
+    losses, agreement = [], []
+    for k, output in enumerate(chain_outputs(draft.module, hidden, embedded, depth), 1):
+        mask = valid & depth_mask(hidden.shape[1], k)[None]
+        logprobs = torch.log_softmax(head.logits(output).to(torch.float32), dim=-1)
+        losses.append(-(teacher * logprobs).sum(-1)[mask].mean())
+        agreement.append(float((logprobs.argmax(-1) == best)[mask].float().mean()))
+    return torch.stack(losses).mean(), agreement
+
+
+def train(
+    draft: Draft,
+    data: DraftData,
+    config: TrainingConfig,
+    progress: Callable[[int, float, list[float]], None] | None = None,
+) -> list[dict]:
+    """Train `draft` in place on `data`'s windows; `progress(step, loss, agreement per depth)` every step. The
+    history: loss and agreement every 10 steps."""
+    spans = windows(data, config.window)
+    if not spans:
+        raise ValueError("the data has no sequence of 2 tokens or more to train on")
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(draft.trainable(), lr=config.lr, weight_decay=config.weight_decay)
+    warmup = max(1, config.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+        ),
+    )
+    draft.module.train()
+    history = []
+    started = time.perf_counter()
+    for step in range(config.steps):
+        chosen = torch.randint(len(spans), (config.batch,), generator=generator).tolist()
+        hidden, embedded, valid = batch_of(draft, data, [spans[i] for i in chosen])
+        loss, agreement = chain_loss(draft, hidden, embedded, valid, config.depth)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if progress is not None:
+            progress(step, float(loss.detach()), agreement)
+        if step % 10 == 0 or step == config.steps - 1:
+            history.append(
+                {
+                    "step": step,
+                    "loss": round(float(loss.detach()), 4),
+                    "agreement": [round(a, 4) for a in agreement],
+                    "seconds": round(time.perf_counter() - started, 1),
+                }
+            )
+    draft.module.eval()
+    return history
+
+
+def acceptance(draft: Draft, data: DraftData, depth: int, window: int = 1024) -> Acceptance:
+    """Greedy chains of up to `depth` guesses from every answer position of `data`'s sequences (the module docstring),
+    each sequence read in windows of `window` tokens."""
+    chains, accepted = 0, [0] * depth
+    vocab = draft.vocab
+    with torch.no_grad():
+        for span in windows(data, window):
+            hidden, embedded, _ = batch_of(draft, data, [span])
+            start, end = span
+            target, answer = data.target[start + 1 : end], data.answer[start + 1 : end]  # positions 1..T-1
+            right = [
+                vocab[draft.module.head.logits(o).argmax(-1)][0] == target
+                for o in chain_outputs(draft.module, hidden, embedded, depth)
+            ]
+            for v in answer.nonzero().flatten().tolist():  # the chain from position v + 1 of the window
+                chains += 1
+                for j in range(depth):
+                    p = v + j
+                    if p >= len(target) or not (answer[p] and right[j][p]):
+                        break
+                    accepted[j] += 1
+    return Acceptance(chains, accepted)
+
+
+@dataclass
+class Coverage:
+    """How much of the held-out answers' next tokens a vocabulary holds (a guess outside it is never right)."""
+
+    positions: int
+    covered: int
+
+    @property
+    def share(self) -> float:
+        return self.covered / self.positions if self.positions else 0.0
+
+
+def coverage(vocab: torch.Tensor, data: DraftData) -> Coverage:
+    targets = data.target[data.answer]
+    return Coverage(len(targets), int(torch.isin(targets, vocab).sum()))

@@ -1,0 +1,172 @@
+"""Training a draft head (export/draft/training.py) and measuring it: the guesses its acceptance counts are the ones
+decoding makes, and training raises that acceptance on a real model's answers (stories260K)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paradecode.export.draft.chain import chain_outputs
+from paradecode.export.draft.data import Job, load_data, record, teacher_forced
+from paradecode.export.draft.pipeline import DraftConfig, export_weights, train_draft_head
+from paradecode.export.draft.training import Acceptance, TrainingConfig, acceptance, draft_of, train
+from paradecode.export.draft_head import check_draft_head, load_draft_head, untrained_draft_head
+from paradecode.runtime.proposers import DraftProposer
+
+DEPTH = 3
+STORIES_PROMPTS = ["Once upon a time", "Lily went to the park", "The cat was", "Tom had a big", "One day, a little"]
+
+
+def test_the_guesses_training_measures_are_the_ones_decoding_makes(family, exports, monkeypatch):
+    """Decoding with the export's (untrained) draft head, every chain it drafts, up to and including its first wrong
+    guess (past it the chain reads guesses the sequence does not hold), equals `chain_outputs`' guesses from that
+    position on the final sequence, its outputs recomputed teacher-forced: same features, positions and cache."""
+    from paradecode.runtime import load
+
+    chains = []
+    propose = DraftProposer.propose
+
+    def recorded(self, ctx, tokens, end, count):
+        guesses = propose(self, ctx, tokens, end, count)
+        if guesses:
+            chains.append((end - 1, guesses))
+        return guesses
+
+    monkeypatch.setattr(DraftProposer, "propose", recorded)
+    with load(exports[family][0], backend="torch") as model:
+        result = model.generate(
+            prompt_ids=[1, 5, 9, 3, 7], max_new_tokens=24, draft_tokens=DEPTH, lookup_tokens=0, ignore_eos=True
+        )
+        tokens = [1, 5, 9, 3, 7, *result.token_ids]
+        hidden = teacher_forced(model, tokens)[0].to(torch.float32)[None]
+        draft, embed = model.backend.modules["draft"], model.backend.modules["embed"]
+        with torch.no_grad():
+            embedded = embed(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+            guesses = [draft.head(o)[0][0] for o in chain_outputs(draft, hidden, embedded, DEPTH)]
+    assert chains, "the draft head drafted nothing"
+    compared = 0
+    for v, drafted in chains:
+        for j, guess in enumerate(drafted):
+            if v + j >= len(tokens):  # past the sequence: nothing to recompute it from
+                break
+            assert guess == int(guesses[j][v + j - 1]), f"chain from position {v}, depth {j + 1}"
+            compared += 1
+            if v + j + 1 >= len(tokens) or guess != tokens[v + j + 1]:
+                break
+    assert compared >= len(chains)
+
+
+def test_acceptance_gives_rates_per_depth_and_guesses_accepted_per_chain():
+    measured = Acceptance(4, [3, 2, 1])
+    assert measured.rates == [0.75, 0.5, 0.25]
+    assert measured.conditional == [0.75, 2 / 3, 0.5]
+    assert measured.per_chain == 1.5
+    assert Acceptance(0, [0, 0]).rates == [0.0, 0.0] and Acceptance(0, [0]).per_chain == 0.0
+
+
+@pytest.fixture(scope="module")
+def stories_data(stories_export, tmp_path_factory):
+    """A few of stories260K's answers, recorded through its export."""
+    from paradecode.runtime import load
+
+    folder = tmp_path_factory.mktemp("draft-data")
+    jobs = [Job(prompt=p) for p in STORIES_PROMPTS] + [Job(prompt=STORIES_PROMPTS[0], temperature=0.8, seed=1)]
+    with load(stories_export[0]) as model:
+        paths = record(model, jobs, folder, shard_size=4, new_tokens=48)
+        weights, spec = export_weights(model), model.backend.spec
+    return folder, jobs, paths, weights, spec
+
+
+def test_recorded_data_holds_each_answer_with_the_exports_outputs_and_choices(stories_export, stories_data):
+    from paradecode.runtime import load
+
+    _folder, jobs, paths, _, _ = stories_data
+    assert [p.name for p in paths] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    data = load_data(paths)
+    assert data.sequences == len(jobs)
+    with load(stories_export[0]) as model:
+        first = data.sequence(0)
+        answer = model.generate(STORIES_PROMPTS[0], max_new_tokens=48, mode="ar").token_ids
+        prompt = model.prompt_ids(STORIES_PROMPTS[0])
+        assert data.tokens[first].tolist() == prompt + answer
+        hidden, target = teacher_forced(model, prompt + answer)
+    torch.testing.assert_close(data.hidden[first], hidden)
+    assert data.target[first].tolist() == target.tolist()
+    # the answer's positions are the ones whose next token the model chose greedily; the final head agrees there
+    answer_positions = data.answer[first].nonzero().flatten().tolist()
+    assert answer_positions == list(range(len(prompt) - 1, len(prompt) + len(answer) - 1))
+    assert all(data.target[first][p] == data.tokens[first][p + 1] for p in answer_positions)
+    # a sampled answer is data, not a greedy answer: no chain is measured on it
+    assert not data.answer[data.sequence(len(jobs) - 1)].any()
+
+
+def test_recording_goes_on_after_the_shards_a_run_left_and_refuses_another_runs(stories_export, stories_data):
+    from paradecode.graphs.errors import UserInputError
+    from paradecode.runtime import load
+
+    folder, jobs, paths, _, _ = stories_data
+    before = [p.stat().st_mtime_ns for p in paths]
+    paths[1].unlink()  # as if stopped before the last shard
+    with load(stories_export[0]) as model:
+        again = record(model, jobs, folder, shard_size=4, new_tokens=48)
+        assert paths[0].stat().st_mtime_ns == before[0] and again[1].exists()
+        with pytest.raises(UserInputError, match="recorded by another run.*jobs"):
+            record(model, [*jobs[:-1], Job(text="Once upon a time")], folder, shard_size=4, new_tokens=48)
+
+
+def test_training_raises_acceptance_on_the_answers_it_trained_on(stories_data):
+    _, _, paths, weights, spec = stories_data
+    data = load_data(paths)
+    vocab = torch.unique(data.tokens)
+    untrained = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist()))
+    before = acceptance(untrained, data, DEPTH)
+    trained = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist()))
+    history = train(trained, data, TrainingConfig(steps=60, batch=4, window=64, depth=DEPTH, lr=3e-3))
+    after = acceptance(trained, data, DEPTH)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert after.chains == before.chains > 100
+    assert after.accepted[0] > before.accepted[0] + 0.2 * before.chains, (before, after)
+
+
+def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(STORIES_PROMPTS * 2) + "\n")
+    config = DraftConfig(
+        export=stories_export[0],
+        output=tmp_path / "draft.safetensors",
+        data=tmp_path / "data",
+        prompts=prompts,
+        new_tokens=24,
+        vocab=128,
+        held_out=0.3,
+        sizes=(0.5, 1.0),
+        training=TrainingConfig(steps=5, window=32),
+    )
+    result = train_draft_head(config)
+    tensors, metadata = load_draft_head(result.output)
+    assert len(tensors["draft.vocab"]) == result.vocab == 128
+    assert metadata["trained"] and [s["share"] for s in metadata["sizes"]] == [0.5, 1.0]
+    assert metadata["sizes"][0]["positions"] < metadata["sizes"][1]["positions"]
+    from paradecode.export.families import family_for
+    from paradecode.export.pipeline import load_hf_model
+    from paradecode.export.source import resolve_model
+
+    source = resolve_model(str(stories_dir / "hf"))
+    hf = load_hf_model(source)
+    spec = family_for(source.config_dict()["model_type"]).spec(hf.config, hf)
+    check_draft_head(result.output, tensors, metadata, spec=spec, model=source.identity())
+
+
+def test_train_draft_head_refuses_before_recording(stories_export, tmp_path):
+    from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
+
+    base = dict(export=stories_export[0], data=tmp_path / "data")
+    with pytest.raises(UserInputError, match="evaluation set"):
+        train_draft_head(DraftConfig(output=tmp_path / "a", prompts="eval", **base))
+    existing = tmp_path / "exists.safetensors"
+    existing.write_text("x")
+    with pytest.raises(OutputNotWrittenError, match="--force"):
+        train_draft_head(DraftConfig(output=existing, **base))
+    with pytest.raises(UserInputError, match="--sizes"):
+        DraftConfig(output=tmp_path / "a", sizes=(0.0, 1.0), **base)
+    assert not (tmp_path / "data").exists()
