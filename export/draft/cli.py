@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--new-tokens", type=positive_int, help=f"tokens per answer ({default('new_tokens')})")
     parser.add_argument("--max-prompts", type=positive_int, help="a seeded sample of this many prompts")
+    parser.add_argument(
+        "--max-shards",
+        type=positive_int,
+        help="record and train on the first shards only (of "
+        f"{defaults['shard_size']} sequences; the jobs are in a seeded order): a later run asking for "
+        "more goes on after them",
+    )
     parser.add_argument("--vocab", type=positive_int, help=f"tokens the head predicts over ({default('vocab')})")
     parser.add_argument("--held-out", type=float, help=f"share of prompts held out ({default('held_out')})")
     parser.add_argument(

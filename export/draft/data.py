@@ -154,16 +154,17 @@ def record(
     *,
     shard_size: int,
     new_tokens: int,
+    limit: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
 ) -> list[Path]:
-    """Record `jobs` into `folder`'s shards, going on after the ones a run with the same export and jobs left there;
-    `progress(shard, shards, positions)` after each. The shards' paths."""
+    """Record `jobs` into `folder`'s shards (the first `limit` alone, where given), going on after the ones a run with
+    the same export and jobs left there; `progress(shard, shards, positions)` after each. The shards' paths."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     identity = {"format": FORMAT, "export": model.manifest.model["weights_sha256"], "jobs": jobs_digest(jobs)}
     identity |= {"shard_size": str(shard_size), "new_tokens": str(new_tokens)}
-    shards = -(-len(jobs) // shard_size)
+    shards = -(-len(jobs) // shard_size) if limit is None else min(limit, -(-len(jobs) // shard_size))
     paths = []
     for index in range(shards):
         path = shard_path(folder, index)

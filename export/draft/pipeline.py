@@ -3,7 +3,8 @@
 Order of work: every check that can refuse the request (output file, export, prompts, texts) runs before anything is
 recorded. Then: the jobs (each prompt's greedy answer, `samples - 1` sampled ones, the texts' windows) and the
 held-out prompts (whose every sequence is kept from training; their greedy answers measure acceptance); the data is
-recorded into `--data`'s shards, going on after any a run left there (export/draft/data.py); the reduced vocabulary
+recorded into `--data`'s shards, going on after any a run left there (export/draft/data.py; `--max-shards`: the
+first shards alone, the jobs being in a seeded order); the reduced vocabulary
 is the training answers' most frequent next tokens; a head is trained at each data size asked for (a share of the
 training sequences: the acceptance curve says whether more data would pay) and measured on the held-out answers; the
 largest size's head is written last, atomically, with the measurements in its metadata.
@@ -40,6 +41,7 @@ class DraftConfig:
     new_tokens: int = 256
     text_chars: int = 1500  # a text is cut into windows of about this many characters
     max_prompts: int | None = None
+    max_shards: int | None = None  # record and train on the first shards only (a later run with more goes on)
     shard_size: int = 32  # sequences per shard
     vocab: int = 4096
     held_out: float = 0.1  # share of prompts held out
@@ -110,7 +112,10 @@ def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
     for path in config.texts:
         text = read_text_file(path, "--text")
         jobs += [Job(text=text[a : a + config.text_chars]) for a in range(0, len(text), config.text_chars)]
-    return jobs, held
+    # in a seeded order, so that the first shards (--max-shards) are a sample of every source and category
+    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    where = {old: new for new, old in enumerate(order)}
+    return [jobs[i] for i in order], sorted(where[i] for i in held)
 
 
 def export_weights(model) -> dict[str, torch.Tensor]:
@@ -140,6 +145,7 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
             model,
             jobs,
             config.data,
+            limit=config.max_shards,
             shard_size=config.shard_size,
             new_tokens=config.new_tokens,
             progress=lambda i, n, positions: logger.info("recorded shard %d of %d (%d positions)", i + 1, n, positions),
@@ -149,8 +155,8 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
     finally:
         model.close()
     data = load_data(paths)
-    held_set = set(held)
-    evaluation = data.select(held)
+    held_set = {i for i in held if i < data.sequences}
+    evaluation = data.select(sorted(held_set))
     training = data.select([s for s in range(data.sequences) if s not in held_set])
     if training.sequences == 0:
         raise UserInputError("no training sequences were recorded: give more prompts or a lower --held-out.")

@@ -38,8 +38,8 @@ class TrainingConfig:
     chained `depth` deep."""
 
     steps: int = 1000
-    batch: int = 8
-    window: int = 256
+    batch: int = 4
+    window: int = 512  # most chat sequences whole (a window reads nothing of the one before it)
     depth: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.0

@@ -129,6 +129,8 @@ def test_training_raises_acceptance_on_the_answers_it_trained_on(stories_data):
 
 
 def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories_dir, tmp_path):
+    from dataclasses import replace
+
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(STORIES_PROMPTS * 2) + "\n")
     config = DraftConfig(
@@ -137,12 +139,21 @@ def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories
         data=tmp_path / "data",
         prompts=prompts,
         new_tokens=24,
+        shard_size=4,
+        max_shards=2,
         vocab=128,
         held_out=0.3,
         sizes=(0.5, 1.0),
         training=TrainingConfig(steps=5, window=32),
     )
-    result = train_draft_head(config)
+    first = train_draft_head(config)
+    recorded = sorted(p.name for p in (tmp_path / "data").iterdir())
+    assert recorded == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    before = (tmp_path / "data" / recorded[0]).stat().st_mtime_ns
+    result = train_draft_head(replace(config, max_shards=None, force=True))  # goes on after the first two
+    assert len(list((tmp_path / "data").iterdir())) == 3
+    assert (tmp_path / "data" / recorded[0]).stat().st_mtime_ns == before
+    assert first.sizes[-1].positions < result.sizes[-1].positions
     tensors, metadata = load_draft_head(result.output)
     assert len(tensors["draft.vocab"]) == result.vocab == 128
     assert metadata["trained"] and [s["share"] for s in metadata["sizes"]] == [0.5, 1.0]
