@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shards",
         type=positive_int,
         help="record and train on the first shards only (of "
-        f"{defaults['shard_size']} sequences; the jobs are in a seeded order): a later run asking for "
-        "more goes on after them",
+        f"{defaults['shard_size']} sequences; the held-out answers first, then the others in a seeded order): "
+        "a later run asking for more goes on after them",
     )
     parser.add_argument("--vocab", type=positive_int, help=f"tokens the head predicts over ({default('vocab')})")
     parser.add_argument("--held-out", type=float, help=f"share of prompts held out ({default('held_out')})")

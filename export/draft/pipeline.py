@@ -4,7 +4,7 @@ Order of work: every check that can refuse the request (output file, export, pro
 recorded. Then: the jobs (each prompt's greedy answer, `samples - 1` sampled ones, the texts' windows) and the
 held-out prompts (whose every sequence is kept from training; their greedy answers measure acceptance); the data is
 recorded into `--data`'s shards, going on after any a run left there (export/draft/data.py; `--max-shards`: the
-first shards alone, the jobs being in a seeded order); the reduced vocabulary
+first shards alone: the held-out answers, then the other jobs in a seeded order); the reduced vocabulary
 is the training answers' most frequent next tokens; a head is trained at each data size asked for (a share of the
 training sequences: the acceptance curve says whether more data would pay) and measured on the held-out answers; the
 largest size's head is written last, atomically, with the measurements in its metadata.
@@ -87,8 +87,10 @@ def held_out_prompt(index: int, share: float, seed: int) -> bool:
 
 
 def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
-    """The jobs, and the indices of the held-out prompts' greedy answers among them (every sequence of a held-out
-    prompt is left out of training: `training_sequences`)."""
+    """The jobs, and the indices of the held-out prompts' greedy answers among them: those come first, so that the
+    first shards (`--max-shards`) hold all of them and every data size is measured on the same answers; the others
+    follow in a seeded order, so that any first shards sample every source and category. A held-out prompt gives no
+    other job (its sampled answers would be training data on it)."""
     from paradecode.export.prompt_sets import is_evaluation_set, load_prompts
     from paradecode.export.prompts import read_text_file
 
@@ -98,11 +100,10 @@ def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
     if config.max_prompts is not None and len(prompts) > config.max_prompts:
         chosen = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(config.seed))
         prompts = [prompts[i] for i in sorted(chosen[: config.max_prompts].tolist())]
-    jobs, held = [], []
+    held, jobs = [], []
     for i, prompt in enumerate(prompts):
         if held_out_prompt(i, config.held_out, config.seed):
-            held.append(len(jobs))
-            jobs.append(Job(prompt=prompt))
+            held.append(Job(prompt=prompt))
             continue
         jobs.append(Job(prompt=prompt))
         jobs += [
@@ -112,10 +113,8 @@ def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
     for path in config.texts:
         text = read_text_file(path, "--text")
         jobs += [Job(text=text[a : a + config.text_chars]) for a in range(0, len(text), config.text_chars)]
-    # in a seeded order, so that the first shards (--max-shards) are a sample of every source and category
     order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    where = {old: new for new, old in enumerate(order)}
-    return [jobs[i] for i in order], sorted(where[i] for i in held)
+    return held + [jobs[i] for i in order], list(range(len(held)))
 
 
 def export_weights(model) -> dict[str, torch.Tensor]:

@@ -181,3 +181,22 @@ def test_train_draft_head_refuses_before_recording(stories_export, tmp_path):
     with pytest.raises(UserInputError, match="--sizes"):
         DraftConfig(output=tmp_path / "a", sizes=(0.0, 1.0), **base)
     assert not (tmp_path / "data").exists()
+
+
+def test_jobs_put_the_held_out_answers_first_and_give_their_prompts_nothing_else(tmp_path):
+    from paradecode.export.draft.pipeline import jobs_of
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(20)))
+    config = DraftConfig(
+        export=tmp_path, output=tmp_path / "d", data=tmp_path / "data", prompts=prompts, samples=3, held_out=0.3
+    )
+    jobs, held = jobs_of(config)
+    assert held == list(range(len(held))) and 0 < len(held) < 20
+    assert all(job.temperature == 0 for job in jobs[: len(held)])
+    held_prompts = {jobs[i].prompt for i in held}
+    others = jobs[len(held) :]
+    assert not any(job.prompt in held_prompts for job in others)
+    assert len(others) == 3 * (20 - len(held))  # each training prompt's greedy answer and two samples
+    assert [job.prompt for job in others[:6]] != [f"prompt {i}" for i in range(6)]  # in a seeded order...
+    assert jobs_of(config) == (jobs, held)  # ...the same every run
