@@ -230,6 +230,7 @@ class Engine:
             for sequence in [s for s in self.sequences if closed or s.cancelled()]:
                 self.leave(sequence, CLOSED if closed else CANCELLED)
         if not self.sequences:
+            self.cache.shrink()
             return
         if self.size == 1 and not (waiting and not self.full) and self.sequences[0].speculates:
             self._step_alone(self.sequences[0])
@@ -237,6 +238,8 @@ class Engine:
             for sequence in self.sequences:
                 self._hand_over(sequence)
             self._step_together()
+        if not self.sequences:
+            self.cache.shrink()  # an idle engine holds no slots a finished sequence grew its cache to
 
     def leave(self, sequence: Sequence, reason: str) -> None:
         """Take `sequence` out of the engine (its row filled by the last one) and hand it its result."""
@@ -270,6 +273,7 @@ class Engine:
             self._hand_over(sequence)
             self.sequences.remove(sequence)
             self._fail(sequence, error)
+        self.cache.shrink()
 
     def free(self) -> None:
         """Stop the side lanes' threads (the engine is not used again)."""

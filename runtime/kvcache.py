@@ -22,6 +22,8 @@ side lanes write into it from other threads, reserve every slot before their lan
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -52,6 +54,9 @@ class KVCache:
         self.grows = grows
         self.generation = 0  # counts the buffers' reallocations (views refresh theirs after one)
         self._root, self._offset = self, 0
+        # the views of its rows, refreshed when the buffers are reallocated: a view kept with the old buffers held
+        # them alive (a server's engine kept a batch size's view, and every cache generation it had seen: issue 52)
+        self._views: weakref.WeakSet[KVCache] = weakref.WeakSet()
         slots = min(GRANULE, self.shape[2]) if grows else self.shape[2]
         self.keys = [self._new(slots) for _ in range(num_layers)]
         self.values = [self._new(slots) for _ in range(num_layers)]
@@ -77,6 +82,7 @@ class KVCache:
         view.dtype, view.device, view.grows = self.dtype, self.device, self.grows
         view._root, view._offset = self._root, self._offset + start
         view._refresh()
+        self._root._views.add(view)
         return view
 
     def _refresh(self) -> None:
@@ -117,7 +123,7 @@ class KVCache:
                 else:
                     new[:, :, :held] = old
                 buffers[i] = new
-        root.generation += 1
+        root._reallocated()
 
     def shrink(self) -> None:
         """Drop a growing cache back to its first GRANULE slots, nothing kept: for an engine none of whose rows
@@ -130,7 +136,12 @@ class KVCache:
         root.keys = [root._new(slots) for _ in root.keys]
         root.values = [root._new(slots) for _ in root.values]
         root.lengths = [0] * len(root.lengths)
-        root.generation += 1
+        root._reallocated()
+
+    def _reallocated(self) -> None:
+        self.generation += 1
+        for view in list(self._views):
+            view._refresh()
 
     @property
     def batch(self) -> int:

@@ -1,7 +1,10 @@
 """The KV cache: per-layer lengths, rollback to any position, and decoding after a rollback."""
 
+import gc
 import itertools
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +54,72 @@ def test_a_growing_cache_keeps_what_it_holds_and_its_views_follow():
     assert KVCache(1, (1, 1, 200, 2), torch.float32, "cpu").slots == 200
 
 
+def held_slots(monkeypatch) -> list[int]:
+    """The slots every cache holds after each `reserve`, from now on."""
+    slots, reserve = [], KVCache.reserve
+
+    def recording(cache, end):
+        reserve(cache, end)
+        slots.append(cache.slots)
+
+    monkeypatch.setattr(KVCache, "reserve", recording)
+    return slots
+
+
+def test_a_caches_old_buffers_are_freed_when_it_grows_or_shrinks_though_its_views_are_kept():
+    """Growing or shrinking reallocates the buffers: views of some rows follow at once, so a view kept for later (an
+    engine keeps one per batch size) never holds the old buffers alive (a server's idle memory grew by the caches a
+    batch size had last seen: issue 52)."""
+    cache = KVCache(2, (3, 1, 200, 2), torch.float32, "cpu", grows=True)
+    view = cache.rows(0, 2)
+    view.layer(1)
+    first = [weakref.ref(t) for t in cache.keys + cache.values]
+    cache.reserve(150)
+    gc.collect()
+    assert all(ref() is None for ref in first)
+    assert view.layer(1)[0].data_ptr() == cache.layer(1)[0].data_ptr() and view.slots == 192
+    grown = [weakref.ref(t) for t in cache.keys + cache.values]
+    cache.shrink()
+    gc.collect()
+    assert all(ref() is None for ref in grown) and view.keys[0].shape == (2, 1, GRANULE, 2)
+
+
+def test_an_idle_engine_holds_only_its_cache_of_granule_slots(exports, monkeypatch):
+    """After batched decoding that grew the cache several times (batch sizes 3, 2, 1 as requests finish; the
+    onnxruntime backend's bindings of every shape kept), every buffer the cache ever had is freed but its idle ones
+    of GRANULE slots: no binding, view or context holds an old one (issue 52: a server's idle memory 1,265 -> 2,135
+    MB over 5 rounds of 4 long prompts, then back to its warm 674-705 MB)."""
+    from paradecode.runtime import kvcache
+    from paradecode.runtime.engine import Engine, generate_batched
+
+    made = []  # the memory of every buffer: its numpy array (a view of a buffer, or an OrtValue over one, holds it)
+
+    def tracked(cache, slots):
+        rows, heads, _, dim = cache._root.shape
+        memory = np.zeros((rows, heads, slots, dim), dtype=np.float32)
+        made.append(weakref.ref(memory))
+        return torch.from_numpy(memory)
+
+    folder, _ = exports["llama"]
+    monkeypatch.setattr(kvcache, "GRANULE", 8)
+    monkeypatch.setattr(KVCache, "_new", tracked)
+    with load(folder) as model:
+        engine = Engine(model.runtime, 3)
+        for _ in range(2):
+            requests = [
+                model.request(prompt_ids=list(range(1, n)), max_new_tokens=new_tokens, ignore_eos=True, mode=mode)
+                for n, new_tokens, mode in ((30, 20, "ar"), (12, 9, "paradecode"), (5, 26, "paradecode"))
+            ]
+            generate_batched(model.runtime, requests, engine=engine)
+        gc.collect()
+        alive = {ref().ctypes.data for ref in made if ref() is not None}
+        current = {t.data_ptr() for t in engine.cache.keys + engine.cache.values}
+        assert len(made) > 4 * len(current)  # it grew, more than once
+        assert alive == current and engine.cache.slots == 8
+        assert any(b.bound for thread in model.backend._bindings for b in thread.values())  # bindings of caches kept
+        engine.free()
+
+
 def test_buffers_are_allocated_once(exports):
     folder, _ = exports["qwen3"]
     with load(folder, backend="torch") as model:  # a cache that does not grow: fixed addresses
@@ -72,8 +141,9 @@ def test_a_sequence_decodes_across_the_caches_growth_as_it_does_in_a_whole_cache
     with load(folder) as model:
         settings = dict(prompt_ids=[5, 6, 7], max_new_tokens=40, ignore_eos=True)
         monkeypatch.setattr(kvcache, "GRANULE", 8)
+        slots = held_slots(monkeypatch)
         grown = [model.generate(**settings, mode=mode) for mode in ("ar", "paradecode")]
-        assert model._idle[0].cache.slots == 48  # 3 + 40 positions, in steps of 8
+        assert max(slots) == 48  # 3 + 40 positions, in steps of 8
         monkeypatch.setattr(kvcache, "GRANULE", 64)
         model._idle.clear()
         whole = [model.generate(**settings, mode=mode) for mode in ("ar", "paradecode")]
@@ -93,8 +163,10 @@ def test_an_engine_starts_each_sequence_in_a_small_cache_again(exports, monkeypa
         fresh = [model.generate(**short, mode=mode) for mode in ("ar", "paradecode")]
         (engine,) = model._idle
         # plain decoding: the engine's row context, made by the first call, is used across the growth and the shrink
+        slots = held_slots(monkeypatch)
         model.generate(prompt_ids=list(range(1, 40)), max_new_tokens=8, ignore_eos=True, mode="ar")
-        assert model._idle == [engine] and engine.cache.slots == 48  # 39 + 8 positions, in steps of 8
+        assert max(slots) == 48  # 39 + 8 positions, in steps of 8
+        assert model._idle == [engine] and engine.cache.slots == 8  # idle, it holds no slots a sequence grew it to
         again = [model.generate(**short, mode=mode) for mode in ("ar", "paradecode")]
         assert model._idle == [engine] and engine.cache.slots == 8  # 3 + 4 positions
     assert [r.token_ids for r in again] == [r.token_ids for r in fresh]
