@@ -344,6 +344,7 @@ def summarize(records: list[Record], target: Target) -> dict[str, Any]:
         "wall_seconds": target.wall_seconds,
         "tokens_per_second": tokens / target.wall_seconds if target.wall_seconds > 0 else None,
         "rss_mb_before": mb(target.rss_before),
+        "rss_mb_peak": mb(target.rss_peak),
         "rss_mb_after": mb(target.rss_after),
         "rss_mb_growth": None
         if None in (target.rss_before, target.rss_after)
@@ -419,8 +420,8 @@ def markdown(levels: dict[int, dict[str, dict[str, Any]]], settings: LoadSetting
         "tok/s = completion tokens / the server's wall time at that level",
         "",
         "| clients | server | requests | errors | TTFT p50 | TTFT p95 | ITL p50 | ITL p95 | latency p50 | "
-        "latency p95 | tokens | tok/s | x 1 client | RSS before MB | RSS after MB | RSS growth MB |",
-        "| ---: | --- " + "| ---: " * 14 + "|",
+        "latency p95 | tokens | tok/s | x 1 client | RSS before MB | RSS peak MB | RSS after idle MB | RSS growth MB |",
+        "| ---: | --- " + "| ---: " * 15 + "|",
     ]
     for level, summary in levels.items():
         for name, row in summary.items():
@@ -432,7 +433,7 @@ def markdown(levels: dict[int, dict[str, dict[str, Any]]], settings: LoadSetting
                 f"{fmt(row['ttft_ms_p95'])} | {fmt(row['itl_ms_p50'])} | {fmt(row['itl_ms_p95'])} | "
                 f"{fmt(row['latency_ms_p50'])} | {fmt(row['latency_ms_p95'])} | "
                 f"{row['completion_tokens']} | {fmt(rate)} | {fmt(gain, 2)} | {fmt(row['rss_mb_before'])} | "
-                f"{fmt(row['rss_mb_after'])} | {fmt(row['rss_mb_growth'])} |"
+                f"{fmt(row['rss_mb_peak'])} | {fmt(row['rss_mb_after'])} | {fmt(row['rss_mb_growth'])} |"
             )
         ratio = speedup(summary)
         if ratio is not None:

@@ -10,7 +10,8 @@ the error it ended with.
 
 Threading model: one thread. The requests are asyncio tasks on one event loop; a semaphore admits
 `settings.concurrency` at once; each task owns its `Record`, and a target's figures (wall time,
-RSS) are written between rounds, when none of its requests is in flight.
+RSS before and after) are written between rounds, when none of its requests is in flight; its peak RSS by one task
+that reads every server's /metrics while the rounds run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from tqdm import tqdm
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.tools.server_process import ServerFailed, resident_bytes
+
+RSS_EVERY = 0.5  # seconds between two reads of a server's resident memory while it is loaded
+IDLE_SECONDS = 3.0  # a server's idle time before its RSS after the load is read
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,18 @@ class Target:
     model: str = ""
     wall_seconds: float = 0.0  # of its rounds
     rss_before: float | None = None  # bytes, after the warm-up
-    rss_after: float | None = None
+    rss_peak: float | None = None  # the most read while its requests ran (every RSS_EVERY seconds)
+    rss_after: float | None = None  # once load ended and the server was idle IDLE_SECONDS
+
+
+async def watch_peaks(targets: list[Target]) -> None:
+    """Each target's resident memory every RSS_EVERY seconds, its most kept in `rss_peak`, until cancelled."""
+    while True:
+        for target in targets:
+            value = await asyncio.to_thread(resident_bytes, target.url)
+            if value is not None:
+                target.rss_peak = max(value, target.rss_peak or 0.0)
+        await asyncio.sleep(RSS_EVERY)
 
 
 def request_of(prompt, index: int, settings: LoadSettings) -> tuple[str, dict[str, Any]]:
@@ -192,6 +207,7 @@ async def load(targets: list[Target], prompts: list, settings: LoadSettings) -> 
                     raise ServerFailed(f"{target.name}: a warm-up request failed: {record.error}")
             target.rss_before = await asyncio.to_thread(resident_bytes, target.url)
         edges = settings.edges()
+        watching = asyncio.create_task(watch_peaks(targets))
         with tqdm(total=settings.requests * len(targets), desc="loading", unit="req") as bar:
             for r in range(settings.rounds):
                 for target in targets if r % 2 == 0 else targets[::-1]:
@@ -199,6 +215,8 @@ async def load(targets: list[Target], prompts: list, settings: LoadSettings) -> 
                     started = time.perf_counter()
                     records += await batch(target, range(edges[r], edges[r + 1]), r, bar)
                     target.wall_seconds += time.perf_counter() - started
+        watching.cancel()
+        await asyncio.sleep(IDLE_SECONDS)
         for target in targets:
             target.rss_after = await asyncio.to_thread(resident_bytes, target.url)
     finally:

@@ -38,6 +38,7 @@ def test_load_run_against_paradecode_and_ar(stories_export, tmp_path, capsys):
         assert row["requests"] == 8 and row["errors"] == 0 and row["completion_tokens"] == 64
         assert row["tokens_per_second"] > 0 and row["ttft_ms_p50"] <= row["ttft_ms_p95"]
         assert row["rss_mb_before"] > 0 and row["rss_mb_after"] > 0 and row["rss_mb_growth"] is not None
+        assert row["rss_mb_peak"] > 0  # read while the rounds ran
     assert data["paradecode_vs_ar"] > 0
     # greedy on one export: every prompt gets one answer, whatever the server, mode and level
     assert data["answers"]["differing"] == 0 and data["answers"]["prompts"] > 0
