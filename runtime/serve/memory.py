@@ -87,8 +87,9 @@ def size(count: int) -> str:
     return f"{count:,} bytes"
 
 
-def check_batches_fit(model: ParaDecodeModel, rows: int, replicas: int, given: bool) -> None:
-    """Refuse `replicas` batches of `rows` rows that need more memory than `model`'s device has available.
+def check_batches_fit(model: ParaDecodeModel, rows: int, replicas: int, given: bool) -> str:
+    """Refuse `replicas` batches of `rows` rows that need more memory than `model`'s device has available; else say
+    what they reserve (the server logs it at start).
 
     `given`: whether `rows` came from --max-batch (ServeConfig.max_batch) or from the export's limits.max_batch.
     """
@@ -97,7 +98,16 @@ def check_batches_fit(model: ParaDecodeModel, rows: int, replicas: int, given: b
     device = model.backend.device
     available = available_bytes(device)
     if available is None or need <= available:
-        return
+        taken = (
+            "taken as sequences reach their slots and given back when a replica has none left"
+            if model.backend.grows_cache
+            else "allocated at start"
+        )
+        free = size(available) if available is not None else "unknown"
+        return (
+            f"KV cache of {replicas} replica(s) x {rows} rows: at most {size(need)} ({size(per_row)} a row at "
+            f"max_seq_len {model.manifest.max_seq_len}), {taken}; {device.type.upper()} memory available: {free}"
+        )
     fit = available // (per_row * replicas)
     source = "--max-batch" if given else "the export's limits.max_batch; --max-batch serves fewer"
     fix = (

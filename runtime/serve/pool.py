@@ -112,7 +112,8 @@ class ReplicaPool:
                 self.models.append(load(export, **config.model_options()))
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
             if self.rows > 1:  # refused before allocating what the machine does not have
-                check_batches_fit(self.models[0], self.rows, config.replicas, given=config.max_batch is not None)
+                reserved = check_batches_fit(self.models[0], self.rows, config.replicas, config.max_batch is not None)
+                logger.info("%s", reserved)
             # each replica's engine (its KV-cache rows), made here so that a failure stops the start, not a worker
             self.engines = [Engine(model.runtime, self.rows) for model in self.models]
             if config.torch_compile:  # compile before listening, not in the first requests

@@ -663,6 +663,20 @@ def test_a_batch_the_memory_cannot_hold_is_refused_before_allocating(served_expo
     assert re.search(r"memory has [\d.]+ [GMK]iB \([\d,]+ bytes\) available: serve with --max-batch \d+ or less", err)
 
 
+def test_a_batch_that_fits_says_what_it_reserves(served_export):
+    """What a server's batches may take, logged at start: the KV cache's bytes per row at max_seq_len times rows and
+    replicas, and when they are taken."""
+    from paradecode.runtime import load
+    from paradecode.runtime.serve.memory import check_batches_fit, row_bytes, size
+
+    with load(served_export) as model:
+        said = check_batches_fit(model, 3, 2, given=True)
+        per_row = row_bytes(model)
+    assert per_row > 0
+    assert said.startswith(f"KV cache of 2 replica(s) x 3 rows: at most {size(6 * per_row)} ({size(per_row)} a row")
+    assert "given back when a replica has none left" in said and "memory available: " in said
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("host", ["not_a_host..x", "a" * 64 + ".example", ".."])
 def test_a_host_that_is_not_a_host_name_exits_2(served_export, capsys, host):
