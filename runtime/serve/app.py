@@ -124,7 +124,12 @@ async def health(request: Request) -> JSONResponse:
     the served folder does not hold the export the replicas loaded (they start no request: restart the server)."""
     service = service_of(request)
     waiting, running = service.pool.counts()
-    state = {"replicas": service.config.replicas, "waiting": waiting, "running": running}
+    state = {
+        "replicas": service.config.replicas,
+        "waiting": waiting,
+        "running": running,
+        "kv_cache_bytes_max": service.pool.kv_cache_bytes,  # every row of every replica at max_seq_len
+    }
     try:  # in a thread: a file whose stat changed is hashed, which must not hold the event loop
         await asyncio.to_thread(service.check_export)
     except ExportChangedError as err:

@@ -51,7 +51,7 @@ from paradecode.runtime.model import ParaDecodeModel, load
 from paradecode.runtime.request import Request
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import QueueFull, ServiceUnavailable, without_export_path
-from paradecode.runtime.serve.memory import check_batches_fit
+from paradecode.runtime.serve.memory import check_batches_fit, row_bytes
 from paradecode.runtime.stats import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,8 @@ class ReplicaPool:
                 logger.info("loading replica %d/%d of %s", i + 1, config.replicas, config.export)
                 self.models.append(load(export, **config.model_options()))
             self.rows = config.batch_rows(self.models[0].manifest.max_batch)  # jobs each replica decodes at once
+            # the most the replicas' KV caches take, every row at max_seq_len (/health says it)
+            self.kv_cache_bytes = row_bytes(self.models[0]) * self.rows * config.replicas
             if self.rows > 1:  # refused before allocating what the machine does not have
                 reserved = check_batches_fit(self.models[0], self.rows, config.replicas, config.max_batch is not None)
                 logger.info("%s", reserved)

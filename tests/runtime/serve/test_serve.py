@@ -82,7 +82,14 @@ def test_models_and_health(server, served_export):
     assert card.max_model_len == SEQ_LEN and card.root == NAME  # never the export's path on the server's disk
     assert str(served_export) not in server.http.get("/v1/models").text
     health = server.http.get("/health")
-    assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": 2, "waiting": 0, "running": 0}
+    state = health.json()
+    reserved = state.pop("kv_cache_bytes_max")
+    assert health.status_code == 200 and state == {"status": "ok", "replicas": 2, "waiting": 0, "running": 0}
+    from paradecode.runtime import load
+    from paradecode.runtime.serve.memory import row_bytes
+
+    with load(served_export) as model:  # two replicas of the export's rows at max_seq_len
+        assert reserved == 2 * model.manifest.max_batch * row_bytes(model)
 
 
 def test_completions_equal_generate(server, reference):
