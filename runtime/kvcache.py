@@ -8,10 +8,10 @@ How many slots the buffers hold: an exported layer attends over every slot of th
 (export/attention.py), so a call costs what its cache holds, not what the sequence needs. Where the backend's graphs
 take a cache of any length (`grows`: onnxruntime's), the buffers start at GRANULE slots and grow in steps of GRANULE
 to what the next call needs (`reserve`), up to the export's max_seq_len: growing copies every row's slots into new
-buffers, a few times over a sequence. An engine with no sequence left drops its cache back to GRANULE slots
-(`shrink`) before the next one starts. Elsewhere (CUDA graphs and TensorRT engines bind fixed addresses) they hold
-max_seq_len slots from the start. Every slot is a finite number from the start (zeros): a masked slot adds an exact
-zero only if it holds no NaN.
+buffers, a few times over a sequence. An engine drops its cache back to GRANULE slots (`shrink`) as soon as
+it has no sequence left, and its views follow. Elsewhere (CUDA graphs and TensorRT engines bind fixed addresses)
+they hold max_seq_len slots from the start. Every slot is a finite number from the start (zeros): a masked slot
+adds an exact zero only if it holds no NaN.
 
 A cache of several rows (a batch's requests, runtime/engine.py) hands out views of some of its rows (`rows`), each
 with lengths of its own; a view sees the buffers its cache has now, grown or not.
