@@ -88,7 +88,7 @@ def test_an_idle_engine_holds_only_its_cache_of_granule_slots(exports, monkeypat
     """After batched decoding that grew the cache several times (batch sizes 3, 2, 1 as requests finish; the
     onnxruntime backend's bindings of every shape kept), every buffer the cache ever had is freed but its idle ones
     of GRANULE slots: no binding, view or context holds an old one (issue 52: a server's idle memory 1,265 -> 2,135
-    MB over 5 rounds of 4 long prompts, then back to its warm 674-705 MB)."""
+    MB over 5 rounds of 4 long prompts; fixed, 696-714 MB over 10 rounds against 676 MB warm)."""
     from paradecode.runtime import kvcache
     from paradecode.runtime.engine import Engine, generate_batched
 
