@@ -1,12 +1,13 @@
 """`paradecode-serve` in a subprocess, for tools that measure it from outside: start, wait for /health, stop.
 
 `ServerProcess` follows one lifecycle, as a context manager: `__enter__` starts the server on a free
-port of 127.0.0.1 and returns once `/health` answers 200 (or raises `ServerFailed` with the tail of
+(or the given) port of 127.0.0.1 and returns once `/health` answers 200 (or raises `ServerFailed` with the tail of
 the server's output if it exits or does not answer in time); `__exit__` sends SIGTERM, waits for the
 server to finish its in-flight requests, and kills it only if it outlives that wait. It always runs,
 on errors and interrupts too. The server's stdout and stderr go to a file in `log_dir`.
 
-`resident_bytes(url)` reads the server's RSS from `/metrics` (prometheus_client's process collector).
+`resident_bytes(url)` reads a server's RSS from its `/metrics` (prometheus_client's process collector), and
+`ServerProcess.resident_bytes()` its own process's from /proc.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ class ServerProcess:
         log_dir: Path,
         *,
         name: str = "server",
+        port: int | None = None,
         start_timeout: float = 300.0,
         stop_timeout: float = 60.0,
     ):
-        self.port = free_port()
+        self.port = free_port() if port is None else port  # a given port: a restart where clients expect it
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [
             sys.executable,
@@ -124,6 +126,17 @@ class ServerProcess:
             process.kill()
             process.wait()
         logger.info("%s: stopped (exit code %d)", self.name, process.returncode)
+
+    def resident_bytes(self) -> float:
+        """The server process's resident memory now (VmRSS, Linux), in bytes; raises ServerFailed once it has exited."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError as err:
+            raise ServerFailed(f"{self.name}: cannot read its memory ({err}): has it exited?") from err
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+        raise ServerFailed(f"{self.name}: /proc/{self.process.pid}/status has no VmRSS (has it exited?)")
 
     def tail(self) -> str:
         try:
