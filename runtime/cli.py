@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from paradecode.graphs.arguments import positive_float, positive_int, seed, temperature
+from paradecode.graphs.arguments import positive_int, seed, temperature
 from paradecode.graphs.errors import UserInputError, run_command
 
 MAX_PROMPT_FILE_BYTES = 16 << 20  # a prompt or chat file; far more text than any export's context holds
@@ -28,9 +28,7 @@ def id_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import ADAPTIVE, ADAPTIVE_HELP, MODES, OVERLAPS, GenerationConfig
-
-    default = GenerationConfig()
+    from paradecode.runtime.decoding_flags import add_decoding_flags
 
     parser = argparse.ArgumentParser(
         prog="paradecode-generate",
@@ -57,61 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="send the --prompt / --prompt-file text as one user message, rendered with the export's chat template",
     )
     # Settings default to GenerationConfig's own defaults (None here: not given).
-    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="new tokens to generate (default 64)")
-    parser.add_argument("--mode", choices=MODES, help="default paradecode")
-    parser.add_argument(
-        "--overlap",
-        choices=OVERLAPS,
-        help="how pending layers are completed: on another lane at once (streams), batched with later "
-        "tokens (batched), or both; auto (default): batched (the fastest measured on a CPU and on CUDA)",
-    )
-    parser.add_argument(
-        "--threshold",
-        metavar="G",
-        help="exit threshold for every exit layer, in [0, 1], or 'never' (default: the export's; with --adaptive auto "
-        "in the batched overlap none are called on CUDA, or on a CPU when sampling or with lookup on)",
-    )
-    parser.add_argument("--max-unverified", type=positive_int, metavar="K", help="most unverified tokens (default 5)")
+    add_decoding_flags(parser)
     parser.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop when the output contains TEXT (repeatable)"
-    )
-    parser.add_argument(
-        "--lookup",
-        type=int,
-        metavar="N",
-        help="prompt lookup: propose up to N tokens that followed the earlier occurrences of the newest tokens "
-        f"(verified like early exits; default {default.lookup_tokens}; 0: off)",
-    )
-    parser.add_argument(
-        "--draft-tokens",
-        type=int,
-        metavar="N",
-        help="the export's draft head (paradecode-export --draft-head) guesses up to N tokens where lookup has none "
-        f"(verified like lookup's; default {default.draft_tokens}: off)",
-    )
-    parser.add_argument(
-        "--adaptive",
-        choices=ADAPTIVE,
-        help=ADAPTIVE_HELP,
-    )
-    parser.add_argument(
-        "--lookup-ngram",
-        type=positive_int,
-        metavar="N",
-        help=f"longest suffix matched (default {default.lookup_max_ngram})",
-    )
-    parser.add_argument(
-        "--lookup-min-ngram",
-        type=positive_int,
-        metavar="N",
-        help=f"shortest suffix matched (default {default.lookup_min_ngram})",
-    )
-    parser.add_argument(
-        "--lookup-length-factor",
-        type=positive_float,
-        metavar="F",
-        help="propose at most F times as many tokens as the match is long "
-        f"(default {default.lookup_length_factor:g}; inf: no such limit)",
     )
     parser.add_argument(
         "--temperature", type=temperature, metavar="T", help="sample at this temperature, 0 to 2 (default 0: greedy)"
@@ -210,28 +156,18 @@ def read_messages_file(path: Path) -> list:
 
 def config_of(args: argparse.Namespace):
     """The GenerationConfig the flags ask for: only the flags given; every default is GenerationConfig's."""
-    from paradecode.runtime.config import ADAPTIVE, GenerationConfig, parse_threshold
+    from paradecode.runtime.config import GenerationConfig
+    from paradecode.runtime.decoding_flags import decoding_fields
 
     given = {
-        "max_new_tokens": args.max_new_tokens,
-        "mode": args.mode,
-        "overlap": args.overlap,
-        "thresholds": parse_threshold(args.threshold) if args.threshold is not None else None,
-        "max_unverified": args.max_unverified,
         "stop": tuple(args.stop) if args.stop else None,
         "ignore_eos": args.ignore_eos or None,
-        "lookup_tokens": args.lookup,
-        "draft_tokens": args.draft_tokens,
-        "lookup_max_ngram": args.lookup_ngram,
-        "lookup_min_ngram": args.lookup_min_ngram,
-        "lookup_length_factor": args.lookup_length_factor,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
-        "adaptive": ADAPTIVE[args.adaptive] if args.adaptive else None,
     }
-    return GenerationConfig(**{k: v for k, v in given.items() if v is not None})
+    return GenerationConfig(**decoding_fields(args), **{k: v for k, v in given.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from paradecode.graphs.arguments import temperature
 from paradecode.graphs.errors import UserInputError, run_command
 from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import ADAPTIVE, OVERLAPS, GenerationConfig
+from paradecode.runtime.decoding_flags import add_decoding_flags, help_of
 from paradecode.tools.options import choice_list
 from paradecode.tools.peers import PEERS, PRECISIONS
 
@@ -111,29 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup",
         default=str(GenerationConfig.lookup_tokens),
         metavar="N1,N2",
-        help="prompt-lookup settings to try (most tokens proposed at once; 0: off): each threshold and overlap "
-        f"runs once per value (default {GenerationConfig.lookup_tokens}, the runtime's)",
+        help=f"values to try of: {help_of('--lookup')}; each threshold and overlap runs once per value",
     )
     parser.add_argument(
         "--lookup-ngram",
         default=str(GenerationConfig.lookup_max_ngram),
         metavar="N1,N2",
-        help="longest suffixes lookup matches, to try (default "
-        f"{GenerationConfig.lookup_max_ngram}, the runtime's): each lookup setting runs once per value",
+        help=f"values to try of: {help_of('--lookup-ngram')}; each lookup setting runs once per value",
     )
     parser.add_argument(
         "--lookup-length-factor",
         default=f"{GenerationConfig.lookup_length_factor:g}",
         metavar="F1,F2",
-        help="lookup's longest proposal as a multiple of its match, to try (inf: no such limit; default "
-        f"{GenerationConfig.lookup_length_factor:g}, the runtime's): each lookup setting runs once per value",
+        help=f"values to try of: {help_of('--lookup-length-factor')}; each lookup setting runs once per value",
     )
     parser.add_argument(
         "--adaptive",
         type=choice_list(ADAPTIVE, "--adaptive"),
         default="auto",
-        help="adaptive speculation settings to try (runtime/speculation.py), from auto, on, off: each threshold, "
-        "overlap and lookup setting runs once per value (default auto, the runtime's)",
+        help=f"values to try of: {help_of('--adaptive')}; each threshold, overlap and lookup setting runs once per "
+        "value",
     )
     parser.add_argument(
         "--temperature",
@@ -142,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="sample at this temperature in every mode, each run seeded by its prompt and repeat (default 0: greedy)",
     )
-    parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
+    add_decoding_flags(parser, ["--max-unverified"], defaults={"--max-unverified": GenerationConfig.max_unverified})
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from paradecode.graphs.errors import run_command
 from paradecode.runtime.backends import BACKENDS
-from paradecode.runtime.config import OVERLAPS
+from paradecode.runtime.decoding_flags import add_decoding_flags
 
 logger = logging.getLogger("paradecode.profile")
 NSYS = (
@@ -43,10 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("export", metavar="DIR")
     parser.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a line of code)")
     parser.add_argument("--prompt-ids", help="prompt as comma-separated ids (for exports without a tokenizer)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    parser.add_argument("--overlap", choices=OVERLAPS, default="both")
-    parser.add_argument("--threshold", help="threshold for every exit layer (default: the export's)")
-    parser.add_argument("--max-unverified", type=int, default=5, metavar="K")
+    add_decoding_flags(parser, defaults={"--overlap": "both"})  # both lanes' work on the timeline
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="onnxruntime")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--lanes", type=int, default=2)
@@ -84,16 +81,11 @@ def run(args) -> str:
     import torch
 
     from paradecode.runtime import GenerationConfig, Tracing, load
-    from paradecode.runtime.config import parse_threshold
+    from paradecode.runtime.decoding_flags import decoding_fields
     from paradecode.tools.reporting import save_figure, save_json
 
     model = load(args.export, backend=args.backend, device=args.device, lanes=args.lanes)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        overlap=args.overlap,
-        thresholds=parse_threshold(args.threshold) if args.threshold else None,
-        max_unverified=args.max_unverified,
-    )
+    config = GenerationConfig(**decoding_fields(args))
     ids = [int(i) for i in args.prompt_ids.split(",")] if args.prompt_ids else None
     prompt = None if ids else args.prompt
     model.generate(prompt, prompt_ids=ids, config=GenerationConfig(max_new_tokens=8))  # warm-up

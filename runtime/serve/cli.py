@@ -36,7 +36,7 @@ def default(config_class, name: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from paradecode.runtime.backends import BACKENDS
-    from paradecode.runtime.config import ADAPTIVE, ADAPTIVE_HELP, MODES, OVERLAPS, GenerationConfig
+    from paradecode.runtime.decoding_flags import SERVED, add_decoding_flags
     from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
     serve_default = lambda name: default(ServeConfig, name)
@@ -134,20 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and checked)",
     )
     decoding = parser.add_argument_group("decoding (every request)")
-    decoding.add_argument("--mode", choices=MODES, help=f"default {default(GenerationConfig, 'mode')}")
-    decoding.add_argument("--threshold", metavar="G", help="exit threshold, in [0, 1] or 'never' (default: export's)")
-    decoding.add_argument("--overlap", choices=OVERLAPS, help=f"default {default(GenerationConfig, 'overlap')}")
-    decoding.add_argument(
-        "--max-unverified",
-        type=positive_int,
-        metavar="K",
-        help=f"default {default(GenerationConfig, 'max_unverified')}",
-    )
-    decoding.add_argument(
-        "--adaptive",
-        choices=ADAPTIVE,
-        help=ADAPTIVE_HELP,
-    )
+    add_decoding_flags(decoding, SERVED)
     decoding.add_argument(
         "--shared-lookup",
         action="store_true",
@@ -186,18 +173,12 @@ def given(**fields) -> dict:
 
 def configs_of(args: argparse.Namespace):
     """(ServeConfig, RayConfig or None) from the flags; every default is the configs' own."""
-    from paradecode.runtime.config import ADAPTIVE, GenerationConfig, parse_threshold
+    from paradecode.runtime.config import GenerationConfig
+    from paradecode.runtime.decoding_flags import SERVED, decoding_fields
     from paradecode.runtime.serve.config import RayConfig, ServeConfig
 
     generation = GenerationConfig(
-        **given(
-            mode=args.mode,
-            overlap=args.overlap,
-            thresholds=parse_threshold(args.threshold) if args.threshold is not None else None,
-            max_unverified=args.max_unverified,
-            lookup_shared=True if args.shared_lookup else None,
-            adaptive=ADAPTIVE[args.adaptive] if args.adaptive is not None else None,
-        )
+        **decoding_fields(args, SERVED), **given(lookup_shared=True if args.shared_lookup else None)
     )
     preparing = args.max_preparing_bytes
     if preparing is None and args.max_body_bytes is not None:  # room for the largest body allowed, as before
