@@ -40,7 +40,6 @@ from paradecode.graphs.tensors import (
     of_layer,
 )
 from paradecode.runtime.backends.base import Backend
-from paradecode.runtime.completion import Stops
 from paradecode.runtime.kvcache import KVCache
 from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Group, Planner, Step
@@ -49,6 +48,7 @@ from paradecode.runtime.row_exactness import AS_IS, RowForm
 from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams, distribution
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationStats
+from paradecode.runtime.stops import Stops
 from paradecode.runtime.verification import verify
 
 MAIN = "main"

@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.batch import BatchStep
-from paradecode.runtime.completion import MAX_SEQ_LEN, Completion
 from paradecode.runtime.decoding import MAIN, DecodeContext, Executor, RowsContext, prefill
 from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
 from paradecode.runtime.lookup import SharedSuffixIndex
@@ -62,6 +61,7 @@ from paradecode.runtime.request import Request
 from paradecode.runtime.sampling import Sampler
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
+from paradecode.runtime.stops import MAX_SEQ_LEN, Completion
 from paradecode.runtime.tokenizer import TextTokenizer
 from paradecode.runtime.verification import chosen
 from paradecode.runtime.watched import WatchedFiles

@@ -18,11 +18,11 @@ from types import MappingProxyType
 
 from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
 from paradecode.runtime import policy
-from paradecode.runtime.completion import Stops
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.row_exactness import RowForm
 from paradecode.runtime.sampling import SamplingParams
+from paradecode.runtime.stops import Stops
 
 # Warnings a request's settings make a model say (once per runtime: `runtime.notices.Notices`), by name.
 INEXACT, ALONE, IDLE = "inexact", "alone", "idle"

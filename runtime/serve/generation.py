@@ -31,7 +31,6 @@ from paradecode.graphs.errors import (
     ParadecodeError,
     UserInputError,
 )
-from paradecode.runtime.completion import StopText, cut_at_stop
 from paradecode.runtime.engine import StreamedToken
 from paradecode.runtime.serve.errors import (
     BodyTimeout,
@@ -45,6 +44,7 @@ from paradecode.runtime.serve.errors import (
 from paradecode.runtime.serve.pool import Job, ReplicaPool
 from paradecode.runtime.serve.responses import Answer, sse
 from paradecode.runtime.stats import GenerationResult
+from paradecode.runtime.stops import StopText, cut_at_stop
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from paradecode.graphs.errors import SchedulerStallError
-from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, Stops
 from paradecode.runtime.decoding import Executor
 from paradecode.runtime.lookup import LookupConfig
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import ExitHeads, LookupProposer
 from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams
 from paradecode.runtime.stats import LOOKUP, GenerationStats, Mismatch
+from paradecode.runtime.stops import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, Stops
 from paradecode.runtime.verification import verify
 
 VOCAB = 50

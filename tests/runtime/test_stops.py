@@ -10,7 +10,6 @@ import pytest
 
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime import load
-from paradecode.runtime.completion import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
 from paradecode.runtime.config import NEVER, GenerationConfig
 from paradecode.runtime.decoding import DecodeContext
 from paradecode.runtime.engine import Engine, Sequence, StreamedToken, executor_of
@@ -18,6 +17,7 @@ from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import LookupProposer
 from paradecode.runtime.stats import LOOKUP, GenerationResult, GenerationStats
+from paradecode.runtime.stops import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
 
 
 def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:

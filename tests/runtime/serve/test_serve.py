@@ -29,9 +29,9 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
-from paradecode.runtime.completion import StopText, cut_at_stop
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.requests import CONFIG_FIELDS
+from paradecode.runtime.stops import StopText, cut_at_stop
 from tests.conftest import REPO
 from tests.runtime.test_chat import with_file, without_template
 from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
