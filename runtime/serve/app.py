@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from paradecode.graphs.errors import ExportChangedError, ManifestError
+from paradecode.runtime.serve.bodies import ChatCompletionRequest, CompletionRequest
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import (
     BodyTimeout,
@@ -42,7 +43,6 @@ from paradecode.runtime.serve.generation import (
     streamed,
     whole,
 )
-from paradecode.runtime.serve.requests import ChatCompletionRequest, CompletionRequest
 from paradecode.runtime.serve.responses import Answer, ChatAnswer, CompletionAnswer
 from paradecode.runtime.serve.service import Service
 from paradecode.runtime.serve.shutdown import ShutdownGuard

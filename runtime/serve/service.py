@@ -24,6 +24,7 @@ from functools import partial
 from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
 from paradecode.runtime.model import ParaDecodeModel
 from paradecode.runtime.request import Request
+from paradecode.runtime.serve.bodies import GenerationRequest, parse_request
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import (
     ModelNotFound,
@@ -35,7 +36,6 @@ from paradecode.runtime.serve.errors import (
 from paradecode.runtime.serve.metrics import Metrics
 from paradecode.runtime.serve.pool import Job, ReplicaPool
 from paradecode.runtime.serve.preparing import Preparer
-from paradecode.runtime.serve.requests import GenerationRequest, parse_request
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import pytest
 
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
+from paradecode.runtime.serve.bodies import CONFIG_FIELDS
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.serve.requests import CONFIG_FIELDS
 from paradecode.runtime.stops import StopText, cut_at_stop
 from tests.conftest import REPO
 from tests.runtime.test_chat import with_file, without_template
