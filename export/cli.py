@@ -18,8 +18,8 @@ from paradecode.export.config import OPS, WEIGHT_SETTINGS, ExportConfig
 from paradecode.export.known_models import known_models_help
 from paradecode.graphs.arguments import positive_int
 from paradecode.graphs.errors import run_command
+from paradecode.graphs.quantization_manifest import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
-from paradecode.graphs.weight_formats import ACTIVATIONS
 
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportConfig)}  # the defaults live in ExportConfig
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.quantization_manifest import ACTIVATIONS
 from paradecode.graphs.tensors import DTYPES
-from paradecode.graphs.weight_formats import ACTIVATIONS
 
 ENGINES = ("onnx", "tensorrt")
 WEIGHT_SETTINGS = ("auto", "float", "int8", "int4")  # how weights are stored: export/weight_storage.py
@@ -32,11 +32,11 @@ class ExportConfig:
     # auto: a GGUF file's own quantized blocks kept exactly, float for other sources; float: dense in `dtype`;
     # int8 / int4: a float model's matrices quantized blockwise by onnxruntime's quantizer (export/weight_storage.py)
     weights: str = "auto"
-    # what quantized weights multiply (graphs/weight_formats.py ACTIVATIONS): int8 (every product's input rounded to 8
-    # bits per block, as llama.cpp and onnxruntime-genai do: the fastest, and on the CPUs measured a position's bits
-    # are the same in any call, so ParaDecode's verifications and a batch's rows share calls exactly; SmolLM2's
-    # perplexity +0.15% against float, docs/export.md), int8-heads (int8 in the heads, float32 in the layers, whose
-    # CPU kernel gives a lone position other bits: every position then runs in a call of its own) or float (float32
+    # what quantized weights multiply (graphs/quantization_manifest.py ACTIVATIONS): int8 (every product's input rounded
+    # to 8 bits per block, as llama.cpp and onnxruntime-genai do: the fastest, and on the CPUs measured a position's
+    # bits are the same in any call, so ParaDecode's verifications and a batch's rows share calls exactly; SmolLM2's
+    # perplexity +0.15% against float, docs/export.md), int8-heads (int8 in the heads, float32 in the layers, whose CPU
+    # kernel gives a lone position other bits: every position then runs in a call of its own) or float (float32
     # everywhere: plain decoding within float32 rounding of PyTorch on the dequantized weights, and as int8-heads)
     activations: str = "int8"
     ops: str = "auto"

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paradecode.graphs.quantization_manifest import WeightFormat
 from paradecode.graphs.quantized_weights import QuantizedWeight, pack
-from paradecode.graphs.weight_formats import WeightFormat
 
 
 @dataclass(frozen=True)

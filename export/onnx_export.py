@@ -30,9 +30,9 @@ from paradecode.export import quantized_products
 from paradecode.export.attention import expand_attention
 from paradecode.graphs.errors import ValidationError
 from paradecode.graphs.ops import ATTENTION_DOMAIN
+from paradecode.graphs.quantization_manifest import Quantization
 from paradecode.graphs.quantized_weights import QuantizedWeight
 from paradecode.graphs.tensors import BATCH, POSITIONS, SLOTS, TOKENS, SubgraphIO
-from paradecode.graphs.weight_formats import Quantization
 
 logger = logging.getLogger(__name__)
 

@@ -48,10 +48,10 @@ from paradecode.graphs.manifest import (
 )
 from paradecode.graphs.modules import build_subgraph, subgraph_state
 from paradecode.graphs.ops import TORCH_DTYPES, rope_caches
+from paradecode.graphs.quantization_manifest import Quantization
 from paradecode.graphs.quantized_weights import QuantizedWeight
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO, export_plan
-from paradecode.graphs.weight_formats import Quantization
 
 logger = logging.getLogger(__name__)
 

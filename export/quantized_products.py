@@ -28,8 +28,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from paradecode.graphs.errors import ValidationError
+from paradecode.graphs.quantization_manifest import WeightFormat
 from paradecode.graphs.quantized_weights import QuantizedWeight
-from paradecode.graphs.weight_formats import WeightFormat
 
 MS_DOMAIN = "com.microsoft"
 ACCURACY_LEVEL = {"int8": 4, "float": 0}

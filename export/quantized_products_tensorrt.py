@@ -26,8 +26,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from paradecode.export.quantized_products import Rewriter
 from paradecode.graphs.errors import ValidationError
+from paradecode.graphs.quantization_manifest import WeightFormat
 from paradecode.graphs.quantized_weights import QuantizedWeight, unpack
-from paradecode.graphs.weight_formats import WeightFormat
 
 
 def signed_values(weight: QuantizedWeight) -> np.ndarray:

@@ -6,7 +6,7 @@
 - `int8` / `int4` quantize a float model's matrices blockwise (weight-only, 32 values a block; int4 with
   a zero point per block, int8 symmetric) with onnxruntime's own quantizer, as its MatMulNBits reads them.
 
-Only the matrices a token's compute reads are quantized (`graphs.weight_formats.QUANTIZABLE`): the layers'
+Only the matrices a token's compute reads are quantized (`graphs.quantization_manifest.QUANTIZABLE`): the layers'
 projections, the embedding and the unembedding (tied or not), and the exit heads' reduced unembedding.
 
 A GGUF tensor is matched to the weight transformers made of it by its dequantized rows (bit for bit), not
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from paradecode.export.gguf_blocks import quantized_from_gguf, supported
+from paradecode.graphs.quantization_manifest import WeightFormat, quantizable
 from paradecode.graphs.quantized_weights import QuantizedWeight
-from paradecode.graphs.weight_formats import WeightFormat, quantizable
 
 logger = logging.getLogger(__name__)
 

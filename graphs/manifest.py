@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import ManifestError, UnsupportedModelError
+from paradecode.graphs.quantization_manifest import Quantization, canonical_shape
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import BATCH, DTYPES, KINDS, LOGITS, SLOTS, TOKENS, SubgraphIO, TensorSpec, export_plan
 from paradecode.graphs.untrusted import (
@@ -41,7 +42,6 @@ from paradecode.graphs.untrusted import (
     sha256_of,
     show,
 )
-from paradecode.graphs.weight_formats import Quantization, canonical_shape
 
 __all__ = [
     "FORMAT_VERSION",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from paradecode.graphs.errors import ManifestError
-from paradecode.graphs.weight_formats import PARTS, Quantization, WeightFormat
+from paradecode.graphs.quantization_manifest import PARTS, Quantization, WeightFormat
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:

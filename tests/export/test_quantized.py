@@ -25,8 +25,8 @@ from paradecode.export.gguf_blocks import DECODERS, quantized_from_gguf
 from paradecode.export.weight_storage import from_float
 from paradecode.graphs.errors import ManifestError, UserInputError
 from paradecode.graphs.manifest import read_manifest
+from paradecode.graphs.quantization_manifest import Quantization, WeightFormat, canonical_shape
 from paradecode.graphs.quantized_weights import QuantizedWeight, dequantized, pack, unpack
-from paradecode.graphs.weight_formats import Quantization, WeightFormat, canonical_shape
 from tests.conftest import MIXED_BLOCKS
 from tests.tiny_gguf import shape_for, write_tiny_gguf
 from tests.tiny_models import TINY_CONFIGS

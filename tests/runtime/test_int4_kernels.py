@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from paradecode.graphs.errors import UserInputError
+from paradecode.graphs.quantization_manifest import WeightFormat
 from paradecode.graphs.quantized_weights import QuantizedWeight, pack
-from paradecode.graphs.weight_formats import WeightFormat
 from paradecode.runtime import load, row_exactness
 from paradecode.runtime.backends import int4_kernels
 from paradecode.runtime.backends.int4_kernels import Int4Linear, fits
