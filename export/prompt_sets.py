@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from paradecode.export.prompts import LabelledPrompt, read_labelled_prompts
+from paradecode.export.prompt_files import LabelledPrompt, read_labelled_prompts
 from paradecode.graphs.errors import MissingDependencyError
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -329,8 +329,8 @@ def first_of_each_category(prompts: list, count: int) -> list:
 
 def default_prompts(model) -> list:
     """The evaluation set (`eval`) where the export has a chat template, else the built-in text prompts."""
+    from paradecode.export.prompt_files import LabelledPrompt
     from paradecode.export.prompt_sets import load_prompts
-    from paradecode.export.prompts import LabelledPrompt
     from paradecode.tools.bench_modes import DEFAULT_PROMPTS
 
     if model.chat_template is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from paradecode.export.prompts import Prompt
+from paradecode.export.prompt_files import Prompt
 from paradecode.graphs.errors import UserInputError
 
 logger = logging.getLogger(__name__)

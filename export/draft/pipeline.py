@@ -91,8 +91,8 @@ def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
     first shards (`--max-shards`) hold all of them and every data size is measured on the same answers; the others
     follow in a seeded order, so that any first shards sample every source and category. A held-out prompt gives no
     other job (its sampled answers would be training data on it)."""
+    from paradecode.export.prompt_files import read_text_file
     from paradecode.export.prompt_sets import is_evaluation_set, load_prompts
-    from paradecode.export.prompts import read_text_file
 
     if is_evaluation_set(config.prompts):
         raise UserInputError("--prompts eval is the held-out evaluation set, which nothing trains on; use heads.")

@@ -246,7 +246,7 @@ def train_exit_heads(config: HeadsConfig) -> HeadsTraining:
     started = time.perf_counter()
     hf_logging.disable_progress_bar()
     from paradecode.export.files import check_file_writable
-    from paradecode.export.prompts import read_text_file
+    from paradecode.export.prompt_files import read_text_file
 
     check_file_writable(config.output, "-o")  # a folder, or a path that cannot be written: refused before the run
     if config.output.exists() and not config.force:

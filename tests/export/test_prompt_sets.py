@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from paradecode.export import prompt_sets, prompts
+from paradecode.export import prompt_files, prompt_sets
 from paradecode.export.heads import cli as train_heads
-from paradecode.export.prompts import LabelledPrompt
+from paradecode.export.prompt_files import LabelledPrompt
 from paradecode.graphs.errors import MissingDependencyError, UserInputError
 
 CATEGORIES = ("code", "summarisation", "qa_context", "writing", "maths")
@@ -40,15 +40,15 @@ def test_prompt_files_carry_an_optional_category(tmp_path):
     chat = [{"role": "user", "content": "Hi"}]
     lines = [{"prompt": "a", "category": "code"}, {"messages": chat}, {"messages": chat, "category": None}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert prompts.read_labelled_prompts(path) == [
+    assert prompt_files.read_labelled_prompts(path) == [
         LabelledPrompt("a", "code"),
         LabelledPrompt(chat),
         LabelledPrompt(chat),
     ]
-    assert prompts.read_prompts(path) == ["a", chat, chat]  # the existing callers see no change
+    assert prompt_files.read_prompts(path) == ["a", chat, chat]  # the existing callers see no change
     text = tmp_path / "p.txt"
     text.write_text("one\ntwo\n")
-    assert prompts.read_labelled_prompts(text) == [LabelledPrompt("one"), LabelledPrompt("two")]
+    assert prompt_files.read_labelled_prompts(text) == [LabelledPrompt("one"), LabelledPrompt("two")]
 
 
 @pytest.mark.parametrize(("category", "shown"), [(3, "int 3"), ("  ", 'str "  "'), (["x"], 'list ["x"]')])
@@ -56,7 +56,7 @@ def test_prompt_files_refuse_a_category_that_is_not_a_name(tmp_path, category, s
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "a", "category": category}) + "\n")
     with pytest.raises(UserInputError, match=rf'line 1: "category" is {re.escape(shown)}; expected a non-empty string'):
-        prompts.read_prompts(path)
+        prompt_files.read_prompts(path)
 
 
 # --- the sets ------------------------------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def readme_counts(column: int) -> dict[str, int]:
     ("path", "counts", "column"), [(prompt_sets.EVAL_FILE, EVAL_COUNTS, 0), (prompt_sets.HEADS_FILE, HEADS_COUNTS, 1)]
 )
 def test_the_files_hold_the_documented_categories_and_counts(path, counts, column):
-    labelled = prompts.read_labelled_prompts(path)
+    labelled = prompt_files.read_labelled_prompts(path)
     assert categories_of(labelled) == counts == readme_counts(column)
     assert path.stat().st_size < 1 << 20
     for p in labelled:
@@ -98,7 +98,9 @@ def test_the_evaluation_and_training_sets_are_disjoint():
     # HumanEval's problems repeat phrases among themselves: its two parts are disjoint by task id (below).
     shared = [s for s in shared_runs(evaluation, training) if s[:2] != ("humaneval", "humaneval")]
     assert not shared, f"runs of {SHARED_WORDS} words in both sets: {shared[:5]}"
-    ours = prompts.read_labelled_prompts(prompt_sets.EVAL_FILE) + prompts.read_labelled_prompts(prompt_sets.HEADS_FILE)
+    ours = prompt_files.read_labelled_prompts(prompt_sets.EVAL_FILE) + prompt_files.read_labelled_prompts(
+        prompt_sets.HEADS_FILE
+    )
     copied = shared_runs(prompt_sets.humaneval_prompts(), ours)
     assert not copied, f"the files share text with HumanEval problems: {copied[:5]}"
 

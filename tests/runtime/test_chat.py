@@ -582,7 +582,7 @@ def write_jsonl(path: Path, prompts: list) -> Path:
 
 
 def test_bench_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_path):
-    from paradecode.export.prompts import read_prompts
+    from paradecode.export.prompt_files import read_prompts
     from paradecode.tools.bench import prompt_ids_of
 
     folder, model_dir = chat_export
@@ -602,7 +602,7 @@ def test_train_heads_turns_chat_prompts_into_the_templates_ids(chat_export, tmp_
     from transformers import AutoTokenizer
 
     from paradecode.export.heads.pipeline import prompt_ids_of
-    from paradecode.export.prompts import read_prompts
+    from paradecode.export.prompt_files import read_prompts
 
     _, model_dir = chat_export
     chat = CHATS["system and turns"]

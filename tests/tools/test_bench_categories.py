@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paradecode.export import prompt_sets
-from paradecode.export.prompts import LabelledPrompt
+from paradecode.export.prompt_files import LabelledPrompt
 from paradecode.tools import bench_modes, harness, reporting
 from paradecode.tools.bench import default_prompts
 
