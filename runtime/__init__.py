@@ -26,7 +26,7 @@ _WHERE = {
     "Mismatch": "paradecode.runtime.stats",
     "ParaDecodeModel": "paradecode.runtime.model",
     "StreamedToken": "paradecode.runtime.engine",
-    "Tracing": "paradecode.runtime.lanes",
+    "Tracing": "paradecode.runtime.tracing",
     "load": "paradecode.runtime.model",
 }
 
@@ -48,9 +48,9 @@ if TYPE_CHECKING:
     from paradecode.runtime.chat import ChatTemplate
     from paradecode.runtime.config import NEVER, GenerationConfig
     from paradecode.runtime.engine import StreamedToken
-    from paradecode.runtime.lanes import Tracing
     from paradecode.runtime.model import GenerationStream, ParaDecodeModel, load
     from paradecode.runtime.stats import GenerationResult, GenerationStats, Mismatch
+    from paradecode.runtime.tracing import Tracing
 
 
 def __getattr__(name: str):

@@ -41,7 +41,6 @@ from paradecode.graphs.tensors import (
 )
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.kvcache import KVCache
-from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Group, Planner, Step
 from paradecode.runtime.proposers import DraftProposer, ExitHeads, LookupProposer
 from paradecode.runtime.row_exactness import AS_IS, RowForm
@@ -49,6 +48,7 @@ from paradecode.runtime.sampling import SAMPLE, Draws, Sampler, SamplingParams, 
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationStats
 from paradecode.runtime.stops import Stops
+from paradecode.runtime.tracing import Timeline
 from paradecode.runtime.verification import verify
 
 MAIN = "main"

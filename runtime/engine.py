@@ -52,7 +52,7 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.backends.base import Backend
 from paradecode.runtime.batch import BatchStep
 from paradecode.runtime.decoding import MAIN, DecodeContext, Executor, RowsContext, prefill
-from paradecode.runtime.lanes import NO_TRACING, Lane, Timeline, Tracing
+from paradecode.runtime.lanes import Lane
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.notices import Notices
 from paradecode.runtime.overlaps import ThreadedExecutor
@@ -63,6 +63,7 @@ from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult, GenerationStats
 from paradecode.runtime.stops import MAX_SEQ_LEN, Completion
 from paradecode.runtime.tokenizer import TextTokenizer
+from paradecode.runtime.tracing import NO_TRACING, Timeline, Tracing
 from paradecode.runtime.verification import chosen
 from paradecode.runtime.watched import WatchedFiles
 
@@ -102,7 +103,7 @@ class StreamedToken:
 class Sequence:
     """One request while it decodes: everything of it, made from its resolved `Request` (`Sequence.of`), to its
     result. `sink` receives each `StreamedToken`, then the `GenerationResult`, or an exception if decoding failed;
-    `cancelled()` is asked before each step. `tracing` is what a measuring tool asks of it (`runtime.lanes.Tracing`:
+    `cancelled()` is asked before each step. `tracing` is what a measuring tool asks of it (`runtime.tracing.Tracing`:
     spans of its calls in its `timeline`, an annotation around each call and phase, an exit policy)."""
 
     request: Request

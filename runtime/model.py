@@ -48,7 +48,6 @@ from paradecode.runtime.backends import backend_class
 from paradecode.runtime.chat import ChatTemplate
 from paradecode.runtime.config import GenerationConfig, check_token_ids
 from paradecode.runtime.engine import CANCELLED, CLOSED, Engine, Runtime, Sequence, StreamedToken, generate_batched
-from paradecode.runtime.lanes import NO_TRACING, Tracing
 from paradecode.runtime.loader import ExportFolder, open_export
 from paradecode.runtime.lookup import SharedSuffixIndex
 from paradecode.runtime.notices import Notices
@@ -57,6 +56,7 @@ from paradecode.runtime.request import ModelFacts, Request, resolve
 from paradecode.runtime.speculation import Speculation
 from paradecode.runtime.stats import GenerationResult
 from paradecode.runtime.tokenizer import TextTokenizer
+from paradecode.runtime.tracing import NO_TRACING, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class ParaDecodeModel:
         **settings,
     ) -> GenerationResult:
         """Decode after `prompt` (text), `prompt_ids` or `messages` (a chat, rendered with the export's chat
-        template); settings override `config`'s fields. `tracing` (`runtime.lanes.Tracing`) is for measuring tools:
+        template); settings override `config`'s fields. `tracing` (`runtime.tracing.Tracing`) is for measuring tools:
         spans of every call in `result.timeline`, NVTX-style annotations, an exit policy; it never changes the
         output."""
         stream = self._stream(prompt, prompt_ids, messages, config, tracing, settings, text=False)

@@ -378,7 +378,7 @@ class _Positions:
     def __init__(self, backend, positions: int, prefix: int):
         from paradecode.runtime.decoding import MAIN, DecodeContext  # it imports this module
         from paradecode.runtime.kvcache import KVCache
-        from paradecode.runtime.lanes import Timeline
+        from paradecode.runtime.tracing import Timeline
 
         spec, manifest = backend.spec, backend.manifest
         self.backend, self.positions, self.prefix = backend, positions, prefix

@@ -74,8 +74,8 @@ def scored(model, ids: list[int], window: int) -> tuple[float, int, int]:
     import torch
 
     from paradecode.runtime.decoding import MAIN, DecodeContext
-    from paradecode.runtime.lanes import Timeline
     from paradecode.runtime.row_exactness import AS_IS
+    from paradecode.runtime.tracing import Timeline
 
     backend = model.backend
     if not backend.manifest.with_logits:

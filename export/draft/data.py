@@ -98,8 +98,8 @@ def teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden [T, D] float16, target [T] int64): the last layer's outputs and the final head's top-1 at every
     position of `ids`, as `model`'s export computes them (one call per graph over the whole sequence)."""
     from paradecode.runtime.decoding import MAIN, DecodeContext
-    from paradecode.runtime.lanes import Timeline
     from paradecode.runtime.row_exactness import AS_IS
+    from paradecode.runtime.tracing import Timeline
 
     backend = model.backend
     ctx = DecodeContext(backend, backend.allocate_cache(1), Timeline(record_spans=False), form=AS_IS)

@@ -18,7 +18,7 @@ from paradecode.runtime import load, row_exactness
 from paradecode.runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.engine import generate_batched
-from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.tracing import Timeline
 from tests.tiny_models import TINY_CONFIGS
 
 ort = pytest.importorskip("onnxruntime")

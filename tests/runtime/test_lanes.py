@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from paradecode.runtime.lanes import Future, Lane, Timeline
+from paradecode.runtime.lanes import Future, Lane
+from paradecode.runtime.tracing import Timeline
 
 
 @pytest.fixture

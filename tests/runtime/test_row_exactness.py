@@ -22,8 +22,8 @@ import torch
 from paradecode.runtime import load, row_exactness
 from paradecode.runtime.decoding import MAIN, DecodeContext
 from paradecode.runtime.engine import generate_batched
-from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.row_exactness import ALONE, AS_IS, TWO_ROWS, RowForm
+from paradecode.runtime.tracing import Timeline
 from tests.tiny_models import TINY_CONFIGS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ from paradecode.runtime import load
 from paradecode.runtime.config import NEVER, GenerationConfig
 from paradecode.runtime.decoding import DecodeContext
 from paradecode.runtime.engine import Engine, Sequence, StreamedToken, executor_of
-from paradecode.runtime.lanes import Timeline
 from paradecode.runtime.planner import Planner
 from paradecode.runtime.proposers import LookupProposer
 from paradecode.runtime.stats import LOOKUP, GenerationResult, GenerationStats
 from paradecode.runtime.stops import EOS, MAX_NEW_TOKENS, MAX_SEQ_LEN, STOP_STRING, Completion, Stops
+from paradecode.runtime.tracing import Timeline
 
 
 def decode_plainly(model, request) -> list[tuple[int, float, str | None]]:

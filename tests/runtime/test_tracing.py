@@ -65,8 +65,8 @@ def test_an_exit_policy_turns_adaptive_speculation_off(stories_export):
     """Exits decided by a measuring tool's policy are not second-guessed by adaptive speculation's estimates."""
     from paradecode.runtime.decoding import DecodeContext
     from paradecode.runtime.engine import executor_of
-    from paradecode.runtime.lanes import Timeline
     from paradecode.runtime.stats import GenerationStats
+    from paradecode.runtime.tracing import Timeline
 
     with load(stories_export[0]) as model:
         request = model.request(prompt_ids=PROMPT, max_new_tokens=8, adaptive=True)

@@ -14,7 +14,7 @@ import pytest
 from paradecode.export.heads import cli as train_heads
 from paradecode.graphs.errors import UserInputError
 from paradecode.runtime.config import GenerationConfig
-from paradecode.runtime.lanes import Span
+from paradecode.runtime.tracing import Span
 from paradecode.tools import bench, characterise, harness, options, parity_report, profiler
 
 

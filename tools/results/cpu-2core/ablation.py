@@ -29,7 +29,7 @@ from onnx import helper
 
 from paradecode.runtime import load
 from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
-from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.tracing import Timeline
 
 TOKENS, DROPPED, ROUNDS = 64, 4, 5
 VARIANTS = {"as exported": (), "no minima": ("minima",)}

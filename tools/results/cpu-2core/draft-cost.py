@@ -26,7 +26,7 @@ import torch
 
 from paradecode.runtime import load
 from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
-from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.tracing import Timeline
 from paradecode.runtime.proposers import DraftProposer
 
 PROMPT, REPS, ROUNDS = 200, 20, 7

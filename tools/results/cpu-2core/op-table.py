@@ -31,7 +31,7 @@ import torch
 
 from paradecode.runtime import load
 from paradecode.runtime.decoding import MAIN, DecodeContext, prefill
-from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.tracing import Timeline
 
 DROPPED = 4
 MESSAGES = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]

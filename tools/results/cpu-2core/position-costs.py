@@ -25,7 +25,7 @@ import torch
 
 from paradecode.runtime import Tracing, load
 from paradecode.runtime.decoding import MAIN, DecodeContext
-from paradecode.runtime.lanes import Timeline
+from paradecode.runtime.tracing import Timeline
 
 START = 300
 
