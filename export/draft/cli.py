@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=positive_int, help=f"tokens per window ({default('window')})")
     parser.add_argument("--depth", type=positive_int, help=f"guesses chained in training ({default('depth')})")
     parser.add_argument("--lr", type=float, help=f"learning rate ({default('lr')})")
+    parser.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay ({default('weight_decay')})")
+    parser.add_argument(
+        "--eval-every",
+        type=positive_int,
+        metavar="N",
+        help="measure held-out acceptance every N steps while training, logged and kept in the file's history "
+        "(default: at the end only)",
+    )
     parser.add_argument("--seed", type=int, help=f"({default('seed')})")
     parser.add_argument("--force", action="store_true", help="overwrite the output file")
     return parser

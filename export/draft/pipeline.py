@@ -181,7 +181,13 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         subset = training.select(order[: max(1, round(share * training.sequences))])
         draft = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed))
         started = time.perf_counter()
-        history = train(draft, subset, config.training, progress=_progress(share, config.training.steps))
+        history = train(
+            draft,
+            subset,
+            config.training,
+            progress=_progress(share, config.training.steps),
+            evaluate=lambda draft=draft: acceptance(draft, evaluation, depth),
+        )
         seconds = time.perf_counter() - started
         measured = acceptance(draft, evaluation, depth)
         logger.info(

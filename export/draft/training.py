@@ -25,6 +25,7 @@ import torch
 from paradecode.export.draft.chain import chain_outputs, depth_mask
 from paradecode.export.draft.data import DraftData
 from paradecode.export.draft_head import FUSE, LAYER, VOCAB, draft_weights
+from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.modules import DraftGraph, EmbedGraph, build_subgraph
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import SubgraphIO
@@ -43,12 +44,17 @@ class TrainingConfig:
     depth: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.0
+    eval_every: int = 0  # steps between measures of held-out acceptance while training (0: at the end only)
     seed: int = 0
 
     def __post_init__(self):
         for name in ("steps", "batch", "window", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise UserInputError(f"--eval-every must be 0 (at the end only) or more steps, got {self.eval_every}.")
+        if not self.weight_decay >= 0:
+            raise UserInputError(f"--weight-decay must be 0 or more, got {self.weight_decay}.")
         if self.window < 2:
             raise ValueError(f"window must be at least 2 tokens, got {self.window}")
 
@@ -163,9 +169,11 @@ def train(
     data: DraftData,
     config: TrainingConfig,
     progress: Callable[[int, float, list[float]], None] | None = None,
+    evaluate: Callable[[], Acceptance] | None = None,
 ) -> list[dict]:
     """Train `draft` in place on `data`'s windows; `progress(step, loss, agreement per depth)` every step. The
-    history: loss and agreement every 10 steps."""
+    history: loss and agreement every 10 steps, and `evaluate()`'s acceptance (held-out, in eval mode) after every
+    `config.eval_every` steps."""
     spans = windows(data, config.window)
     if not spans:
         raise ValueError("the data has no sequence of 2 tokens or more to train on")
@@ -200,6 +208,18 @@ def train(
                     "agreement": [round(a, 4) for a in agreement],
                     "seconds": round(time.perf_counter() - started, 1),
                 }
+            )
+        done = step + 1
+        if evaluate is not None and config.eval_every and done % config.eval_every == 0 and done < config.steps:
+            draft.module.eval()
+            measured = evaluate()
+            draft.module.train()
+            history.append({"step": step, "held_out": measured.to_dict()})
+            logger.info(
+                "step %d: held-out guesses accepted per chain %.3f, by depth %s",
+                done,
+                measured.per_chain,
+                [round(r, 3) for r in measured.rates],
             )
     draft.module.eval()
     return history

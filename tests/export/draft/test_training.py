@@ -121,9 +121,14 @@ def test_training_raises_acceptance_on_the_answers_it_trained_on(stories_data):
     untrained = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist()))
     before = acceptance(untrained, data, DEPTH)
     trained = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist()))
-    history = train(trained, data, TrainingConfig(steps=60, batch=4, window=64, depth=DEPTH, lr=3e-3))
+    config = TrainingConfig(steps=60, batch=4, window=64, depth=DEPTH, lr=3e-3, eval_every=20)
+    history = train(trained, data, config, evaluate=lambda: acceptance(trained, data, DEPTH))
     after = acceptance(trained, data, DEPTH)
-    assert history[-1]["loss"] < history[0]["loss"]
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert losses[-1] < losses[0]
+    measured = [(h["step"], h["held_out"]) for h in history if "held_out" in h]
+    assert [step for step, _ in measured] == [19, 39]  # after steps 20 and 40; the end's is the caller's
+    assert all(m["chains"] == before.chains for _, m in measured) and not trained.module.training
     assert after.chains == before.chains > 100
     assert after.accepted[0] > before.accepted[0] + 0.2 * before.chains, (before, after)
 
@@ -180,6 +185,8 @@ def test_train_draft_head_refuses_before_recording(stories_export, tmp_path):
         train_draft_head(DraftConfig(output=existing, **base))
     with pytest.raises(UserInputError, match="--sizes"):
         DraftConfig(output=tmp_path / "a", sizes=(0.0, 1.0), **base)
+    with pytest.raises(UserInputError, match="--weight-decay must be 0 or more, got -0.1"):
+        TrainingConfig(weight_decay=-0.1)
     assert not (tmp_path / "data").exists()
 
 
