@@ -113,7 +113,7 @@ async def models(request: Request) -> JSONResponse:
         "owned_by": "paradecode",
         "root": service.config.served_model_name,  # never the export's path on this server's disk
         "parent": None,
-        "max_model_len": service.max_model_len,
+        "max_model_len": service.capacity,  # vLLM's name for the positions a request may take
         "paradecode": {"exit_layers": list(manifest.exit_layers), "replicas": service.config.replicas},
     }
     return JSONResponse({"object": "list", "data": [card]})

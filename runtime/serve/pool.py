@@ -136,8 +136,8 @@ class ReplicaPool:
         self.metrics.depth(0, 0)
 
     @property
-    def capacity(self) -> int:
-        """Jobs the pool holds at once: `rows` decoding per replica, plus the queue."""
+    def max_admitted(self) -> int:
+        """Jobs the pool admits at once: `rows` decoding per replica, plus the queue."""
         return self.config.replicas * self.rows + self.config.max_queue
 
     def counts(self) -> tuple[int, int]:
@@ -159,7 +159,7 @@ class ReplicaPool:
         with self._lock:
             if self._closing:
                 raise ServiceUnavailable("the server is shutting down; send the request to another replica or retry.")
-            if len(self._waiting) + len(self._running) >= self.capacity:
+            if len(self._waiting) + len(self._running) >= self.max_admitted:
                 raise QueueFull(
                     f"all {self.config.replicas} replica(s) are busy ({self.rows} request(s) each) and "
                     f"{self._depth()[0]} request(s) are waiting "

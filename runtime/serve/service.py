@@ -56,7 +56,7 @@ class Service:
         tokenizer = self.reference.tokenizer
         # The most UTF-8 bytes a prompt that fits the context can have; None without a tokenizer (no text prompts).
         self.max_prompt_bytes = (
-            self.max_model_len * tokenizer.longest_token_bytes() * NORMALIZER_ROOM if tokenizer is not None else None
+            self.capacity * tokenizer.longest_token_bytes() * NORMALIZER_ROOM if tokenizer is not None else None
         )
         self.preparer = Preparer(config.prepare_threads, config.max_preparing_bytes, config.retry_after)
 
@@ -66,7 +66,7 @@ class Service:
         return self.pool.models[0]
 
     @property
-    def max_model_len(self) -> int:
+    def capacity(self) -> int:
         return self.reference.capacity  # max_seq_len, less a spare slot where the graphs write one
 
     def close(self) -> None:
@@ -124,18 +124,18 @@ class Service:
         prompt = request.prompt_kwargs()
         param = "messages" if "messages" in prompt else "prompt"
         ids = self._prompt_ids(prompt, param)
-        room = self.max_model_len - len(ids)
+        room = self.capacity - len(ids)
         if room < 1:
             raise PromptTooLong(
                 f"the prompt has {len(ids)} tokens, and this model's context (the export's max_seq_len) is "
-                f"{self.max_model_len} tokens: nothing is left for a completion. Shorten the prompt, or re-export "
+                f"{self.capacity} tokens: nothing is left for a completion. Shorten the prompt, or re-export "
                 "the model with a larger --max-seq-len.",
                 param,
             )
         asked, field = request.requested_max_tokens()
         if asked is not None and asked > room:
             raise RequestError(
-                f"{field} {asked} is more than this model's context leaves: the context is {self.max_model_len} "
+                f"{field} {asked} is more than this model's context leaves: the context is {self.capacity} "
                 f"tokens and the prompt takes {len(ids)}, so at most {room} new tokens. Ask for fewer.",
                 field,
             )
@@ -179,7 +179,7 @@ class Service:
         if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
             raise PromptTooLong(
                 f"the prompt has {size} bytes of text, and this model's context (the export's max_seq_len) is "
-                f"{self.max_model_len} tokens, which hold at most {self.max_prompt_bytes} bytes. Shorten the prompt, "
+                f"{self.capacity} tokens, which hold at most {self.max_prompt_bytes} bytes. Shorten the prompt, "
                 "or re-export the model with a larger --max-seq-len.",
                 param,
             )

@@ -60,7 +60,7 @@ def stream_text(client, max_tokens: int, ignore_eos: bool = False, **prompt) -> 
 
 def test_concurrent_streams_of_mixed_lengths_equal_each_alone(serve, served_export, reference, monkeypatch):
     running = serve(served_export, replicas=1, max_queue=8)
-    assert running.pool.rows == 8 and running.pool.capacity == 16
+    assert running.pool.rows == 8 and running.pool.max_admitted == 16
     SlowSteps(monkeypatch, 0.01)
     jobs = [({"prompt": p}, 6 + 9 * i) for i, p in enumerate(PROMPTS)] + [({"messages": CHAT}, 20)] * 2
     want = [expected(reference, n, **prompt) for prompt, n in jobs]
@@ -156,7 +156,7 @@ def test_a_timeout_in_a_batch_ends_only_that_request(serve, served_export, refer
 
 def test_a_full_batch_queues_and_a_full_queue_answers_429(serve, served_export, reference, monkeypatch):
     running = serve(served_export, replicas=1, max_batch=2, max_queue=1, retry_after=2)
-    assert running.pool.capacity == 3
+    assert running.pool.max_admitted == 3
     SlowSteps(monkeypatch, 0.1)
     want = expected(reference, 12, prompt=PROMPTS[3])
     with ThreadPoolExecutor(3) as executor:
