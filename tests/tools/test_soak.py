@@ -56,14 +56,23 @@ def test_dropped_and_refused_requests_are_neither_compared_nor_lost():
     assert [lost["reason"] for lost in summary["lost"]] == ["RemoteProtocolError: peer closed connection"]
 
 
-def test_memory_growth_compares_the_medians_of_the_second_and_last_quarters():
+def test_memory_growth_compares_the_second_and_last_quarters_floor_median_and_peak():
     # 400 s: quarters [0, 100), [100, 200), [200, 300), [300, 400); the first quarter's restart is left out
-    # (a server of 900 MB restarted at 30 s, 700 MB after it, 770 MB from 300 s on)
-    rss = [(t, "paradecode", 1 + (t >= 30), 900.0 if t < 30 else 700.0 + 70 * (t >= 300)) for t in range(0, 400, 2)]
-    memory = soak_of([], rss).summary()["memory"]
-    assert memory["paradecode"]["median_mb_by_quarter"] == [700.0, 700.0, 700.0, 770.0]
-    assert memory["paradecode"]["growth_q2_to_q4"] == pytest.approx(0.10)
-    assert memory["ar"]["growth_q2_to_q4"] is None  # no samples: no verdict, never a pass
+    # (a server of 900 MB restarted at 30 s; then 700 MB, every 10th sample a peak of 1,000 MB, and from 300 s on
+    # 770 MB with peaks of 1,010 MB)
+    def mb(t: int) -> float:
+        return 900.0 if t < 30 else (1000.0 + 10 * (t >= 300) if t % 20 == 0 else 700.0 + 70 * (t >= 300))
+
+    rss = [(t, "paradecode", 1 + (t >= 30), mb(t)) for t in range(0, 400, 2)]
+    summary = soak_of([], rss).summary()
+    memory = summary["memory"]
+    assert memory["paradecode"]["min_mb_by_quarter"] == [700.0, 700.0, 700.0, 770.0]
+    assert memory["paradecode"]["max_mb_by_quarter"] == [1000.0, 1000.0, 1000.0, 1010.0]
+    growth = memory["paradecode"]["growth_q2_to_q4"]
+    assert growth["min"] == pytest.approx(0.10) and growth["max"] == pytest.approx(0.01)
+    assert growth["median"] == pytest.approx(0.10)
+    assert memory["ar"]["growth_q2_to_q4"] == {"min": None, "median": None, "max": None}  # no samples: no verdict
+    assert len(summary["rss_samples"]) == 200 and summary["rss_samples"][0] == [0, "paradecode", 1, 900.0]
 
 
 def test_the_mix_has_every_kind_of_request():
