@@ -183,7 +183,9 @@ async def generate(request: Request, endpoint: str) -> Response:
         raise
     except Exception as err:
         error = http_error_of(err)
-        if isinstance(err, ManifestError):  # the export is broken or changed: the message says it all
+        if isinstance(err, ExportChangedError):
+            pass  # logged once when the change was found (runtime/watched.py); each refusal is counted below
+        elif isinstance(err, ManifestError):  # the export is broken: the message says it all
             logger.error("refused a request: %s", err)
         elif error.status >= 500 and not isinstance(err, HTTPError):
             logger.error("request failed", exc_info=err)

@@ -185,6 +185,7 @@ def test_a_changed_export_is_never_served_as_the_loaded_one(
     folder = copy_of(served_export, tmp_path)
     running = serve(folder)
     change(folder, new)
+    refused = 0
     for stream in (False, True):
         response = running.post("/v1/completions", {**BODY, "stream": stream})
         if response.status_code == 200:
@@ -195,6 +196,10 @@ def test_a_changed_export_is_never_served_as_the_loaded_one(
             assert health.status_code == 503 and health.json()["status"] == "export_changed"
             assert "changed on disk" in caplog.text
             assert str(tmp_path) not in response.text and str(tmp_path) not in health.text
+            refused += 1
+    if refused:  # one line for each changed file, not one per refused request or /health
+        lines = [r.getMessage() for r in caplog.records if "changed on disk" in r.getMessage()]
+        assert lines and len(lines) == len(set(lines)), caplog.text
 
 
 TRUNCATING_SERVER = """
