@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, help=f"learning rate ({default('lr')})")
     parser.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay ({default('weight_decay')})")
     parser.add_argument(
+        "--feature-weight",
+        type=float,
+        metavar="W",
+        help="EAGLE-1's feature loss beside the cross-entropy: each guess's output pulled toward the last layer's "
+        f"output it stands for (smooth L1), W times ({default('feature_weight')}: none)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=positive_int,
         metavar="N",

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from paradecode.export.draft.chain import chain_outputs, depth_mask
 from paradecode.export.draft.data import DraftData
@@ -44,6 +45,9 @@ class TrainingConfig:
     depth: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # EAGLE-1's feature loss: each depth's output is also pulled toward the last layer's output it stands for
+    # (smooth L1), this many times the cross-entropy's weight (0: the cross-entropy alone)
+    feature_weight: float = 0.0
     eval_every: int = 0  # steps between measures of held-out acceptance while training (0: at the end only)
     seed: int = 0
 
@@ -53,8 +57,9 @@ class TrainingConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise UserInputError(f"--eval-every must be 0 (at the end only) or more steps, got {self.eval_every}.")
-        if not self.weight_decay >= 0:
-            raise UserInputError(f"--weight-decay must be 0 or more, got {self.weight_decay}.")
+        for name in ("weight_decay", "feature_weight"):
+            if not getattr(self, name) >= 0:
+                raise UserInputError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}.")
         if self.window < 2:
             raise ValueError(f"window must be at least 2 tokens, got {self.window}")
 
@@ -148,18 +153,25 @@ def batch_of(draft: Draft, data: DraftData, spans: list[tuple[int, int]]):
     return hidden, embedded, valid
 
 
-def chain_loss(draft: Draft, hidden, embedded, valid, depth: int) -> tuple[torch.Tensor, list[float]]:
+def chain_loss(
+    draft: Draft, hidden, embedded, valid, depth: int, feature_weight: float = 0.0
+) -> tuple[torch.Tensor, list[float]]:
     """The mean over depths of each depth's cross-entropy against the final head's distribution over the draft's
-    vocabulary (positions a chain of that depth reaches, in the windows); and each depth's top-1 agreement there."""
+    vocabulary (positions a chain of that depth reaches, in the windows), plus `feature_weight` times the smooth L1
+    distance of its output o_k[p] to h[p] there; and each depth's top-1 agreement there."""
     head = draft.module.head
+    target = hidden[:, 1:]  # h[p] for the entries of positions 1..T-1, which o_k[p] stands for
     with torch.no_grad():
-        teacher = torch.softmax(head.logits(hidden[:, 1:]).to(torch.float32), dim=-1)
+        teacher = torch.softmax(head.logits(target).to(torch.float32), dim=-1)
         best = teacher.argmax(-1)
     losses, agreement = [], []
     for k, output in enumerate(chain_outputs(draft.module, hidden, embedded, depth), 1):
         mask = valid & depth_mask(hidden.shape[1], k)[None]
         logprobs = torch.log_softmax(head.logits(output).to(torch.float32), dim=-1)
-        losses.append(-(teacher * logprobs).sum(-1)[mask].mean())
+        loss = -(teacher * logprobs).sum(-1)[mask].mean()
+        if feature_weight:
+            loss = loss + feature_weight * F.smooth_l1_loss(output[mask].to(torch.float32), target[mask])
+        losses.append(loss)
         agreement.append(float((logprobs.argmax(-1) == best)[mask].float().mean()))
     return torch.stack(losses).mean(), agreement
 
@@ -192,7 +204,7 @@ def train(
     for step in range(config.steps):
         chosen = torch.randint(len(spans), (config.batch,), generator=generator).tolist()
         hidden, embedded, valid = batch_of(draft, data, [spans[i] for i in chosen])
-        loss, agreement = chain_loss(draft, hidden, embedded, valid, config.depth)
+        loss, agreement = chain_loss(draft, hidden, embedded, valid, config.depth, config.feature_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)

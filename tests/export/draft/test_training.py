@@ -6,10 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paradecode.export.draft.chain import chain_outputs
+from paradecode.export.draft.chain import chain_outputs, depth_mask
 from paradecode.export.draft.data import Job, load_data, record, teacher_forced
 from paradecode.export.draft.pipeline import DraftConfig, export_weights, train_draft_head
-from paradecode.export.draft.training import Acceptance, TrainingConfig, acceptance, draft_of, train
+from paradecode.export.draft.training import (
+    Acceptance,
+    TrainingConfig,
+    acceptance,
+    batch_of,
+    chain_loss,
+    draft_of,
+    train,
+    windows,
+)
 from paradecode.export.draft_head import check_draft_head, load_draft_head, untrained_draft_head
 from paradecode.runtime.proposers import DraftProposer
 
@@ -133,6 +142,24 @@ def test_training_raises_acceptance_on_the_answers_it_trained_on(stories_data):
     assert after.accepted[0] > before.accepted[0] + 0.2 * before.chains, (before, after)
 
 
+def test_the_feature_loss_adds_each_depths_distance_to_the_output_it_stands_for(stories_data):
+    _, _, paths, weights, spec = stories_data
+    data = load_data(paths)
+    draft = draft_of(spec, weights, untrained_draft_head(spec, torch.unique(data.tokens).tolist()))
+    hidden, embedded, valid = batch_of(draft, data, windows(data, 32)[:2])
+    plain, agreement = chain_loss(draft, hidden, embedded, valid, DEPTH)
+    pulled, same = chain_loss(draft, hidden, embedded, valid, DEPTH, feature_weight=2.0)
+    distances = []
+    with torch.no_grad():
+        for k, output in enumerate(chain_outputs(draft.module, hidden, embedded, DEPTH), 1):
+            reached = valid & depth_mask(hidden.shape[1], k)[None]  # where a chain of depth k stands for h[p]
+            distances.append(torch.nn.functional.smooth_l1_loss(output[reached], hidden[:, 1:][reached]))
+    assert float((pulled - plain).detach()) == pytest.approx(2.0 * float(torch.stack(distances).mean()), rel=1e-4)
+    assert same == agreement and float(torch.stack(distances).min()) > 0
+    pulled.backward()
+    assert draft.module.fuse.weight.grad is not None
+
+
 def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories_dir, tmp_path):
     from dataclasses import replace
 
@@ -187,6 +214,8 @@ def test_train_draft_head_refuses_before_recording(stories_export, tmp_path):
         DraftConfig(output=tmp_path / "a", sizes=(0.0, 1.0), **base)
     with pytest.raises(UserInputError, match="--weight-decay must be 0 or more, got -0.1"):
         TrainingConfig(weight_decay=-0.1)
+    with pytest.raises(UserInputError, match="--feature-weight must be 0 or more, got -1"):
+        TrainingConfig(feature_weight=-1)
     assert not (tmp_path / "data").exists()
 
 
