@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from paradecode.graphs.errors import ModelClosedError, ParadecodeError, UserInputError
+from paradecode.graphs.errors import ModelClosedError, ParadecodeError, PromptTooLongError, UserInputError
 from paradecode.graphs.manifest import TOKENIZER_DIR
 from paradecode.runtime import policy
 from paradecode.runtime.backends import backend_class
@@ -361,8 +361,12 @@ class ParaDecodeModel:
         prompt: str | None = None,
         prompt_ids: list[int] | None = None,
         messages: list[dict[str, str]] | None = None,
+        *,
+        max_text_bytes: int | None = None,
     ) -> list[int]:
-        """The checked token ids of exactly one of `prompt`, `prompt_ids` or `messages`."""
+        """The checked token ids of exactly one of `prompt`, `prompt_ids` or `messages`. `max_text_bytes`: a text (or
+        a rendered chat) of more bytes is refused before it is tokenized (PromptTooLongError): a server's bound on
+        the work an untrusted prompt may cost, set where no prompt of more bytes fits the context."""
         kinds = (("prompt", prompt), ("prompt_ids", prompt_ids), ("messages", messages))
         given = [name for name, value in kinds if value is not None]
         if len(given) != 1:
@@ -378,11 +382,20 @@ class ParaDecodeModel:
                     "as messages."
                 )
             if self.tokenizer is None:
-                raise UserInputError(f"the export {self.export.path} has no tokenizer: pass prompt ids instead.")
-            if prompt is not None:
-                ids = self.tokenizer.encode(prompt)
-            else:  # a rendered chat holds its special tokens already (transformers encodes it so too)
-                ids = self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+                raise UserInputError(
+                    f"{self.export.path} has no tokenizer: send the prompt as a list of token ids (prompt_ids), not as "
+                    "text or a chat."
+                )
+            text = prompt if prompt is not None else self.render_chat(messages)
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if max_text_bytes is not None and size > max_text_bytes:
+                raise PromptTooLongError(
+                    f"the prompt has {size} bytes of text, and this model's context (the export's max_seq_len) is "
+                    f"{self.capacity} tokens, which hold at most {max_text_bytes} bytes. Shorten the prompt, or "
+                    "re-export the model with a larger --max-seq-len."
+                )
+            # a rendered chat holds its special tokens already (transformers encodes it so too)
+            ids = self.tokenizer.encode(text, add_special_tokens=prompt is not None)
         return ids
 
     def _engine(self) -> Engine:

@@ -152,38 +152,14 @@ class Service:
             raise RequestError(str(err)) from err
 
     def _prompt_ids(self, prompt: dict, param: str) -> list[int]:
-        """The prompt's token ids, before the length check (so a long prompt gets 413, not 400)."""
-        model = self.reference
+        """The prompt's token ids, as the runtime makes them (`ParaDecodeModel.prompt_ids`), with the text's bytes
+        bounded before it is tokenized; before the length check, so a long prompt gets 413, not 400."""
         try:
-            if "prompt_ids" in prompt:
-                ids = prompt["prompt_ids"]
-            elif model.tokenizer is None:
-                raise RequestError(
-                    f"this export has no tokenizer: send the prompt as a list of token ids, not as {param} text.", param
-                )
-            # the runtime's own encoding (ParaDecodeModel.prompt_ids), with the text's bytes bounded first
-            elif "messages" in prompt:
-                text = self._bounded(model.render_chat(prompt["messages"]), param)
-                ids = model.tokenizer.encode(text, add_special_tokens=False)
-            else:
-                ids = model.tokenizer.encode(self._bounded(prompt["prompt"], param))
-        except RequestError:
-            raise
+            return self.reference.prompt_ids(**prompt, max_text_bytes=self.max_prompt_bytes)
+        except PromptTooLongError as err:
+            raise PromptTooLong(str(err), param) from err
         except UserInputError as err:
             raise RequestError(str(err), param) from err
-        return ids
-
-    def _bounded(self, text: str, param: str) -> str:
-        """`text`, or 413 when it has more bytes than any prompt that fits the context (before tokenizing it)."""
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-            raise PromptTooLong(
-                f"the prompt has {size} bytes of text, and this model's context (the export's max_seq_len) is "
-                f"{self.capacity} tokens, which hold at most {self.max_prompt_bytes} bytes. Shorten the prompt, "
-                "or re-export the model with a larger --max-seq-len.",
-                param,
-            )
-        return text
 
     def submit(self, request: Request, arrived: float) -> Job:
         """Queue a resolved request; on the event loop (the job's tokens come back to it)."""

@@ -455,7 +455,7 @@ def test_an_export_without_a_template(chat_export, exports, tmp_path):
         assert model.generate("What is", max_new_tokens=2, ignore_eos=True).stats.new_tokens == 2
     with load(exports["llama"][0]) as model:  # no tokenizer at all
         assert model.chat_template is None
-        with pytest.raises(UserInputError, match="has no tokenizer: pass prompt ids"):
+        with pytest.raises(UserInputError, match="has no tokenizer: send the prompt as a list of token ids"):
             model.generate(messages=chat, max_new_tokens=2)
 
 

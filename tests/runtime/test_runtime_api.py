@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from paradecode.graphs.errors import PromptTooLongError
 from paradecode.runtime import GenerationConfig, cli, load
 
 
@@ -49,6 +50,10 @@ def test_text_in_and_out_and_eos(stories_export):
             assert result.token_ids[-1] == 2
         stopped = model.generate("Once upon a time", max_new_tokens=100, stop=("Lily",))
         assert stopped.stats.stop_reason == "stop_string" and "Lily" in stopped.text
+        text = "Once upon a time"  # 16 bytes: a server's bound on a text refuses it before tokenizing
+        assert model.prompt_ids(text, max_text_bytes=16) == model.prompt_ids(text) == model.tokenizer.encode(text)
+        with pytest.raises(PromptTooLongError, match="the prompt has 16 bytes of text.* at most 15 bytes"):
+            model.prompt_ids(text, max_text_bytes=15)
 
 
 def test_calls_from_several_threads_are_serialised_and_correct(exports):
