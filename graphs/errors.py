@@ -46,6 +46,15 @@ class PromptTooLongError(PromptError):
     """A prompt longer than the export's KV cache holds (a server answers it with 413)."""
 
 
+class SettingError(UserInputError):
+    """A request's setting that this model cannot honour (stop strings without a tokenizer, sampling without logits):
+    `setting` is its GenerationConfig field, which a server names as its request's field."""
+
+    def __init__(self, message: str, setting: str = ""):
+        super().__init__(message)
+        self.setting = setting
+
+
 class MissingDependencyError(ParadecodeError, ImportError):
     """An optional library or the hardware it needs is missing. Exit code 3."""
 

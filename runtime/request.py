@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
+from paradecode.graphs.errors import PromptError, PromptTooLongError, SettingError, UserInputError
 from paradecode.runtime import policy
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.lookup import LookupConfig
@@ -77,20 +77,23 @@ def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: i
         raise UserInputError(f"config must be a GenerationConfig, got {type(config).__name__}.")
     check_prompt(facts, ids)
     if config.stop and not facts.has_tokenizer:
-        raise UserInputError(
+        raise SettingError(
             f"stop strings {list(config.stop)!r} need the export's tokenizer to read the output as text, and "
             f"{facts.path} has none: leave out the stop strings (stop on max_new_tokens or an end-of-sequence "
-            "token), or export the model with its tokenizer."
+            "token), or export the model with its tokenizer.",
+            "stop",
         )
     if config.temperature != 0 and not facts.with_logits:
-        raise UserInputError(
+        raise SettingError(
             f"sampling (temperature {config.temperature}) needs the heads' logits, and {facts.path} was exported "
-            "with --no-logits: re-export without it, or decode greedily (temperature 0)."
+            "with --no-logits: re-export without it, or decode greedily (temperature 0).",
+            "temperature",
         )
     if config.draft_tokens and not facts.draft_head:
-        raise UserInputError(
+        raise SettingError(
             f"draft_tokens {config.draft_tokens} asks for the export's draft head, and {facts.path} has none: "
-            "re-export the model with `paradecode-export --draft-head FILE`, or leave draft_tokens at 0."
+            "re-export the model with `paradecode-export --draft-head FILE`, or leave draft_tokens at 0.",
+            "draft_tokens",
         )
     warnings: list[tuple[str, tuple]] = []
     form = facts.row_form

@@ -31,6 +31,8 @@ CONFIG_FIELDS = {
     "top_k": "top_k",
     "seed": "seed",
 }
+# GenerationConfig field -> the request field that sets it, for an error that names it.
+REQUEST_FIELDS = {config: field for field, config in CONFIG_FIELDS.items()} | {"max_new_tokens": "max_tokens"}
 # Request field -> how its value becomes the GenerationConfig field's.
 CONVERT = {"top_k": lambda k: 0 if k == -1 else k, "seed": seed_of}
 # OpenAI fields this server does not implement: accepted only at their "off" values.

@@ -21,10 +21,10 @@ import time
 from dataclasses import replace
 from functools import partial
 
-from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
+from paradecode.graphs.errors import PromptError, PromptTooLongError, SettingError, UserInputError
 from paradecode.runtime.model import ParaDecodeModel
 from paradecode.runtime.request import Request
-from paradecode.runtime.serve.bodies import GenerationRequest, parse_request
+from paradecode.runtime.serve.bodies import REQUEST_FIELDS, GenerationRequest, parse_request
 from paradecode.runtime.serve.config import ServeConfig
 from paradecode.runtime.serve.errors import (
     ModelNotFound,
@@ -115,12 +115,6 @@ class Service:
         if request.model != name:
             raise ModelNotFound(f"the model {request.model!r} does not exist: this server serves {name!r}.", "model")
         request.check_supported()
-        if request.stop and self.reference.tokenizer is None:
-            raise RequestError(
-                "stop strings need the model's tokenizer to read the output as text, and this export has none: "
-                "leave out stop (the completion ends at max_tokens or an end-of-sequence token).",
-                "stop",
-            )
         prompt = request.prompt_kwargs()
         param = "messages" if "messages" in prompt else "prompt"
         ids = self._prompt_ids(prompt, param)
@@ -148,6 +142,8 @@ class Service:
             raise PromptTooLong(str(err), param) from err
         except PromptError as err:
             raise RequestError(str(err), param) from err
+        except SettingError as err:  # named by the request's field
+            raise RequestError(str(err), REQUEST_FIELDS.get(err.setting, err.setting)) from err
         except UserInputError as err:
             raise RequestError(str(err)) from err
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paradecode.graphs.errors import PromptError, PromptTooLongError, UserInputError
+from paradecode.graphs.errors import PromptError, PromptTooLongError, SettingError, UserInputError
 from paradecode.runtime import load
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.engine import Engine, Runtime, Sequence, StreamedToken
@@ -114,20 +114,24 @@ def test_the_no_heads_notice_says_what_paradecode_still_does(identity_exports, c
         (FACTS, GenerationConfig(), [], PromptError, "the prompt is empty"),
         (FACTS, GenerationConfig(), [1, 50], PromptError, r"prompt ids \[50\] are outside the vocabulary \(0..49\)"),
         (FACTS, GenerationConfig(), list(range(33)), PromptTooLongError, r"33 tokens, more than .*\(32 positions"),
-        (FACTS, GenerationConfig(stop="x"), [1], UserInputError, "need the export's tokenizer"),
+        (FACTS, GenerationConfig(stop="x"), [1], SettingError, "need the export's tokenizer"),
         (
             dataclasses.replace(FACTS, with_logits=False),
             GenerationConfig(temperature=1.0),
             [1],
-            UserInputError,
+            SettingError,
             "no-logits",
         ),
+        (FACTS, GenerationConfig(draft_tokens=2), [1], SettingError, "has none: re-export .* --draft-head"),
         (FACTS, {"max_new_tokens": 3}, [1], UserInputError, "config must be a GenerationConfig"),
     ],
 )
 def test_what_a_request_is_refused_for_is_refused_when_it_resolves(facts, config, ids, error, message):
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as refused:
         resolve(facts, config, ids, seed=0)
+    if error is SettingError:  # it names the setting (a server names its request's field), the one given
+        setting = refused.value.setting
+        assert getattr(config, setting) != getattr(GenerationConfig(), setting), setting
 
 
 def test_the_engine_takes_a_runtime_never_the_model():

@@ -213,7 +213,8 @@ def test_token_id_prompts_on_an_export_without_a_tokenizer(serve, exports):
     outside = running.post("/v1/completions", {"model": NAME, "prompt": [1, 10_000]})
     assert outside.status_code == 400 and "outside the vocabulary" in outside.text
     stop = running.post("/v1/completions", {"model": NAME, "prompt": [1, 5, 9], "stop": "x"})  # not silently ignored
-    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop" and "this export has none" in stop.text
+    assert stop.status_code == 400 and stop.json()["error"]["param"] == "stop" and "tokenizer" in stop.text
+    assert "need the export's tokenizer to read the output as text, and export has none" in stop.text  # the runtime's
 
 
 # --- bad requests -------------------------------------------------------------------------------------------------
