@@ -48,12 +48,13 @@ def load_with_ar_baselines(
     torch_compile: bool = False,
     int4_kernels: bool = False,
 ):
-    """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every core per call, but one
-    for the layers of int8-activation exports), plus the ar baselines worth measuring beside it.
+    """Load `export` for ParaDecode as `load` does by default (2 lanes; with onnxruntime every core per call), plus
+    the ar baselines worth measuring beside it.
 
     Returns (model, {label: model}). ar runs on that model, and, with onnxruntime on a multi-core CPU, also on a
-    1-lane model whose calls use one thread each, and one whose calls use every core: which is the faster plain
-    decoding depends on the model and the machine. The harness reports the fastest as *the* ar
+    1-lane model whose calls use one thread each, and one whose calls use every core, where the model's own calls
+    use another count (else its row would repeat "ar (default threads)"): which is the faster plain decoding depends
+    on the model and the machine. The harness reports the fastest as *the* ar
     (`Results.baseline`). With `torch_compile` (the torch backend), the model's modules are compiled, and ar also
     runs on a model without compilation, `ar (eager)`, so the two are measured side by side; where the torch
     backend reads 4-bit weights with int4 kernels (`int4_kernels`), ar also runs on the same export dequantized,
@@ -94,6 +95,8 @@ def load_with_ar_baselines(
     if cores > 1:
         try:
             for count in (1, cores):
+                if count == model.backend.threads:  # the model's own plain decoding makes these calls: no new row
+                    continue
                 baselines[f"ar ({count} thread{'s' if count > 1 else ''}/call)"] = load(
                     export, backend=backend, device=device, lanes=1, threads=count, verify=False
                 )

@@ -644,3 +644,13 @@ def test_bench_with_int4_kernels_reports_the_dequantized_weights_as_a_reference_
     summary = report["summary"]
     assert summary["ar"]["kind"] == "ar" and summary["ar (dequantized)"]["kind"] == "peer", sorted(summary)
     assert summary["_baseline"]["ar"] == "ar", summary["_baseline"]  # what ParaDecode's speedups are against
+
+
+def test_ar_baselines_hold_no_two_models_making_the_same_calls(stories_export, monkeypatch):
+    """On 2 cores the model's own plain decoding already calls on both: no "ar (2 threads/call)" row repeats it."""
+    from paradecode.tools import bench_modes
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    with bench_modes.opened_with_ar_baselines(stories_export[0]) as (_, baselines):
+        threads = {label: model.backend.threads for label, model in baselines.items()}
+    assert threads == {"ar (default threads)": 2, "ar (1 thread/call)": 1}
