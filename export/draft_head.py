@@ -37,6 +37,9 @@ FORMAT = "paradecode-draft/1"
 FUSE = "draft.fuse.weight"
 LAYER = "draft.layer."
 VOCAB = "draft.vocab"
+# EAGLE-3's map of a low, a middle and the last layer's outputs to one [D, 3D]: paradecode-train-draft --features
+# measures heads with it; the draft graph does not read several layers yet, so the export refuses them
+REDUCE = "draft.reduce.weight"
 UNEMBED = "draft.unembed"  # added by the export, never stored in the file
 HOW_TO_MAKE = "Make one for this model with paradecode.export.draft_head.make_untrained_draft_head (untrained)."
 
@@ -109,6 +112,11 @@ def check_draft_head(
 ) -> None:
     """Refuse a draft head made for another model, or whose tensors do not fit `spec`: name what differs."""
     check_made_for(f"--draft-head {path} was made", metadata, model, HOW_TO_MAKE)
+    if REDUCE in tensors:
+        raise UserInputError(
+            f"--draft-head {path} reads three layers' outputs (it was trained with paradecode-train-draft --features), "
+            "which the draft graph does not take yet: train one without --features to export it."
+        )
     expected = expected_shapes(spec)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - {VOCAB})

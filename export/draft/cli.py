@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"output it stands for (smooth L1), W times ({default('feature_weight')}: none)",
     )
     parser.add_argument(
+        "--features",
+        action="store_true",
+        default=None,
+        help="EAGLE-3's fusion: the first guess reads a low, a middle and the last layer's outputs, mapped to one "
+        "(measured only: the export does not take such a head yet)",
+    )
+    parser.add_argument(
         "--eval-every",
         type=positive_int,
         metavar="N",

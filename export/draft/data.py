@@ -10,12 +10,14 @@ A folder of shards (`shard-00000.safetensors`, ...), each holding a run of seque
 
     tokens     [N] int64      the sequences' token ids, one after another
     hidden     [N, D] float16 the last layer's output there (what the final head reads)
+    features   [N, 2, D] float16  the outputs of a low and a middle layer there (`feature_layers`: EAGLE-3's
+                              fusion reads them beside the last layer's)
     target     [N] int64      the final head's top-1 there: the export's own choice of the next token
     answer     [N] bool       the next token is the model's greedy answer (where chains are measured)
     starts     [S + 1] int64  sequence s holds positions starts[s] .. starts[s + 1] - 1
 
-Memory: recording holds one shard (about 1.2 KB a position on SmolLM2, D = 576 in float16); training reads the
-folder whole (a million positions: about 1.2 GB). Resuming: jobs are a fixed list, shard i is jobs
+Memory: recording holds one shard (about 3.5 KB a position on SmolLM2: three layers' outputs of D = 576 in float16);
+training reads the folder whole (a million positions: about 3.5 GB). Resuming: jobs are a fixed list, shard i is jobs
 [i * size, (i + 1) * size), shards are written atomically in order with the jobs' and the export's digests in their
 metadata, so a run finds the shards already made by the same export from the same jobs and goes on after them.
 """
@@ -36,8 +38,9 @@ from paradecode.graphs.errors import UserInputError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "paradecode-draft-data/1"
-FIELDS = ("tokens", "hidden", "target", "answer", "starts")
+FORMAT = "paradecode-draft-data/2"
+PER_POSITION = ("tokens", "hidden", "features", "target", "answer")
+FIELDS = (*PER_POSITION, "starts")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class DraftData:
 
     tokens: torch.Tensor
     hidden: torch.Tensor
+    features: torch.Tensor
     target: torch.Tensor
     answer: torch.Tensor
     starts: torch.Tensor
@@ -75,14 +79,14 @@ class DraftData:
     def cat(cls, parts: list[DraftData]) -> DraftData:
         offsets = torch.tensor([0] + [len(p) for p in parts[:-1]]).cumsum(0)
         starts = torch.cat([parts[0].starts[:1]] + [p.starts[1:] + o for p, o in zip(parts, offsets, strict=True)])
-        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in FIELDS[:4]), starts)
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in PER_POSITION), starts)
 
     def select(self, sequences: list[int]) -> DraftData:
         """These sequences alone, in this order."""
         rows = [torch.arange(self.starts[s], self.starts[s + 1]) for s in sequences]
         lengths = torch.tensor([0] + [len(r) for r in rows])
         index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-        fields = (getattr(self, f)[index] for f in FIELDS[:4])
+        fields = (getattr(self, f)[index] for f in PER_POSITION)
         return DraftData(*fields, lengths.cumsum(0))
 
 
@@ -94,19 +98,31 @@ def jobs_digest(jobs: list[Job]) -> str:
     return digest([asdict(job) for job in jobs])
 
 
-def teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [T, D] float16, target [T] int64): the last layer's outputs and the final head's top-1 at every
-    position of `ids`, as `model`'s export computes them (one call per graph over the whole sequence)."""
+def feature_layers(num_layers: int) -> tuple[int, int]:
+    """The low and middle layers (1-based) whose outputs are recorded beside the last one's: EAGLE-3 fuses the 2nd,
+    the middle and a late layer's (SmolLM2's 30 layers: 2 and 15; stories260K's 5: 1 and 2; one layer: 1 twice)."""
+    low = max(1, min(2, num_layers // 3))
+    return low, max(low, min(num_layers - 1, num_layers // 2))
+
+
+def teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [T, D] float16, features [T, 2, D] float16, target [T] int64): the last layer's outputs, those of
+    `feature_layers`, and the final head's top-1 at every position of `ids`, as `model`'s export computes them (one
+    call per graph over the whole sequence)."""
     from paradecode.runtime.decoding import MAIN, DecodeContext
     from paradecode.runtime.row_exactness import AS_IS
     from paradecode.runtime.tracing import Timeline
 
     backend = model.backend
     ctx = DecodeContext(backend, backend.allocate_cache(1), Timeline(record_spans=False), form=AS_IS)
+    low, middle = feature_layers(ctx.num_layers)
     with ctx.prompt():
-        hidden = ctx.layers(MAIN, 1, ctx.num_layers, ctx.embed(MAIN, ids, 0), 0)
+        first = ctx.layers(MAIN, 1, low, ctx.embed(MAIN, ids, 0), 0)
+        second = ctx.layers(MAIN, low + 1, middle, first, 0) if middle > low else first
+        hidden = ctx.layers(MAIN, middle + 1, ctx.num_layers, second, 0)
         target = ctx.head(MAIN, "final", hidden, 0).token
-    return hidden[0].to(torch.float16), torch.tensor(target, dtype=torch.int64)
+    features = torch.stack([first[0], second[0]], dim=1).to(torch.float16)
+    return hidden[0].to(torch.float16), features, torch.tensor(target, dtype=torch.int64)
 
 
 def sequences_of(model, jobs: list[Job], new_tokens: int) -> list[tuple[list[int], int]]:
@@ -134,12 +150,12 @@ def record_shard(model, jobs: list[Job], new_tokens: int) -> DraftData:
     """The data of `jobs`' sequences (the module docstring)."""
     parts = []
     for job, (ids, prompt_length) in zip(jobs, sequences_of(model, jobs, new_tokens), strict=True):
-        hidden, target = teacher_forced(model, ids)
+        hidden, features, target = teacher_forced(model, ids)
         tokens = torch.tensor(ids, dtype=torch.int64)
         answer = torch.zeros(len(ids), dtype=torch.bool)
         if job.text is None and job.temperature == 0:
             answer[prompt_length - 1 : -1] = True  # the last prompt position chose the answer's first token
-        parts.append(DraftData(tokens, hidden, target, answer, torch.tensor([0, len(ids)])))
+        parts.append(DraftData(tokens, hidden, features, target, answer, torch.tensor([0, len(ids)])))
     return DraftData.cat(parts)
 
 

@@ -171,15 +171,17 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         len(vocab),
         100 * covered.share,
     )
-    depth = config.training.depth
-    untrained = acceptance(
-        draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed)), evaluation, depth
-    )
+    depth, features = config.training.depth, config.training.features
+
+    def fresh():
+        return draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed), features=features)
+
+    untrained = acceptance(fresh(), evaluation, depth)
     order = torch.randperm(training.sequences, generator=torch.Generator().manual_seed(config.seed)).tolist()
     results, draft = [], None
     for share in sorted(config.sizes):
         subset = training.select(order[: max(1, round(share * training.sequences))])
-        draft = draft_of(spec, weights, untrained_draft_head(spec, vocab.tolist(), seed=config.seed))
+        draft = fresh()
         started = time.perf_counter()
         history = train(
             draft,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from paradecode.export.draft.chain import chain_outputs, depth_mask
 from paradecode.export.draft.data import DraftData
-from paradecode.export.draft_head import FUSE, LAYER, VOCAB, draft_weights
+from paradecode.export.draft_head import FUSE, LAYER, REDUCE, VOCAB, draft_weights
 from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.modules import DraftGraph, EmbedGraph, build_subgraph
 from paradecode.graphs.spec import ModelSpec
@@ -49,6 +49,9 @@ class TrainingConfig:
     # (smooth L1), this many times the cross-entropy's weight (0: the cross-entropy alone)
     feature_weight: float = 0.0
     eval_every: int = 0  # steps between measures of held-out acceptance while training (0: at the end only)
+    # EAGLE-3's fusion: the first guess reads a low, a middle and the last layer's outputs reduced to one (a linear map
+    # learnt from [0, 0, I]: where training starts, the last layer's output alone) instead of the last layer's alone
+    features: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -93,30 +96,69 @@ class Acceptance:
 
 @dataclass
 class Draft:
-    """A draft head being trained, with what it reads: the model's embedding, as the export computes it."""
+    """A draft head being trained, with what it reads: the model's embedding, as the export computes it, and with
+    `reduce` (TrainingConfig.features) the map of three layers' outputs to the one its first guess reads."""
 
     module: DraftGraph
     embed: EmbedGraph
     vocab: torch.Tensor  # [N] token ids
+    reduce: torch.nn.Linear | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The draft-head file's tensors (export/draft_head.py)."""
         out = {FUSE: self.module.fuse.weight.detach().clone(), VOCAB: self.vocab.clone()}
         out |= {LAYER + n: p.detach().clone() for n, p in self.module.layer.named_parameters()}
+        if self.reduce is not None:
+            out[REDUCE] = self.reduce.weight.detach().clone()
         return out
 
     def trainable(self) -> list[torch.nn.Parameter]:
-        return [*self.module.fuse.parameters(), *self.module.layer.parameters()]
+        reduce = [] if self.reduce is None else [*self.reduce.parameters()]
+        return [*self.module.fuse.parameters(), *self.module.layer.parameters(), *reduce]
+
+    def first_input(self, batch: Batch) -> torch.Tensor:
+        """What the first guess at each position reads at the position before: the last layer's output, or with
+        `reduce` the map of [low, middle, last] layers' outputs there. [B, T, D]."""
+        if self.reduce is None:
+            return batch.hidden
+        return self.reduce(torch.cat([batch.features.flatten(2), batch.hidden], dim=-1))
 
 
-def draft_of(spec: ModelSpec, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> Draft:
+@dataclass
+class Batch:
+    """Windows of recorded data padded at their ends to the longest: the last layer's outputs `hidden` [B, T, D],
+    the feature layers' `features` [B, T, 2, D] (None unless the draft reads them), the tokens' embeddings
+    [B, T, D] (float32), and `valid` [B, T - 1]: the entries of positions 1..T-1 inside a window."""
+
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+    embedded: torch.Tensor
+    valid: torch.Tensor
+
+
+def draft_of(
+    spec: ModelSpec, weights: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], *, features: bool = False
+) -> Draft:
     """A draft head of `tensors` (a draft-head file's) over the model of `weights` (an export's canonical weights,
-    dequantized), as its export would compute it."""
+    dequantized), as its export would compute it; with `features`, reading three layers' outputs (a new `reduce`
+    starting from the last layer's alone, unless `tensors` hold one)."""
     unembed = weights["unembed.weight"] if "unembed.weight" in weights else weights["embed.tokens.weight"]
+    tensors = dict(tensors)
+    reduce_weight = tensors.pop(REDUCE, None)
     weights = {**weights, **draft_weights(tensors, unembed)}
     module = build_subgraph(spec, SubgraphIO("draft", "draft", None, (), ()), weights)
     embed = build_subgraph(spec, SubgraphIO("embed", "embed", None, (), ()), weights)
-    draft = Draft(module, embed, tensors[VOCAB])
+    reduce = None
+    if features or reduce_weight is not None:
+        d = spec.hidden_size
+        reduce = torch.nn.Linear(3 * d, d, bias=False)
+        with torch.no_grad():
+            if reduce_weight is None:
+                reduce.weight.zero_()
+                reduce.weight[:, 2 * d :] = torch.eye(d)
+            else:
+                reduce.weight.copy_(reduce_weight)
+    draft = Draft(module, embed, tensors[VOCAB], reduce)
     for parameter in module.parameters():
         parameter.requires_grad_(False)
     for parameter in draft.trainable():
@@ -134,11 +176,12 @@ def windows(data: DraftData, length: int) -> list[tuple[int, int]]:
     return out
 
 
-def batch_of(draft: Draft, data: DraftData, spans: list[tuple[int, int]]):
-    """(hidden, embedded [B, T, D] float32, valid [B, T - 1] bool) of windows padded at their ends to the longest."""
+def batch_of(draft: Draft, data: DraftData, spans: list[tuple[int, int]]) -> Batch:
+    """The windows `spans` of `data`, as `draft` reads them."""
     tokens = max(end - start for start, end in spans)
     dim = data.hidden.shape[1]
     hidden = torch.zeros(len(spans), tokens, dim)
+    features = torch.zeros(len(spans), tokens, *data.features.shape[1:]) if draft.reduce is not None else None
     ids = torch.zeros(len(spans), tokens, dtype=torch.int64)
     valid = torch.zeros(len(spans), tokens - 1, dtype=torch.bool)
     positions = torch.zeros(len(spans), tokens, dtype=torch.int64)
@@ -146,26 +189,26 @@ def batch_of(draft: Draft, data: DraftData, spans: list[tuple[int, int]]):
         first = int(data.starts[torch.searchsorted(data.starts, start, right=True) - 1])
         positions[i, : end - start] = torch.arange(start - first, end - first)
         hidden[i, : end - start] = data.hidden[start:end].to(torch.float32)
+        if features is not None:
+            features[i, : end - start] = data.features[start:end].to(torch.float32)
         ids[i, : end - start] = data.tokens[start:end]
         valid[i, : end - start - 1] = True
     with torch.no_grad():  # at each token's position in its sequence (learned positions read it)
         embedded = draft.embed(ids, positions)
-    return hidden, embedded, valid
+    return Batch(hidden, features, embedded, valid)
 
 
-def chain_loss(
-    draft: Draft, hidden, embedded, valid, depth: int, feature_weight: float = 0.0
-) -> tuple[torch.Tensor, list[float]]:
+def chain_loss(draft: Draft, batch: Batch, depth: int, feature_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
     """The mean over depths of each depth's cross-entropy against the final head's distribution over the draft's
     vocabulary (positions a chain of that depth reaches, in the windows), plus `feature_weight` times the smooth L1
     distance of its output o_k[p] to h[p] there; and each depth's top-1 agreement there."""
-    head = draft.module.head
+    head, hidden, valid = draft.module.head, batch.hidden, batch.valid
     target = hidden[:, 1:]  # h[p] for the entries of positions 1..T-1, which o_k[p] stands for
     with torch.no_grad():
         teacher = torch.softmax(head.logits(target).to(torch.float32), dim=-1)
         best = teacher.argmax(-1)
     losses, agreement = [], []
-    for k, output in enumerate(chain_outputs(draft.module, hidden, embedded, depth), 1):
+    for k, output in enumerate(chain_outputs(draft.module, draft.first_input(batch), batch.embedded, depth), 1):
         mask = valid & depth_mask(hidden.shape[1], k)[None]
         logprobs = torch.log_softmax(head.logits(output).to(torch.float32), dim=-1)
         loss = -(teacher * logprobs).sum(-1)[mask].mean()
@@ -203,8 +246,8 @@ def train(
     started = time.perf_counter()
     for step in range(config.steps):
         chosen = torch.randint(len(spans), (config.batch,), generator=generator).tolist()
-        hidden, embedded, valid = batch_of(draft, data, [spans[i] for i in chosen])
-        loss, agreement = chain_loss(draft, hidden, embedded, valid, config.depth, config.feature_weight)
+        batch = batch_of(draft, data, [spans[i] for i in chosen])
+        loss, agreement = chain_loss(draft, batch, config.depth, config.feature_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.trainable(), 1.0)
@@ -244,12 +287,12 @@ def acceptance(draft: Draft, data: DraftData, depth: int, window: int = 1024) ->
     vocab = draft.vocab
     with torch.no_grad():
         for span in windows(data, window):
-            hidden, embedded, _ = batch_of(draft, data, [span])
+            batch = batch_of(draft, data, [span])
             start, end = span
             target, answer = data.target[start + 1 : end], data.answer[start + 1 : end]  # positions 1..T-1
             right = [
                 vocab[draft.module.head.logits(o).argmax(-1)][0] == target
-                for o in chain_outputs(draft.module, hidden, embedded, depth)
+                for o in chain_outputs(draft.module, draft.first_input(batch), batch.embedded, depth)
             ]
             for v in answer.nonzero().flatten().tolist():  # the chain from position v + 1 of the window
                 chains += 1

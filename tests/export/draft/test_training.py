@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paradecode.export.draft.chain import chain_outputs, depth_mask
-from paradecode.export.draft.data import Job, load_data, record, teacher_forced
+from paradecode.export.draft.data import Job, feature_layers, load_data, record, teacher_forced
 from paradecode.export.draft.pipeline import DraftConfig, export_weights, train_draft_head
 from paradecode.export.draft.training import (
     Acceptance,
@@ -98,8 +98,9 @@ def test_recorded_data_holds_each_answer_with_the_exports_outputs_and_choices(st
         answer = model.generate(STORIES_PROMPTS[0], max_new_tokens=48, mode="ar").token_ids
         prompt = model.prompt_ids(STORIES_PROMPTS[0])
         assert data.tokens[first].tolist() == prompt + answer
-        hidden, target = teacher_forced(model, prompt + answer)
+        hidden, features, target = teacher_forced(model, prompt + answer)
     torch.testing.assert_close(data.hidden[first], hidden)
+    torch.testing.assert_close(data.features[first], features)
     assert data.target[first].tolist() == target.tolist()
     # the answer's positions are the ones whose next token the model chose greedily; the final head agrees there
     answer_positions = data.answer[first].nonzero().flatten().tolist()
@@ -107,6 +108,25 @@ def test_recorded_data_holds_each_answer_with_the_exports_outputs_and_choices(st
     assert all(data.target[first][p] == data.tokens[first][p + 1] for p in answer_positions)
     # a sampled answer is data, not a greedy answer: no chain is measured on it
     assert not data.answer[data.sequence(len(jobs) - 1)].any()
+
+
+def test_recorded_features_are_the_outputs_of_their_layers(stories_dir, stories_export):
+    """The low and middle layers' outputs, against transformers' hidden states of the same tokens (each layer off by
+    one would be another layer's output, far off)."""
+    from transformers import AutoModelForCausalLM
+
+    from paradecode.runtime import load
+
+    with load(stories_export[0]) as model:
+        ids = [*model.prompt_ids(STORIES_PROMPTS[1]), 17, 42, 99, 7, 300, 12]
+        _, features, _ = teacher_forced(model, ids)
+    reference = AutoModelForCausalLM.from_pretrained(stories_dir / "hf", torch_dtype=torch.float32)
+    with torch.no_grad():
+        states = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [0]: the embedding
+    assert feature_layers(5) == (1, 2) and feature_layers(30) == (2, 15)
+    for i, layer in enumerate(feature_layers(5)):
+        torch.testing.assert_close(features[:, i].float(), states[layer][0], atol=0.02, rtol=0.02)
+    assert not torch.allclose(features[:, 0].float(), states[2][0], atol=0.02, rtol=0.02)
 
 
 def test_recording_goes_on_after_the_shards_a_run_left_and_refuses_another_runs(stories_export, stories_data):
@@ -146,18 +166,47 @@ def test_the_feature_loss_adds_each_depths_distance_to_the_output_it_stands_for(
     _, _, paths, weights, spec = stories_data
     data = load_data(paths)
     draft = draft_of(spec, weights, untrained_draft_head(spec, torch.unique(data.tokens).tolist()))
-    hidden, embedded, valid = batch_of(draft, data, windows(data, 32)[:2])
-    plain, agreement = chain_loss(draft, hidden, embedded, valid, DEPTH)
-    pulled, same = chain_loss(draft, hidden, embedded, valid, DEPTH, feature_weight=2.0)
+    batch = batch_of(draft, data, windows(data, 32)[:2])
+    hidden, valid = batch.hidden, batch.valid
+    plain, agreement = chain_loss(draft, batch, DEPTH)
+    pulled, same = chain_loss(draft, batch, DEPTH, feature_weight=2.0)
     distances = []
     with torch.no_grad():
-        for k, output in enumerate(chain_outputs(draft.module, hidden, embedded, DEPTH), 1):
+        for k, output in enumerate(chain_outputs(draft.module, hidden, batch.embedded, DEPTH), 1):
             reached = valid & depth_mask(hidden.shape[1], k)[None]  # where a chain of depth k stands for h[p]
             distances.append(torch.nn.functional.smooth_l1_loss(output[reached], hidden[:, 1:][reached]))
     assert float((pulled - plain).detach()) == pytest.approx(2.0 * float(torch.stack(distances).mean()), rel=1e-4)
     assert same == agreement and float(torch.stack(distances).min()) > 0
     pulled.backward()
     assert draft.module.fuse.weight.grad is not None
+
+
+def test_a_head_reading_three_layers_starts_from_the_last_ones_and_learns_the_others(stories_data, stories_dir):
+    """--features: the first guess reads [low, middle, last] mapped to one; at the start the map passes the last layer's
+    output alone (the head guesses as one without it), training moves the low and middle columns, the file keeps the
+    map, and the export refuses it, saying why."""
+    from paradecode.graphs.errors import UserInputError
+
+    _, _, paths, weights, spec = stories_data
+    data = load_data(paths)
+    tensors = untrained_draft_head(spec, torch.unique(data.tokens).tolist())
+    plain, draft = draft_of(spec, weights, tensors), draft_of(spec, weights, tensors, features=True)
+    span = windows(data, 32)[:2]
+    batch = batch_of(draft, data, span)
+    assert batch.features.shape[2:] == (2, spec.hidden_size) and batch_of(plain, data, span).features is None
+    with torch.no_grad():
+        torch.testing.assert_close(draft.first_input(batch), batch.hidden)
+    assert acceptance(draft, data, DEPTH) == acceptance(plain, data, DEPTH)
+    train(draft, data, TrainingConfig(steps=3, window=32, depth=DEPTH, features=True))
+    low_middle = draft.reduce.weight.detach()[:, : 2 * spec.hidden_size]
+    assert float(low_middle.abs().max()) > 0
+    saved = draft.tensors()
+    again = draft_of(spec, weights, saved)
+    torch.testing.assert_close(again.reduce.weight, draft.reduce.weight)
+    assert acceptance(again, data, DEPTH) == acceptance(draft, data, DEPTH)
+    with pytest.raises(UserInputError, match="reads three layers' outputs.*without --features"):
+        same = {"weights_sha256": "0" * 64, "source": "stories260K"}
+        check_draft_head(stories_dir / "x", saved, {"base_weights_sha256": "0" * 64}, spec=spec, model=same)
 
 
 def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories_dir, tmp_path):
