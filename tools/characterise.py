@@ -23,7 +23,7 @@ import random
 import statistics
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from paradecode.export.heads.cost_model import OVERLAPS as BOUNDED_OVERLAPS
@@ -111,9 +111,42 @@ def oracle(reference: list[int], layer: int, share: float, seed: int = 0):
     return policy
 
 
-def build_model(args, folder: Path) -> Path:
-    from paradecode.tools.peer_shapes import LlamaShape, random_llama
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama's layer widths and counts (head_dim = hidden / heads)."""
 
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    def config(self):
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.ffn,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+
+
+def random_llama(shape: LlamaShape, dtype: str = "float32"):
+    """A Llama of `shape` with transformers' random initialisation (seed 0), in `dtype`, in eval mode, on the CPU."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(shape.config()).to(getattr(torch, dtype)).eval()
+
+
+def build_model(args, folder: Path) -> Path:
     shape = LlamaShape(args.hidden, args.ffn, args.layers, args.heads, args.kv_heads, args.vocab)
     random_llama(shape).save_pretrained(folder)
     return folder

@@ -33,7 +33,7 @@
 #                compiled, and what the row probe finds)
 #   peers        Hugging Face transformers' static-cache generate (compiled by transformers on CUDA) beside
 #                paradecode's ar (torch backend, --compile) and ParaDecode's defaults, on random-weight Llamas of
-#                real shapes (tools/peer_shapes.py), each against the copy bound and the read-bandwidth bound; one
+#                real shapes (tools/lab/peer_shapes.py), each against the copy bound and the read-bandwidth bound; one
 #                JSON per case; the next case's model and export are made on the CPU while one is measured.
 #                PEER_SHAPES: the cases (default: smollm2-fp32 smollm2-bf16 1b-bf16); REPEAT (3), MAX_NEW_TOKENS
 #                (128); COMPILE= runs paradecode eager; HF_COMPILE: auto (transformers' choice: compiled on CUDA,
@@ -152,7 +152,7 @@ stage_int4() {
 stage_peers() {  # each case measured while the next one's model and export are made on the CPU
   local cases=(${PEER_SHAPES:-smollm2-fp32 smollm2-bf16 1b-bf16}) i next
   local shared=(--device "$device" --max-new-tokens "${MAX_NEW_TOKENS:-128}")
-  local peers="$py -m paradecode.tools.peer_shapes"
+  local peers="$py tools/lab/peer_shapes.py"
   run $peers "${cases[0]}" --prepare --work-dir "$work/peers-${cases[0]}" "${shared[@]}"
   for ((i = 0; i < ${#cases[@]}; i++)); do
     next=

@@ -1,4 +1,4 @@
-"""tools/peer_shapes.py's arithmetic, report and fallbacks, on fake modes and a fake transformers model: not
+"""tools/lab/peer_shapes.py's arithmetic, report and fallbacks, on fake modes and a fake transformers model: not
 timings (tools/gpu_measure.sh peers runs it, DEVICE=cpu included)."""
 
 import types
@@ -6,8 +6,11 @@ import types
 import pytest
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.tools import harness, peer_shapes
-from paradecode.tools.peer_shapes import CASES, HfStatic, Settings
+from paradecode.tools import harness
+from tests.tools.lab import lab_script
+
+peer_shapes = lab_script("peer_shapes")
+CASES, HfStatic, Settings = peer_shapes.CASES, peer_shapes.HfStatic, peer_shapes.Settings
 
 
 def test_the_bounds_are_weight_bytes_over_the_measured_rates():

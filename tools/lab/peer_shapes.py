@@ -1,4 +1,4 @@
-"""`python -m paradecode.tools.peer_shapes CASE`: Hugging Face's static-cache `generate` beside paradecode's plain
+"""`python tools/lab/peer_shapes.py CASE`: Hugging Face's static-cache `generate` beside paradecode's plain
 decoding and ParaDecode's defaults, on a random-weight Llama of a real model's shape, against two bounds.
 
 A case is a shape and a dtype (`CASES`: SmolLM2-135M's shape in float32 and bfloat16, a 1B Llama's in bfloat16).
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from paradecode.graphs.errors import UserInputError, run_command
+from paradecode.tools.characterise import LlamaShape, random_llama
 from paradecode.tools.harness import Mode, Results, Sample
 
 logger = logging.getLogger("paradecode.peer_shapes")
@@ -45,32 +46,6 @@ SLACK_TOKENS = 16  # cache slots past the prompt and new tokens: a verification 
 HF_COMPILE = ("auto", "on", "off")
 
 
-@dataclass(frozen=True)
-class LlamaShape:
-    """A Llama's layer widths and counts (head_dim = hidden / heads)."""
-
-    hidden: int
-    ffn: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-    def config(self):
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.ffn,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-
-
 SMOLLM2 = LlamaShape(hidden=576, ffn=1536, layers=30, heads=9, kv_heads=3, vocab=49152)
 LLAMA_1B = LlamaShape(hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, vocab=128256)
 CASES: dict[str, tuple[LlamaShape, str]] = {
@@ -78,15 +53,6 @@ CASES: dict[str, tuple[LlamaShape, str]] = {
     "smollm2-bf16": (SMOLLM2, "bfloat16"),
     "1b-bf16": (LLAMA_1B, "bfloat16"),
 }
-
-
-def random_llama(shape: LlamaShape, dtype: str = "float32"):
-    """A Llama of `shape` with transformers' random initialisation (seed 0), in `dtype`, in eval mode, on the CPU."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(shape.config()).to(getattr(torch, dtype)).eval()
 
 
 def bound(bytes_per_second: float, weight_bytes: int) -> float:
@@ -377,7 +343,7 @@ def measure_case(case: str, shape: LlamaShape, dtype: str, settings: Settings, w
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m paradecode.tools.peer_shapes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tools/lab/peer_shapes.py", description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=tuple(CASES), help="the shape and dtype")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=Settings.device)
     parser.add_argument("--repeat", type=int, default=Settings.repeat, metavar="R")
