@@ -54,6 +54,7 @@ footprint = Command("paradecode-footprint", "paradecode.tools.footprint")
 serve = Command("paradecode-serve", "paradecode.runtime.serve.cli", take_ignored=True)
 loadtest = Command("paradecode-loadtest", "paradecode.tools.load_bench")
 perplexity = Command("paradecode-perplexity", "paradecode.tools.perplexity")
+parity_report = Command("paradecode-parity-report", "paradecode.tools.parity_report")
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""`python -m paradecode.tools.parity_report DIR`: ParaDecode vs ar, token for token, in every overlap mode.
+"""`paradecode-parity-report DIR`: ParaDecode vs ar, token for token, in every overlap mode.
 
 For a device and backend (the GPU run of tools/gpu_measure.sh uses torch on CUDA), decodes every prompt
 with `ar` and with ParaDecode at several thresholds in each overlap mode, and reports where the two
