@@ -33,6 +33,13 @@ class Stops:
     eos: Collection[int]
     capacity: int
 
+    @staticmethod
+    def room(prompt_tokens: int, capacity: int) -> int:
+        """The new tokens a prompt of `prompt_tokens` leaves room for in a KV cache of `capacity` slots: one for each
+        free slot, and the last token, which no later position reads, so it is never stored (a prompt that fills
+        the cache still gets one). 0 or less: the prompt is longer than the cache."""
+        return capacity - prompt_tokens + 1
+
     @property
     def last_position(self) -> int:
         """The position of the last token decoding may produce."""

@@ -36,6 +36,7 @@ from paradecode.runtime.serve.errors import (
 from paradecode.runtime.serve.metrics import Metrics
 from paradecode.runtime.serve.pool import Job, ReplicaPool
 from paradecode.runtime.serve.preparing import Preparer
+from paradecode.runtime.stops import Stops
 
 logger = logging.getLogger(__name__)
 
@@ -118,23 +119,19 @@ class Service:
         prompt = request.prompt_kwargs()
         param = "messages" if "messages" in prompt else "prompt"
         ids = self._prompt_ids(prompt, param)
-        room = self.capacity - len(ids)
-        if room < 1:
-            raise PromptTooLong(
-                f"the prompt has {len(ids)} tokens, and this model's context (the export's max_seq_len) is "
-                f"{self.capacity} tokens: nothing is left for a completion. Shorten the prompt, or re-export "
-                "the model with a larger --max-seq-len.",
-                param,
-            )
+        # The prompt's length is checked where the request resolves (runtime/request.py `check_prompt`), as for
+        # every caller; past the cache no room is left, and the resolving below refuses it with its message
+        room = Stops.room(len(ids), self.capacity)
         asked, field = request.requested_max_tokens()
-        if asked is not None and asked > room:
+        if asked is not None and 0 < room < asked:
             raise RequestError(
-                f"{field} {asked} is more than this model's context leaves: the context is {self.capacity} "
-                f"tokens and the prompt takes {len(ids)}, so at most {room} new tokens. Ask for fewer.",
+                f"{field} {asked} is more than this model's context leaves: the export's KV cache holds "
+                f"{self.capacity} tokens and the prompt takes {len(ids)}, so at most {room} new tokens (the last "
+                "one is never stored). Ask for fewer.",
                 field,
             )
         default = request.default_max_tokens(self.config.completion_max_tokens)
-        max_new = asked if asked is not None else min(room, default if default is not None else room)
+        max_new = asked if asked is not None else max(1, min(room, default if default is not None else room))
         try:
             config = replace(self.config.generation, max_new_tokens=max_new, **request.config_settings())
             return self.reference.request(prompt_ids=ids, config=config)

@@ -148,9 +148,7 @@ def test_chat_equal_generate_whole_and_streamed(server, reference):
 def test_chat_with_text_parts_and_defaults(server, reference):
     """Content as OpenAI's text parts; without max_tokens a chat may use the rest of the context (vLLM's default)."""
     parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in CHAT]
-    want = reference.generate(
-        messages=CHAT, config=GENERATION, max_new_tokens=SEQ_LEN - len(reference.prompt_ids(messages=CHAT))
-    )
+    want = reference.generate(messages=CHAT, config=GENERATION, max_new_tokens=SEQ_LEN)  # to the cache's end
     response = server.openai().chat.completions.create(model=NAME, messages=parts, temperature=0, top_p=1, seed=7)
     assert response.choices[0].message.content == want.text
     assert response.usage.completion_tokens == len(want.token_ids)
@@ -226,7 +224,7 @@ LONG = "Once upon a time " * 40  # more tokens than the export's 64
     ("path", "body", "status", "param", "code", "message"),
     [
         ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found", "serves 'tiny-chat'"),
-        ("/v1/completions", {"model": NAME, "prompt": LONG}, 413, "prompt", "context_length_exceeded", "is 64 tokens"),
+        ("/v1/completions", {"model": NAME, "prompt": LONG}, 413, "prompt", "context_length_exceeded", "holds \\(64 "),
         (
             "/v1/chat/completions",
             {"model": NAME, "messages": [{"role": "user", "content": LONG}]},
@@ -249,7 +247,7 @@ LONG = "Once upon a time " * 40  # more tokens than the export's 64
             400,
             "max_completion_tokens",
             None,
-            "the context is 64 tokens",
+            "KV cache holds 64 tokens",
         ),
         ("/v1/completions", {"model": NAME, "prompt": "hi", "n": 2}, 400, "n", None, "send 1 or leave it out"),
         (
@@ -346,6 +344,36 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param, code,
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code
     assert re.search(message, error["message"]), error["message"]
+
+
+def test_a_prompt_that_fills_the_cache_or_passes_it_is_answered_alike_by_the_server_and_generate(
+    server, reference, served_export, capsys
+):
+    """A prompt of exactly the KV cache's capacity decodes one token (the last is never stored: no position reads it),
+    a longer one is refused with the same message, through the server and through paradecode-generate."""
+    from paradecode.runtime.cli import main as generate_main
+
+    capacity = reference.capacity
+    ids = (reference.prompt_ids(LONG) * 2)[: capacity + 1]
+    full = server.post("/v1/completions", {"model": NAME, "prompt": ids[:capacity]})
+    assert full.status_code == 200, full.text
+    answer = full.json()
+    assert answer["usage"] == {"prompt_tokens": capacity, "completion_tokens": 1, "total_tokens": capacity + 1}
+    assert answer["choices"][0]["finish_reason"] == "length"
+    alone = reference.generate(prompt_ids=ids[:capacity], max_new_tokens=8)
+    assert len(alone.token_ids) == 1 and alone.stats.stop_reason == "max_seq_len"
+    assert generate_main([str(served_export), "--prompt-ids", ",".join(map(str, ids[:capacity]))]) == 0
+    more = server.post("/v1/completions", {"model": NAME, "prompt": ids[:capacity], "max_tokens": 2})
+    assert more.status_code == 400 and more.json()["error"]["param"] == "max_tokens"
+    assert "so at most 1 new tokens" in more.json()["error"]["message"]
+
+    past = server.post("/v1/completions", {"model": NAME, "prompt": ids})
+    assert past.status_code == 413 and past.json()["error"]["code"] == "context_length_exceeded"
+    message = past.json()["error"]["message"]
+    assert message.startswith(f"the prompt has {capacity + 1} tokens, more than the export's KV cache holds")
+    capsys.readouterr()
+    assert generate_main([str(served_export), "--prompt-ids", ",".join(map(str, ids))]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_more_bad_requests(server, served_export, serve, tmp_path):
