@@ -97,6 +97,7 @@ class Runtime:
 class StreamedToken:
     token: int
     text: str  # the text this token completes ("" while a multi-byte character is incomplete)
+    shown: str = ""  # the part of the shown text it releases (runtime/stops.py `Completion`: none of a stop string)
 
 
 @dataclass(eq=False)
@@ -266,7 +267,11 @@ class Engine:
             self._fail(sequence, err)
             return
         spans = timeline if timeline.record_spans else None
-        sequence.sink(GenerationResult(completion.tokens, text, stats, completion.margins, spans))
+        shown = completion.shown.result if completion.text is not None else None
+        result = GenerationResult(
+            completion.tokens, text, stats, completion.margins, spans, shown, completion.stop_string
+        )
+        sequence.sink(result)
 
     def close(self, error: BaseException) -> None:
         """End every sequence with `error` (the engine cannot go on: a shutdown, or a failed batched call)."""
@@ -382,10 +387,10 @@ class Engine:
 
     def _deliver(self, sequence: Sequence, token: int, margin: float, stop: str | None) -> None:
         """Hand `sequence` its next verified token and the decoder's stop decision after it."""
-        piece, stop = sequence.completion.push(token, margin, stop)
+        piece, shown, stop = sequence.completion.push(token, margin, stop)
         if stop == MAX_SEQ_LEN:
             self.runtime.notices.say("full", len(sequence.completion.tokens), self.backend.manifest.max_seq_len)
-        sequence.sink(StreamedToken(token, piece))
+        sequence.sink(StreamedToken(token, piece, shown))
         if stop:
             self.leave(sequence, stop)
 

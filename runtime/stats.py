@@ -79,6 +79,8 @@ class GenerationResult:
     stats: GenerationStats
     margins: list[float]  # final-head top-1/top-2 logit margin of each new token
     timeline: Any = None  # the calls' Timeline, under Tracing(spans=True); else None
+    shown_text: str | None = None  # `text` as OpenAI's API shows it: cut before the first stop string
+    stop_string: str | None = None  # the stop string `shown_text` was cut at (None: none was found)
 
     def to_dict(self) -> dict[str, Any]:
         return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict()}

@@ -7,7 +7,7 @@ are shared by every engine step (runtime/engine.py), so every path stops alike.
 Stop strings live here alone: `StopText` finds the first stop string in a growing text and, as OpenAI's API
 returns text, cuts the text before it and, while streaming, holds back the end of the text that could still
 become one. The runtime's result keeps the text it decoded (the stop string included, as Hugging Face's
-`generate` does); `paradecode-serve` answers with `StopText`'s cut (runtime/serve/generation.py).
+`generate` does) beside the shown text and the stop string; `paradecode-serve` only formats them.
 """
 
 from __future__ import annotations
@@ -58,29 +58,40 @@ class Stops:
 
 class Completion:
     """The verified tokens after a prompt, their text pieces, and the stop decision after each: the decoder's
-    (`Stops`), else a stop string ending in the newest piece."""
+    (`Stops`), else a stop string ending in the newest piece. The text is kept twice: as decoded (`text`: the stop
+    string included, as Hugging Face's `generate` returns it) and as OpenAI's API shows it (`shown`: cut before the
+    first stop string, released piece by piece without any part of one), so a stop string is found once, here."""
 
     def __init__(self, prompt: list[int], config: GenerationConfig, tokenizer: TextTokenizer | None, with_text: bool):
         self.config = config
         self.text = TextStream(tokenizer, prompt) if tokenizer and (with_text or config.stop) else None
-        self.stop_text = StopText(config.stop)  # where the first stop string is, once there is one
+        self.shown = StopText(config.stop)  # where the first stop string is, once there is one
         self.tokens: list[int] = []
         self.margins: list[float] = []
 
-    def push(self, token: int, margin: float, stop: str | None) -> tuple[str, str | None]:
-        """Add a verified token and the decoder's stop decision after it: (the text it completes, why the
-        completion stops here or None). A stop string the token completes outranks a full cache."""
+    def push(self, token: int, margin: float, stop: str | None) -> tuple[str, str, str | None]:
+        """Add a verified token and the decoder's stop decision after it: (the text it completes, the part of the
+        shown text it releases, why the completion stops here or None). A stop string the token completes outranks
+        a full cache."""
         self.tokens.append(token)
         self.margins.append(margin)
-        text, config = self.text, self.config
-        piece = text.push(token) if text else ""
-        if stop in (None, MAX_SEQ_LEN) and piece and config.stop:
-            self.stop_text.push(piece)
-            if self.stop_text.stop is not None:
-                stop = STOP_STRING
-        if text and stop:
-            piece += text.finish()  # the last token: what was held back (a partial character) goes with it
-        return piece, stop
+        text, shown = self.text, self.shown
+        if text is None:
+            return "", "", stop
+        piece = text.push(token)
+        released = shown.push(piece)
+        if stop in (None, MAX_SEQ_LEN) and shown.stop is not None:
+            stop = STOP_STRING
+        if stop:
+            rest = text.finish()  # the last token: what was held back (a partial character) goes with it
+            piece += rest
+            released += shown.push(rest) + shown.finish()
+        return piece, released, stop
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string the text stopped at (None: none did)."""
+        return self.shown.stop
 
 
 class StopText:
@@ -128,11 +139,3 @@ class StopText:
         end = max(end, self.sent)
         piece, self.sent = self.text[self.sent : end], end
         return piece
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str | None]:
-    """(`text` up to the first stop string, that stop string or None)."""
-    stop_text = StopText(stops)
-    stop_text.push(text)
-    stop_text.finish()
-    return stop_text.result, stop_text.stop

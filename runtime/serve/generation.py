@@ -44,7 +44,6 @@ from paradecode.runtime.serve.errors import (
 from paradecode.runtime.serve.pool import Job, ReplicaPool
 from paradecode.runtime.serve.responses import Answer, sse
 from paradecode.runtime.stats import GenerationResult
-from paradecode.runtime.stops import StopText, cut_at_stop
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +137,7 @@ async def whole(follow: Follower, answer: Answer) -> JSONResponse:
     """The response once the job has finished."""
     while not isinstance(result := await follow.next(), GenerationResult):
         pass
-    text, stop = cut_at_stop(result.text or "", follow.job.request.config.stop)
-    return JSONResponse(answer.whole(result, text, stop, follow.job.queue_seconds))
+    return JSONResponse(answer.whole(result, result.shown_text or "", result.stop_string, follow.job.queue_seconds))
 
 
 async def streamed(follow: Follower, answer: Answer, record) -> StreamingResponse:
@@ -152,21 +150,18 @@ async def events(
     follow: Follower, answer: Answer, event: StreamedToken | GenerationResult, record
 ) -> AsyncIterator[bytes]:
     outcome = "error"
-    text = StopText(follow.job.request.config.stop)
     token_ids: list[int] = []  # verified since the last chunk
     try:
         for chunk in answer.first_chunks():
             yield sse(chunk)
         while isinstance(event, StreamedToken):
             token_ids.append(event.token)
-            piece = text.push(event.text)
-            if piece or answer.return_token_ids:
-                yield sse(answer.chunk(piece, token_ids))
+            if event.shown or answer.return_token_ids:
+                yield sse(answer.chunk(event.shown, token_ids))
                 token_ids = []
             event = await follow.next()
         result = event
-        rest = text.finish(result.text)
-        for chunk in answer.last_chunks(result, rest, token_ids, text.stop, follow.job.queue_seconds):
+        for chunk in answer.last_chunks(result, token_ids, result.stop_string, follow.job.queue_seconds):
             yield sse(chunk)
         yield sse("[DONE]")
         outcome = "success"

@@ -106,12 +106,13 @@ class Answer:
         return self._chunk([choice])
 
     def last_chunks(
-        self, result: GenerationResult, text: str, token_ids: list[int], stop: str | None, queue_seconds: float
+        self, result: GenerationResult, token_ids: list[int], stop: str | None, queue_seconds: float
     ) -> list[dict[str, Any]]:
-        """The final text with finish_reason and ParaDecode's statistics; then usage, if asked for."""
+        """The finish_reason and ParaDecode's statistics (the text went out with the tokens' chunks, the last token's
+        with what it held back); then usage, if asked for."""
         choice = {
             "index": 0,
-            **self._delta(text),
+            **self._delta(""),
             "logprobs": None,
             "finish_reason": finish_reason(result, stop),
             "stop_reason": self._stop_reason(result, stop),

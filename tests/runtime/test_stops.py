@@ -52,6 +52,8 @@ def test_stops_by_position():
     full = Stops(prompt_tokens=4, max_new_tokens=100, eos=frozenset(), capacity=10)
     assert full.after(7, 9) is None and full.after(7, 10) == MAX_SEQ_LEN  # slot 9 is the cache's last
     assert full.last_position == 10
+    assert Stops.room(4, 10) == 7  # new tokens at positions 4..10: the one at 10 is never stored
+    assert Stops.room(10, 10) == 1 and Stops.room(11, 10) == 0
 
 
 def test_a_stop_string_outranks_only_a_full_cache():
@@ -62,9 +64,16 @@ def test_a_stop_string_outranks_only_a_full_cache():
     config = GenerationConfig(stop=["bc"])
     for decoder_stop, want in ((None, STOP_STRING), (MAX_SEQ_LEN, STOP_STRING), (EOS, EOS), (MAX_NEW_TOKENS, None)):
         completion = Completion([0], config, Letters(), with_text=True)
-        assert completion.push(1, 0.0, None) == ("b", None)
-        piece, stop = completion.push(2, 0.0, decoder_stop)
+        assert completion.push(1, 0.0, None) == ("b", "", None)  # "b" may begin the stop string: not shown yet
+        piece, shown, stop = completion.push(2, 0.0, decoder_stop)
         assert piece == "c" and stop == (want or decoder_stop), decoder_stop
+        assert (
+            shown == "" and completion.stop_string == "bc" and completion.shown.result == ""
+        )  # found whatever stopped
+    completion = Completion([0], GenerationConfig(stop=["bd"]), Letters(), with_text=True)
+    assert completion.push(1, 0.0, None) == ("b", "", None)
+    assert completion.push(2, 0.0, MAX_NEW_TOKENS) == ("c", "bc", MAX_NEW_TOKENS)  # what was held back goes last
+    assert completion.stop_string is None and completion.shown.result == "bc"
 
 
 @pytest.mark.parametrize("mode", ["ar", "paradecode"])

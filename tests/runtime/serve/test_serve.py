@@ -31,7 +31,7 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import GenerationConfig, load
 from paradecode.runtime.serve.bodies import CONFIG_FIELDS
 from paradecode.runtime.serve.config import ServeConfig
-from paradecode.runtime.stops import StopText, cut_at_stop
+from paradecode.runtime.stops import StopText
 from tests.conftest import REPO
 from tests.runtime.test_chat import with_file, without_template
 from tests.serving import GENERATION, NAME, SEQ_LEN, Server, SlowStreams, config_of, free_port, sse_events, wait_until
@@ -679,7 +679,6 @@ def test_stop_text_never_sends_part_of_a_stop_string(pieces, stops, sent, result
     released = [text.push(p) for p in pieces]
     released[-1] += text.finish()
     assert released == sent and "".join(released) == result and text.stop == stop
-    assert cut_at_stop("".join(pieces), stops) == (result, stop)
 
 
 def test_serve_config_checks_its_fields(served_export):
