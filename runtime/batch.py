@@ -70,7 +70,7 @@ class BatchStep:
         draft head's; at most its K, and no further than its last needed position or its first end-of-sequence
         token."""
         stops, history = sequence.request.stops, sequence.history
-        room = min(sequence.request.config.max_unverified, stops.last_position - sequence.position)
+        room = min(sequence.request.max_unverified, stops.last_position - sequence.position)
         proposed, source = [], LOOKUP
         if sequence.lookup is not None and room > 0:
             count = min(room, sequence.lookup.max_tokens)

@@ -132,22 +132,21 @@ class Sequence:
         with_text: bool = True,
         tracing: Tracing = NO_TRACING,
     ) -> Sequence:
-        config = request.config
         sampling = request.sampling
         lookup = None
         if request.speculates and request.lookup is not None:
-            lookup = LookupProposer(request.lookup, runtime.shared_lookup if config.lookup_shared else None)
+            lookup = LookupProposer(request.lookup, runtime.shared_lookup if request.lookup_shared else None)
         draft = None
-        if request.speculates and config.draft_tokens:
-            draft = DraftProposer(config.draft_tokens, runtime.backend.spec.num_layers + 1)
+        if request.speculates and request.draft_tokens:
+            draft = DraftProposer(request.draft_tokens, runtime.backend.spec.num_layers + 1)
         return cls(
             request,
             sink,
             cancelled,
             tracing,
-            Completion(list(request.ids), config, runtime.tokenizer, with_text),
+            Completion(list(request.ids), request.stop, runtime.tokenizer, with_text),
             GenerationStats(
-                mode=config.mode,
+                mode=request.mode,
                 overlap=request.overlap if request.speculates else None,
                 prompt_tokens=len(request.ids),
                 seed=None if sampling is None else sampling.seed,
@@ -254,7 +253,7 @@ class Engine:
         stats, completion, timeline = sequence.stats, sequence.completion, sequence.timeline
         try:
             request = sequence.request
-            if request.config.lookup_shared and request.lookup is not None and completion.tokens:
+            if request.lookup_shared and request.lookup is not None and completion.tokens:
                 self.runtime.shared_lookup.add(list(request.ids), completion.tokens)
             stats.stop_reason = reason
             stats.seconds = time.perf_counter() - sequence.started
@@ -433,7 +432,7 @@ def executor_of(
         request.stops,
         stats,
         thresholds=dict(request.thresholds),
-        max_unverified=request.config.max_unverified,
+        max_unverified=request.max_unverified,
         merge=overlap in ("batched", "both"),
         exit_policy=exit_policy,
         lookup=lookup,

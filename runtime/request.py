@@ -49,24 +49,26 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class Request:
-    """A resolved request: its prompt's token ids, its settings as they will run and everything derived from them."""
+    """A resolved request: its prompt's token ids, its settings as they will run and everything derived from them
+    (no raw settings: what decoding reads is here, resolved)."""
 
     ids: tuple[int, ...]
-    config: GenerationConfig  # the settings, with the mode as it will run
+    mode: str  # "ar" or "paradecode", as it will run
     overlap: str  # `auto` resolved for the device; meaningful for ParaDecode only
     thresholds: Mapping[int, float]  # per exit layer, as ParaDecode uses them (empty for plain decoding)
     adaptive: bool  # speculation adapts to measured costs and acceptance
+    max_unverified: int  # K: tentative tokens ahead of the newest verified one
+    lookup: LookupConfig | None  # prompt lookup's settings (None: off)
+    lookup_shared: bool  # lookup also reads, and adds to, the outputs of the model's earlier requests
+    draft_tokens: int  # the draft head's guesses per chain (0: off)
     sampling: SamplingParams | None  # None: greedy; else with the request's seed (drawn where it gave none)
+    stop: tuple[str, ...]  # stop strings (found in the output's text: runtime/stops.py `Completion`)
     stops: Stops
     warnings: tuple[tuple[str, tuple], ...] = ()  # (name, arguments) to say once per model
 
     @property
     def speculates(self) -> bool:
-        return self.config.mode == "paradecode"
-
-    @property
-    def lookup(self) -> LookupConfig | None:
-        return self.config.lookup_config()
+        return self.mode == "paradecode"
 
 
 def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: int) -> Request:
@@ -118,14 +120,19 @@ def resolve(facts: ModelFacts, config: GenerationConfig, ids: list[int], seed: i
             warnings.append((UNTRAINED if proposes else UNTRAINED_NO_LOOKUP, (facts.path,)))
     stops = Stops(len(ids), config.max_new_tokens, frozenset(() if config.ignore_eos else facts.eos), facts.capacity)
     return Request(
-        tuple(ids),
-        config,
-        overlap,
-        MappingProxyType(thresholds),
-        adaptive,
-        config.sampling(config.seed if config.seed is not None else seed),
-        stops,
-        tuple(warnings),
+        ids=tuple(ids),
+        mode=config.mode,
+        overlap=overlap,
+        thresholds=MappingProxyType(thresholds),
+        adaptive=adaptive,
+        max_unverified=config.max_unverified,
+        lookup=config.lookup_config(),
+        lookup_shared=config.lookup_shared,
+        draft_tokens=config.draft_tokens,
+        sampling=config.sampling(config.seed if config.seed is not None else seed),
+        stop=tuple(config.stop),
+        stops=stops,
+        warnings=tuple(warnings),
     )
 
 

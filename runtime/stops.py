@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.tokenizer import TextStream, TextTokenizer
 
 # Why a completion stopped (GenerationStats.stop_reason); `closed` and `cancelled` are set by its caller.
@@ -62,10 +61,9 @@ class Completion:
     string included, as Hugging Face's `generate` returns it) and as OpenAI's API shows it (`shown`: cut before the
     first stop string, released piece by piece without any part of one), so a stop string is found once, here."""
 
-    def __init__(self, prompt: list[int], config: GenerationConfig, tokenizer: TextTokenizer | None, with_text: bool):
-        self.config = config
-        self.text = TextStream(tokenizer, prompt) if tokenizer and (with_text or config.stop) else None
-        self.shown = StopText(config.stop)  # where the first stop string is, once there is one
+    def __init__(self, prompt: list[int], stop: tuple[str, ...], tokenizer: TextTokenizer | None, with_text: bool):
+        self.text = TextStream(tokenizer, prompt) if tokenizer and (with_text or stop) else None
+        self.shown = StopText(stop)  # where the first stop string is, once there is one
         self.tokens: list[int] = []
         self.margins: list[float] = []
 

@@ -33,16 +33,24 @@ def prompts_of(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=generator).tolist() for length, _ in SHAPES]
 
 
-def requests_of(model, **settings):
+def requests_of(model, *, seeded: bool = False, **settings):
+    """A request of each of SHAPES' prompts with `settings` (and, `seeded`, the i-th with seed i)."""
     prompts = prompts_of(model.manifest.spec.vocab_size)
     return [
-        model.request(prompt_ids=ids, max_new_tokens=new, ignore_eos=True, **settings)
-        for ids, (_, new) in zip(prompts, SHAPES)
+        model.request(
+            prompt_ids=ids, max_new_tokens=new, ignore_eos=True, **settings, **({"seed": i} if seeded else {})
+        )
+        for i, (ids, (_, new)) in enumerate(zip(prompts, SHAPES))
     ]
 
 
+def decoded_alone(model, request):
+    """`request` decoded alone: in an engine of one row, as `model.generate` decodes."""
+    return generate_batched(model.runtime, [request])[0]
+
+
 def alone(model, requests):
-    return [model.generate(prompt_ids=r.ids, config=r.config).token_ids for r in requests]
+    return [decoded_alone(model, r).token_ids for r in requests]
 
 
 class Collect:
@@ -78,10 +86,7 @@ def test_batched_greedy_equals_each_request_alone(loaded, family, backend):
 def test_batched_sampling_draws_what_each_request_draws_alone(loaded):
     """Draws are keyed by (seed, position): plain decoding samples the same tokens in a batch as alone."""
     model = loaded["llama", "onnxruntime"]
-    requests = [
-        model.request(prompt_ids=r.ids, config=r.config, temperature=0.9, top_p=0.9, seed=i)
-        for i, r in enumerate(requests_of(model, mode="ar"))
-    ]
+    requests = requests_of(model, mode="ar", temperature=0.9, top_p=0.9, seeded=True)
     got = generate_batched(model.runtime, requests, rows=4)
     assert [r.token_ids for r in got] == alone(model, requests)
     assert [r.stats.seed for r in got] == list(range(len(requests)))
@@ -95,10 +100,7 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_in_a_batch(loaded, tempe
     model = loaded["llama", "onnxruntime"]
     for settings in ({"mode": "ar"}, {"mode": "paradecode", "thresholds": 0.0, "max_unverified": 3}):
         greedy = alone(model, requests_of(model, mode="ar"))
-        requests = [
-            model.request(prompt_ids=r.ids, config=r.config, temperature=temperature, seed=i)
-            for i, r in enumerate(requests_of(model, **settings))
-        ]
+        requests = requests_of(model, **settings, temperature=temperature, seeded=True)
         got = generate_batched(model.runtime, requests, rows=4)
         assert [r.token_ids for r in got] == greedy, (temperature, settings)
 
@@ -124,8 +126,9 @@ def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, samp
     monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available: max(available, default=0))
     model = loaded["llama", "onnxruntime"]
     settings = dict(temperature=0.3, seed=5) if sampled else {}
-    paradecode = repeating_requests(model, 4, mode="paradecode", lookup_tokens=4, lookup_min_ngram=2, **settings)
-    plain = [model.request(prompt_ids=r.ids, config=r.config, mode="ar") for r in paradecode]
+    lookup = dict(lookup_tokens=4, lookup_min_ngram=2)
+    paradecode = repeating_requests(model, 4, mode="paradecode", **lookup, **settings)
+    plain = repeating_requests(model, 4, mode="ar", **lookup, **settings)
     batch = Engine(model.runtime, 4)
     results = [Collect() for _ in paradecode]
     sequences = [Sequence.of(request, sink, model.runtime) for request, sink in zip(paradecode, results)]
@@ -141,7 +144,7 @@ def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, samp
         batch.step()
     assert [r.tokens for r in results] == alone(model, paradecode) == alone(model, plain)
     if sampled:  # it did sample
-        greedy = [model.request(prompt_ids=r.ids, config=r.config, temperature=0.0) for r in paradecode]
+        greedy = repeating_requests(model, 4, mode="paradecode", **lookup)
         assert [r.tokens for r in results] != alone(model, greedy)
 
 
@@ -154,7 +157,9 @@ def test_a_request_hands_paradecode_over_and_takes_it_back(loaded):
     # the batch: it hands over with an executor's verified tokens it never received, and takes ParaDecode back
     new = model.capacity - len(first.ids) - 1
     assert new > 6 + 13 * 3
-    first = model.request(prompt_ids=first.ids, config=first.config, max_new_tokens=new, lookup_tokens=2)
+    first = model.request(
+        prompt_ids=first.ids, max_new_tokens=new, ignore_eos=True, mode="paradecode", thresholds=0.0, lookup_tokens=2
+    )
     want = alone(model, [first, second])
     batch = Engine(model.runtime, 2)
     a, b = Collect(), Collect()
@@ -185,9 +190,13 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
     other = requests_of(model, mode="paradecode", thresholds=0.0)[3]  # 14 new tokens
     # lookup off for the first: one token a step in the batch, so its stop comes after the hand-back
     if end == "max_seq_len":  # room for 31 tokens: 6 alone, 14 together, the rest alone again
-        first = model.request(prompt_ids=[i % vocab for i in range(capacity - 30)], max_new_tokens=200, ignore_eos=True)
         first = model.request(
-            prompt_ids=first.ids, config=first.config, mode="paradecode", thresholds=0.0, lookup_tokens=0
+            prompt_ids=[i % vocab for i in range(capacity - 30)],
+            max_new_tokens=200,
+            ignore_eos=True,
+            mode="paradecode",
+            thresholds=0.0,
+            lookup_tokens=0,
         )
     else:
         # the first request whose output (40 tokens) meets a token for the first time after the hand-back
@@ -201,8 +210,8 @@ def test_a_request_taken_back_by_paradecode_stops_where_it_would_alone(loaded, m
         assert late, "no output meets a new token late: pick other prompts"
         free, tokens, k = late[0]
         monkeypatch.setattr(model, "facts", dataclasses.replace(model.facts, eos=(tokens[k],)))
-        first = model.request(prompt_ids=free.ids, config=free.config, ignore_eos=False)
-    want = model.generate(prompt_ids=first.ids, config=first.config)
+        first = model.request(prompt_ids=free.ids, **{**settings, "ignore_eos": False})
+    want = decoded_alone(model, first)
     assert want.stats.stop_reason == end
     batch, a, b = Engine(model.runtime, 2), Collect(), Collect()
     batch.join(Sequence.of(first, a, model.runtime))
@@ -235,7 +244,7 @@ def test_stops_and_cancellation_touch_only_their_own_rows(loaded):
     facts = model.facts
     model.facts = dataclasses.replace(facts, eos=(eos,))  # the model's end-of-sequence token, for this request
     try:
-        stopped = model.request(prompt_ids=requests[1].ids, config=requests[1].config, ignore_eos=False)
+        stopped = model.request(prompt_ids=requests[1].ids, max_new_tokens=SHAPES[1][1], mode="ar")
     finally:
         model.facts = facts
     sinks = [Collect() for _ in requests]
@@ -263,7 +272,7 @@ def test_a_full_cache_ends_only_its_request(loaded):
     short = requests_of(model, mode="ar")[2]
     got = generate_batched(model.runtime, [long, short], rows=2)
     assert got[0].stats.stop_reason == "max_seq_len" and len(got[0].token_ids) == 4
-    assert got[0].token_ids == model.generate(prompt_ids=long.ids, config=long.config).token_ids
+    assert got[0].token_ids == decoded_alone(model, long).token_ids
     assert got[1].token_ids == alone(model, [short])[0]
 
 
@@ -342,7 +351,7 @@ def test_a_batch_remembers_outputs_for_shared_lookup(loaded):
     model.shared_index.clear()
     try:
         plain = requests_of(model, mode="paradecode", thresholds=float("inf"))
-        shared = [model.request(prompt_ids=r.ids, config=r.config, lookup_shared=True) for r in plain]
+        shared = requests_of(model, mode="paradecode", thresholds=float("inf"), lookup_shared=True)
         want = alone(model, plain)
         assert len(model.shared_index) == 0  # requests without lookup_shared leave nothing behind
         first = generate_batched(model.runtime, shared, rows=2)

@@ -15,7 +15,7 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.graphs.tensors import EMBEDDED, HIDDEN, HIDDEN_OUT, INPUT_IDS, PAST_KEY, PAST_VALUE, POSITIONS
 from paradecode.runtime.engine import Engine, Sequence, generate_batched
 from paradecode.runtime.speculation import Speculation
-from tests.runtime.test_batching import SHAPES, Collect, alone, prompts_of
+from tests.runtime.test_batching import SHAPES, Collect, alone, decoded_alone, prompts_of
 
 BACKENDS = ("onnxruntime", "torch")
 DRAFT_ONLY = dict(mode="paradecode", draft_tokens=3, lookup_tokens=0, thresholds=float("inf"))
@@ -29,16 +29,16 @@ def draft_requests(model, **settings):
     ]
 
 
-def plain_of(model, requests):
-    return [model.request(prompt_ids=r.ids, config=r.config, mode="ar") for r in requests]
+def plain_of(model, **settings):
+    """`draft_requests(model, **settings)` decoded plainly."""
+    return draft_requests(model, **settings, mode="ar")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_paradecode_with_the_draft_head_is_plain_decoding(loaded, family, backend):
     model = loaded[family, backend]
-    requests = draft_requests(model)
-    results = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
-    assert [r.token_ids for r in results] == alone(model, plain_of(model, requests))
+    results = [decoded_alone(model, r) for r in draft_requests(model)]
+    assert [r.token_ids for r in results] == alone(model, plain_of(model))
     proposed = sum(r.stats.draft_proposed for r in results)
     assert proposed > 0 and sum(r.stats.lookup_proposed for r in results) == 0
     assert sum(r.stats.draft_accepted for r in results) <= proposed
@@ -50,18 +50,18 @@ def test_the_draft_head_beside_side_lanes_and_exits_is_plain_decoding(loaded, ov
     """Side lanes compute pending groups while lane 0 drafts; exits on every token (threshold 0) propose unverified
     tokens, after which the draft head proposes nothing until the verdicts reach them."""
     model = loaded["mistral", "onnxruntime"]
-    requests = draft_requests(model, overlap=overlap, thresholds=0.0)
-    results = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
-    assert [r.token_ids for r in results] == alone(model, plain_of(model, requests))
+    settings = dict(overlap=overlap, thresholds=0.0)
+    results = [decoded_alone(model, r) for r in draft_requests(model, **settings)]
+    assert [r.token_ids for r in results] == alone(model, plain_of(model, **settings))
     assert sum(r.stats.draft_proposed for r in results) > 0
     assert sum(sum(r.stats.exits_per_layer.values()) for r in results) > 0
 
 
 def test_paradecode_with_the_draft_head_samples_what_plain_decoding_samples(loaded):
     model = loaded["qwen2", "onnxruntime"]
-    requests = draft_requests(model, temperature=0.8, top_p=0.95, seed=11)
-    got = [model.generate(prompt_ids=r.ids, config=r.config) for r in requests]
-    assert [r.token_ids for r in got] == alone(model, plain_of(model, requests))
+    settings = dict(temperature=0.8, top_p=0.95, seed=11)
+    got = [decoded_alone(model, r) for r in draft_requests(model, **settings)]
+    assert [r.token_ids for r in got] == alone(model, plain_of(model, **settings))
     assert sum(r.stats.draft_proposed for r in got) > 0
     greedy = alone(model, draft_requests(model))
     assert [r.token_ids for r in got] != greedy  # it did sample
@@ -77,7 +77,7 @@ def test_a_batchs_rows_verify_their_draft_heads_guesses(loaded, sampled, monkeyp
     settings = dict(temperature=0.7, seed=3) if sampled else {}
     requests = draft_requests(model, **settings)
     got = generate_batched(model.runtime, requests, rows=3)
-    assert [r.token_ids for r in got] == alone(model, plain_of(model, requests))
+    assert [r.token_ids for r in got] == alone(model, plain_of(model, **settings))
     assert sum(r.stats.draft_proposed for r in got) > 0
 
 

@@ -82,7 +82,7 @@ def test_a_request_is_a_pure_function_of_its_inputs():
 )
 def test_the_mode_as_it_will_run_and_the_warnings_to_say(facts, config, mode, warnings):
     request = resolve(facts, config, [1, 2], seed=0)
-    assert request.config.mode == mode and tuple(name for name, _ in request.warnings) == warnings
+    assert request.mode == mode and tuple(name for name, _ in request.warnings) == warnings
     assert request.speculates == (mode == "paradecode")
     if mode == "ar":
         assert not request.thresholds and not request.adaptive

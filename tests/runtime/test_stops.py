@@ -10,7 +10,7 @@ import pytest
 
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.runtime import load
-from paradecode.runtime.config import NEVER, GenerationConfig
+from paradecode.runtime.config import NEVER
 from paradecode.runtime.decoding import DecodeContext
 from paradecode.runtime.engine import Engine, Sequence, StreamedToken, executor_of
 from paradecode.runtime.planner import Planner
@@ -61,16 +61,15 @@ def test_a_stop_string_outranks_only_a_full_cache():
         def decode(self, ids):
             return "".join(chr(97 + i % 26) for i in ids)
 
-    config = GenerationConfig(stop=["bc"])
     for decoder_stop, want in ((None, STOP_STRING), (MAX_SEQ_LEN, STOP_STRING), (EOS, EOS), (MAX_NEW_TOKENS, None)):
-        completion = Completion([0], config, Letters(), with_text=True)
+        completion = Completion([0], ("bc",), Letters(), with_text=True)
         assert completion.push(1, 0.0, None) == ("b", "", None)  # "b" may begin the stop string: not shown yet
         piece, shown, stop = completion.push(2, 0.0, decoder_stop)
         assert piece == "c" and stop == (want or decoder_stop), decoder_stop
         assert (
             shown == "" and completion.stop_string == "bc" and completion.shown.result == ""
         )  # found whatever stopped
-    completion = Completion([0], GenerationConfig(stop=["bd"]), Letters(), with_text=True)
+    completion = Completion([0], ("bd",), Letters(), with_text=True)
     assert completion.push(1, 0.0, None) == ("b", "", None)
     assert completion.push(2, 0.0, MAX_NEW_TOKENS) == ("c", "bc", MAX_NEW_TOKENS)  # what was held back goes last
     assert completion.stop_string is None and completion.shown.result == "bc"
