@@ -1,5 +1,5 @@
-"""`paradecode-bench DIR`: ar vs ParaDecode vs Hugging Face generate (and, with --peers, onnxruntime-genai and
-llama.cpp), side by side, on one machine.
+"""`paradecode-bench DIR`: ar vs ParaDecode vs Hugging Face generate (and, with --peers, onnxruntime-genai,
+llama.cpp and OpenVINO GenAI), side by side, on one machine.
 
 Prints a Markdown table and writes the JSON (--json) and a PNG (--plot): speedup against the
 threshold per overlap mode, with the peers' and Hugging Face's speedups as reference lines, and early
@@ -24,7 +24,7 @@ from paradecode.runtime.backends import BACKENDS
 from paradecode.runtime.config import ADAPTIVE, OVERLAPS, GenerationConfig
 from paradecode.runtime.decoding_flags import add_decoding_flags, help_of
 from paradecode.tools.options import choice_list
-from paradecode.tools.peers import PEERS, PRECISIONS
+from paradecode.tools.peers import OPENVINO_WEIGHTS, PEERS, PRECISIONS, PeerSettings
 
 logger = logging.getLogger("paradecode.bench")
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME,NAME",
         help="the ecosystem's runtimes to measure beside ar and ParaDecode, greedy, on the same prompt ids, "
         "interleaved, each with every core: ort-genai (onnxruntime-genai on its model builder's model of the same "
-        "source, plain and with its n-gram speculation) and llama.cpp (llama-cpp-python on the GGUF file); "
+        "source, plain and with its n-gram speculation), llama.cpp (llama-cpp-python on the GGUF file) and openvino "
+        "(OpenVINO GenAI on optimum-intel's conversion of the same source, plain and with its prompt lookup); "
         "needs `pip install 'paradecode[peers]'`",
     )
     parser.add_argument(
@@ -74,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PRECISIONS,
         default="int4",
         help="the weights onnxruntime-genai's model builder writes (default int4)",
+    )
+    parser.add_argument(
+        "--openvino-weights",
+        choices=OPENVINO_WEIGHTS,
+        default=PeerSettings.openvino_weights,
+        help=f"the weights optimum-intel writes for OpenVINO (default {PeerSettings.openvino_weights}): int8 beside "
+        "the default export, int4 (groups of 32) beside --weights int4, fp32 to check against transformers",
+    )
+    parser.add_argument(
+        "--openvino-converter",
+        type=Path,
+        metavar="PYTHON",
+        help="a Python that has optimum-intel, which converts the model for the openvino peer (default: this one; "
+        "optimum-intel 2.2 requires transformers < 5.6, so it may need an environment of its own)",
     )
     parser.add_argument(
         "--peer-source",
@@ -85,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--peer-cache",
         type=Path,
         metavar="DIR",
-        help="where onnxruntime-genai's models are built once and kept (default ~/.cache/paradecode/peers)",
+        help="where onnxruntime-genai's and OpenVINO's models are made once and kept (default "
+        "~/.cache/paradecode/peers)",
     )
     parser.add_argument(
         "--compare-export",
@@ -296,10 +312,15 @@ def compared_export_modes(args, export: Path, main_model, stack: ExitStack) -> l
 
 def peer_settings(args):
     """--peers and its options as PeerSettings (None without --peers), checked before anything is loaded."""
-    from paradecode.tools.peers import PeerSettings, check_peer_packages
+    from paradecode.tools.peers import check_peer_packages
 
     if not args.peers:
-        given = [f for f, v in (("--peer-source", args.peer_source), ("--peer-cache", args.peer_cache)) if v]
+        options = {
+            "--peer-source": args.peer_source,
+            "--peer-cache": args.peer_cache,
+            "--openvino-converter": args.openvino_converter,
+        }
+        given = [flag for flag, value in options.items() if value]
         if given:
             raise UserInputError(f"{' and '.join(given)} set{'s' if len(given) == 1 else ''} up --peers: add --peers.")
         return None
@@ -311,7 +332,14 @@ def peer_settings(args):
         raise UserInputError(f"--peers runs the peers on the CPU, and --device is {args.device}: use --device cpu.")
     check_peer_packages(args.peers)
     cache = {"cache": args.peer_cache} if args.peer_cache else {}
-    return PeerSettings(args.peers, precision=args.peer_precision, source=args.peer_source, **cache)
+    return PeerSettings(
+        args.peers,
+        precision=args.peer_precision,
+        source=args.peer_source,
+        openvino_weights=args.openvino_weights,
+        openvino_converter=args.openvino_converter,
+        **cache,
+    )
 
 
 def first_of_each_category(prompts: list, count: int) -> list:

@@ -8,6 +8,13 @@
   under the cache folder, one per source weights, builder version and precision:
   `CACHE/<weights sha256>/ort-genai-<version>/<precision>/`, with `build.json` saying how it was made; it is
   staged beside its place and renamed into it only when the build succeeded.
+- OpenVINO GenAI runs what optimum-intel's exporter writes (`optimum-cli export openvino --task
+  text-generation-with-past --weight-format ...`, `OPENVINO_WEIGHT_OPTIONS`) from the same Hugging Face folder.
+  optimum-intel 2.2 requires transformers < 5.6, so it may live in another environment than this one: the
+  exporter runs as `PYTHON -m optimum.commands.optimum_cli` with the Python that has it (`--openvino-converter`;
+  by default this one). Each conversion is kept as the builds are, one per source weights, converter versions and
+  weight format: `CACHE/<weights sha256>/openvino-<version>-optimum-intel-<version>/<weights>/`, with
+  `conversion.json` saying how it was made, staged and renamed into place the same way.
 - llama.cpp runs the GGUF file itself.
 """
 
@@ -19,11 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from paradecode.export.source import ModelSource
-from paradecode.graphs.errors import UnsupportedModelError, UserInputError
+from paradecode.graphs.errors import MissingDependencyError, UnsupportedModelError, UserInputError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +39,25 @@ DEFAULT_CACHE = Path.home() / ".cache" / "paradecode" / "peers"
 BUILDER = "onnxruntime_genai.models.builder"
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: the builder saves it
 LOG_TAIL_LINES = 12  # of the builder's log, in the error when it fails
+
+OPENVINO_EXPORTER = "optimum.commands.optimum_cli"  # optimum-cli's module: `PYTHON -m ... export openvino`
+OPENVINO_TASK = "text-generation-with-past"  # a stateful decoder with its KV cache, as OpenVINO GenAI runs it
+# optimum-intel's weight compression (NNCF) for each --openvino-weights. int8: its default, asymmetric with one scale
+# per output channel. int4: asymmetric in groups of 32, as `paradecode-export --weights int4` stores its blocks, every
+# matrix but the embedding and the last one (NNCF keeps those int8); a matrix whose rows do not divide into groups of
+# 32 gets the largest group size that does (at least 32), else int8. fp32: no compression, to check against
+# transformers.
+OPENVINO_WEIGHT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "int8": ("--weight-format", "int8"),
+    "int4": ("--weight-format", "int4", "--group-size", "32", "--ratio", "1.0", "--group-size-fallback", "adjust"),
+    "fp32": ("--weight-format", "fp32"),
+}
+CONVERTER_PACKAGES = ("optimum-intel", "optimum", "openvino", "nncf", "transformers", "torch")  # recorded
+OPENVINO_INSTALL = (  # optimum-intel 2.2 requires transformers < 5.6, so it often cannot join paradecode's environment
+    "optimum-intel 2.2 requires transformers < 5.6: install it in an environment of its own (`python -m venv DIR && "
+    "DIR/bin/pip install 'optimum-intel[openvino]'`) and pass --openvino-converter DIR/bin/python, "
+    "or, where this environment's transformers is older than 5.6, here (`pip install 'optimum-intel[openvino]'`)"
+)
 
 
 def peer_source(reference: str | None, manifest) -> ModelSource:
@@ -69,6 +96,23 @@ def gguf_file_of(source: ModelSource) -> Path:
             "llama.cpp out of --peers."
         )
     return source.gguf_path
+
+
+def hf_folder_of(source: ModelSource, scratch: Path, peer: str) -> Path:
+    """The Hugging Face folder a peer's converter reads: the source's own, or a float folder written in `scratch`
+    from a GGUF file."""
+    if source.gguf_path is None:
+        return source.path
+    folder = scratch / "float-model"
+    write_float_folder(source, folder, peer=peer)
+    return folder
+
+
+def run_logged(command: list[str], log: Path) -> tuple[int, str]:
+    """Run `command` with its output in `log`; its exit code and the log's last lines."""
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    return code, "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
 
 
 def genai_version() -> str:
@@ -113,16 +157,11 @@ def build_genai_model(source: ModelSource, precision: str, folder: Path, *, weig
         tempfile.TemporaryDirectory(prefix=".build-", dir=folder.parent) as scratch,
     ):
         scratch = Path(scratch)
-        hf_folder = source.path
-        if source.gguf_path is not None:
-            hf_folder = scratch / "float-model"
-            write_float_folder(source, hf_folder)
+        hf_folder = hf_folder_of(source, scratch, "ort-genai")
         command = [sys.executable, "-m", BUILDER, "-i", str(hf_folder), "-o", str(staged), "-p", precision]
         command += ["-e", "cpu", "-c", str(scratch / "builder-cache")]
-        with open(log, "w") as out:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        code, tail = run_logged(command, log)
         if code != 0 or not (staged / "genai_config.json").is_file():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             raise UnsupportedModelError(
                 f"onnxruntime-genai's model builder could not build the {precision} CPU model of {source.reference} "
                 f"(exit code {code}; the whole log is {log}). Its last lines:\n{tail}\nLeave ort-genai out of "
@@ -141,20 +180,144 @@ def build_genai_model(source: ModelSource, precision: str, folder: Path, *, weig
     logger.info("built %s in %.0f s", folder, time.perf_counter() - started)
 
 
-def write_float_folder(source: ModelSource, folder: Path) -> None:
-    """A Hugging Face folder (float32 weights, config, tokenizer) of the model transformers reads from a GGUF file."""
+# The converter's versions, printed as JSON by the converter's own Python (no package imported, so it takes a moment).
+VERSIONS_SCRIPT = (
+    "import json, sys\n"
+    "from importlib import metadata\n"
+    "found = {}\n"
+    "for name in sys.argv[1:]:\n"
+    "    try:\n"
+    "        found[name] = metadata.version(name)\n"
+    "    except metadata.PackageNotFoundError:\n"
+    "        pass\n"
+    "print(json.dumps(found))\n"
+)
+
+
+@dataclass(frozen=True)
+class OpenVinoConverter:
+    """A Python that has optimum-intel, which converts models for the openvino peer, and its packages' versions."""
+
+    python: Path
+    versions: dict[str, str]  # distribution name -> version, for those of CONVERTER_PACKAGES it has
+
+    @property
+    def key(self) -> str:
+        """The cache folder its conversions are kept under: a new converter version converts again."""
+        return f"openvino-{self.versions['openvino']}-optimum-intel-{self.versions['optimum-intel']}"
+
+
+def openvino_converter(python: Path | str | None = None) -> OpenVinoConverter:
+    """The converter `python` (--openvino-converter; None: this Python), refused where it is not a Python that runs
+    or has no optimum-intel."""
+    python = Path(python) if python is not None else Path(sys.executable)
+    given = f"this Python ({python})" if python == Path(sys.executable) else f"--openvino-converter {python}"
+    try:
+        answer = subprocess.run(
+            [str(python), "-c", VERSIONS_SCRIPT, *CONVERTER_PACKAGES],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserInputError(
+            f"{given}: expected a Python interpreter that has optimum-intel, and it could not be run ({err}). "
+            f"{OPENVINO_INSTALL}."
+        ) from err
+    try:
+        versions = json.loads(answer.stdout) if answer.returncode == 0 else None
+    except json.JSONDecodeError:
+        versions = None
+    if not isinstance(versions, dict):
+        raise UserInputError(
+            f"{given}: expected a Python interpreter that has optimum-intel, and `{python} -c ...` exited with code "
+            f"{answer.returncode} ({(answer.stderr or answer.stdout).strip()[-300:]!r}). {OPENVINO_INSTALL}."
+        )
+    missing = [name for name in ("optimum-intel", "openvino", "nncf") if name not in versions]
+    if missing:
+        raise MissingDependencyError(
+            f"the openvino peer converts models with optimum-intel, and {given} lacks "
+            f"{', '.join(missing)}. {OPENVINO_INSTALL}."
+        )
+    return OpenVinoConverter(python, {str(k): str(v) for k, v in versions.items()})
+
+
+def openvino_model_folder(source: ModelSource, weights: str, cache: Path, converter: OpenVinoConverter) -> Path:
+    """OpenVINO's model of `source` with `weights` compressed as OPENVINO_WEIGHT_OPTIONS says: from the cache, or
+    converted into it by `converter`."""
+    if weights not in OPENVINO_WEIGHT_OPTIONS:
+        raise UserInputError(f"OpenVINO weights {weights!r}: expected one of {', '.join(OPENVINO_WEIGHT_OPTIONS)}.")
+    sha = source.identity()["weights_sha256"]
+    folder = Path(cache).expanduser() / sha / converter.key / weights
+    if (folder / "conversion.json").is_file():  # written last, in the staged folder: there only when complete
+        logger.info("OpenVINO %s model of %s: %s (cached)", weights, source.reference, folder)
+        return folder
+    convert_openvino_model(source, weights, folder, converter, weights_sha256=sha)
+    return folder
+
+
+def convert_openvino_model(
+    source: ModelSource, weights: str, folder: Path, converter: OpenVinoConverter, *, weights_sha256: str
+) -> None:
+    """Run optimum-intel's exporter on `source` into `folder` (staged beside it, renamed into place at the end).
+
+    The tokenizer is not converted: the benchmark hands OpenVINO GenAI token ids, never text."""
+    from paradecode.export.files import staged_folder
+
+    log = folder.with_name(f"{weights}.convert.log")  # beside the model, so a failed conversion leaves its log
+    started = time.perf_counter()
+    logger.info(
+        "optimum-intel %s: converting %s to OpenVINO with %s weights (once; cached in %s; log %s)",
+        converter.versions["optimum-intel"],
+        source.reference,
+        weights,
+        folder,
+        log,
+    )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        staged_folder(folder, force=True) as staged,
+        tempfile.TemporaryDirectory(prefix=".convert-", dir=folder.parent) as scratch,
+    ):
+        hf_folder = hf_folder_of(source, Path(scratch), "openvino")
+        command = [str(converter.python), "-m", OPENVINO_EXPORTER, "export", "openvino", "--model", str(hf_folder)]
+        command += ["--task", OPENVINO_TASK, *OPENVINO_WEIGHT_OPTIONS[weights], "--disable-convert-tokenizer"]
+        code, tail = run_logged([*command, str(staged)], log)
+        if code != 0 or not (staged / "openvino_model.xml").is_file():
+            raise UnsupportedModelError(
+                f"optimum-intel could not convert {source.reference} to OpenVINO with {weights} weights (exit code "
+                f"{code}; the whole log is {log}). Its last lines:\n{tail}\nLeave openvino out of --peers for this "
+                "model."
+            )
+        record = {
+            "source": source.reference,
+            "weights_sha256": weights_sha256,
+            "weights": weights,
+            "converter": converter.versions,
+            "float_folder_from_gguf": source.gguf_path is not None,
+            "command": [Path(command[0]).name, *command[1:], "OUT"],
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        (staged / "conversion.json").write_text(json.dumps(record, indent=2) + "\n")
+    logger.info("converted %s in %.0f s", folder, time.perf_counter() - started)
+
+
+def write_float_folder(source: ModelSource, folder: Path, *, peer: str = "ort-genai") -> None:
+    """A Hugging Face folder (float32 weights, config, tokenizer) of the model transformers reads from a GGUF file,
+    for `peer`'s converter (named in the error when the tokenizer is missing)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from paradecode.export.pipeline import load_hf_model
     from paradecode.export.tokenizer import hf_tokenizer
 
-    logger.info("writing a float32 Hugging Face folder of %s for the model builder", source.reference)
+    logger.info("writing a float32 Hugging Face folder of %s for the %s peer's converter", source.reference, peer)
     tokenizer = hf_tokenizer(source)
     if tokenizer is None:
         raise UnsupportedModelError(
-            f"onnxruntime-genai's model builder needs the model's tokenizer, and transformers builds none from "
-            f"{source.reference}. Leave ort-genai out of --peers for this model."
+            f"the {peer} peer's converter needs the model's tokenizer, and transformers builds none from "
+            f"{source.reference}. Leave {peer} out of --peers for this model."
         )
     loaded = load_hf_model(source)  # dequantized to float32, every tensor checked
     values = loaded.config.to_dict()

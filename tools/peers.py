@@ -1,6 +1,7 @@
-"""The ecosystem's runtimes as benchmark modes: onnxruntime-genai (plain and n-gram) and llama.cpp.
+"""The ecosystem's runtimes as benchmark modes: onnxruntime-genai (plain and n-gram), llama.cpp and OpenVINO GenAI
+(plain and prompt lookup).
 
-`paradecode-bench --peers ort-genai,llama.cpp` measures what a user would pick instead of paradecode
+`paradecode-bench --peers ort-genai,llama.cpp,openvino` measures what a user would pick instead of paradecode
 beside `ar` and ParaDecode, in the same rounds (docs/design.md §6): the same prompt token ids, greedy, the
 same new-token budget and stop tokens, every core.
 
@@ -8,6 +9,9 @@ same new-token budget and stop tokens, every core.
   (`paradecode.tools.peer_models`), decoding plainly; and `ort-genai-ngram`, the same model with the
   library's n-gram speculation (`NGRAM_OPTIONS`).
 - `llama.cpp`: llama-cpp-python on the GGUF file the export came from.
+- `openvino`: OpenVINO GenAI's `LLMPipeline` on the CPU, on the model optimum-intel converts from the export's
+  source with int8, int4 or fp32 weights (`paradecode.tools.peer_models`), decoding plainly; and `openvino-lookup`,
+  the same model with the library's prompt lookup (`OPENVINO_LOOKUP_OPTIONS`).
 
 A runner owns its library's objects and has one lifecycle: `load()`, then `generate(ids, max_new_tokens)`
 any number of times, then `close()` (or `with runner.load(): ...`). Each library is imported in `load`,
@@ -15,7 +19,9 @@ so importing this module (and `paradecode.tools.bench`) never imports them. The 
 a process of its own (tools/peer_process.py), so that a peer that crashes ends itself, not the run.
 
 Threading model: a runner is used by one thread at a time (the harness calls modes one after another);
-each `generate` call makes its own per-request state (a genai `Generator`; llama.cpp's context is reset).
+each `generate` call makes its own per-request state (a genai `Generator`; llama.cpp's context is reset; OpenVINO
+GenAI's pipeline starts each `generate` from an empty KV cache). OpenVINO GenAI calls its streamer back on the
+thread that called `generate`, so its tokens are timed there too.
 """
 
 from __future__ import annotations
@@ -37,13 +43,19 @@ from paradecode.tools.harness import Mode, Sample
 
 logger = logging.getLogger(__name__)
 
-PEERS = ("ort-genai", "llama.cpp")  # what --peers accepts
+PEERS = ("ort-genai", "llama.cpp", "openvino")  # what --peers accepts
 PRECISIONS = ("int4", "fp32")  # onnxruntime-genai's builder precisions offered for its CPU models
+# optimum-intel's weight formats offered for OpenVINO's models (peer_models.OPENVINO_WEIGHT_OPTIONS says how each is
+# made): int8 beside paradecode's default export, int4 beside `--weights int4`, fp32 to check against transformers.
+OPENVINO_WEIGHTS = ("int8", "int4", "fp32")
 INSTALL = "pip install 'paradecode[peers]'"
-# The import name and the distribution of each peer's packages (its model builder also needs onnx_ir).
+# The import name and the distribution of each peer's packages (its model builder also needs onnx_ir). The openvino
+# peer's converter, optimum-intel, is looked for in the Python that converts (peer_models.openvino_converter), which
+# need not be this one: optimum-intel 2.2 requires transformers < 5.6.
 PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
     "ort-genai": (("onnxruntime_genai", "onnxruntime-genai"), ("onnx_ir", "onnx-ir")),
     "llama.cpp": (("llama_cpp", "llama-cpp-python"),),
+    "openvino": (("openvino_genai", "openvino-genai"),),
 }
 # onnxruntime-genai's n-gram speculation (`GeneratorParams.set_speculative_options`, onnxruntime-genai
 # >= 0.18, docs/SpeculativeDecoding.md): the last ngram_size - 1 tokens are looked up in the sequence so far
@@ -55,6 +67,17 @@ PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
 NGRAM_OPTIONS: dict[str, Any] = {
     "ngram_size": GenerationConfig.lookup_min_ngram + 1,
     "max_draft_tokens": GenerationConfig.lookup_tokens,
+}
+# OpenVINO GenAI's prompt lookup (`LLMPipeline(..., prompt_lookup=True)`, the GenerationConfig fields below): the
+# sequence's last max_ngram_size tokens, then ever shorter suffixes down to one token, are looked up in the sequence
+# so far; the continuation of the first occurrence found, up to num_assistant_tokens tokens, is verified in one call
+# (padded to num_assistant_tokens, so every verification computes that many positions). Set like ParaDecode's
+# prompt-lookup defaults where the two compare: its longest match (16 tokens) and 5 tokens proposed; ParaDecode stops
+# at 2-token matches and takes the continuation their occurrences agree on (runtime/lookup.py), which this library
+# does not. The library reports no count of the tokens it proposed, so its rows have no lookup counts.
+OPENVINO_LOOKUP_OPTIONS: dict[str, int] = {
+    "max_ngram_size": GenerationConfig.lookup_max_ngram,
+    "num_assistant_tokens": GenerationConfig.lookup_tokens,
 }
 
 
@@ -71,8 +94,10 @@ class PeerSettings:
     peers: tuple[str, ...]
     precision: str = "int4"  # onnxruntime-genai's weights (its model builder's -p)
     source: str | None = None  # the model the peers run (a MODEL as paradecode-export takes); None: the export's
-    cache: Path = field(default_factory=default_cache)  # where onnxruntime-genai's builds are kept
+    cache: Path = field(default_factory=default_cache)  # where the ort-genai and openvino peers' models are kept
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every core, as ar's default baseline
+    openvino_weights: str = "int8"  # OpenVINO's weight format, one of OPENVINO_WEIGHTS
+    openvino_converter: Path | None = None  # the Python with optimum-intel that converts for openvino; None: this
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -84,6 +109,10 @@ class PeerSettings:
             )
         if self.precision not in PRECISIONS:
             raise UserInputError(f"peer precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}.")
+        if self.openvino_weights not in OPENVINO_WEIGHTS:
+            raise UserInputError(
+                f"OpenVINO weights {self.openvino_weights!r}: expected one of {', '.join(OPENVINO_WEIGHTS)}."
+            )
         if not isinstance(self.threads, int) or self.threads < 1:
             raise UserInputError(f"peer threads must be a positive integer, got {self.threads!r}.")
 
@@ -134,7 +163,8 @@ class PeerOutput:
 
 
 class PeerRunner:
-    """One peer's lifecycle (`load` / `generate` / `close`); subclasses write `_load`, `_tokens` and `_close`.
+    """One peer's lifecycle (`load` / `generate` / `close`); subclasses write `_load`, `_tokens` (or `_decode`, for a
+    library that calls back with its tokens) and `_close`.
 
     `generate` is the same for every peer: it checks the call, stops at an `eos_token_ids` token (kept in
     the output, as paradecode's decoding keeps it) or after `max_new_tokens`, and reports each token to
@@ -187,16 +217,14 @@ class PeerRunner:
             )
         tokens: list[int] = []
         stats: dict[str, int] = {}
-        stream = self._tokens(ids, budget, stats)
-        try:
-            for token in stream:
-                tokens.append(token)
-                if on_token is not None:
-                    on_token(token)
-                if token in self.eos_token_ids or len(tokens) >= budget:
-                    break
-        finally:
-            stream.close()
+
+        def take(token: int) -> bool:
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            return token not in self.eos_token_ids and len(tokens) < budget
+
+        self._decode(ids, budget, stats, take)
         return PeerOutput(tokens, **stats)
 
     def _check_loaded(self) -> None:
@@ -211,6 +239,17 @@ class PeerRunner:
 
     def _load(self) -> None:
         raise NotImplementedError
+
+    def _decode(self, ids: list[int], budget: int, stats: dict[str, int], take: Callable[[int], bool]) -> None:
+        """Hand the greedy tokens after `ids` to `take` one by one as they arrive, until it answers False (the stop
+        token or the budget) or the library stops; fill `stats` as `_tokens` says. By default, from `_tokens`."""
+        stream = self._tokens(ids, budget, stats)
+        try:
+            for token in stream:
+                if not take(token):
+                    break
+        finally:
+            stream.close()
 
     def _tokens(self, ids: list[int], budget: int, stats: dict[str, int]) -> Iterator[int]:
         """Greedy tokens after `ids`, at least `budget` of them unless the library stops; on exit, fill `stats` with
@@ -320,6 +359,79 @@ class LlamaCppRunner(PeerRunner):
             llama.close()
 
 
+class OpenVinoRunner(PeerRunner):
+    """OpenVINO GenAI's `LLMPipeline` on the CPU, on a folder optimum-intel wrote (openvino_model.xml).
+
+    Its CPU plugin runs `threads` threads (INFERENCE_NUM_THREADS) and otherwise as it does by default: on a CPU with
+    AVX512-BF16 or AMX, bf16 arithmetic and a KV cache quantized to u8, whose rounding can change greedy tokens (and
+    make `lookup` part from plain decoding: it runs in another pipeline, with paged attention, that rounds
+    differently). `properties` are more CPU plugin properties, such as the tests' `{"INFERENCE_PRECISION_HINT": "f32",
+    "KV_CACHE_PRECISION": "f32"}` for float32 arithmetic. Each `generate` is greedy, with no end-of-sequence or stop
+    token of the library's own (`generate` stops at the export's, so every mode stops alike); a streamer hands each
+    token over as it arrives. `lookup`: the library's prompt lookup with OPENVINO_LOOKUP_OPTIONS instead of plain
+    decoding.
+    """
+
+    name = "openvino"
+
+    def __init__(self, folder: Path, *, lookup: bool = False, properties: dict[str, Any] | None = None, **common):
+        super().__init__(**common)
+        self.folder = Path(folder)
+        self.lookup = lookup
+        self.properties = dict(properties or {})
+        self._og = self._ov = self._pipeline = None
+
+    def _load(self) -> None:
+        og = import_peer(self.name, "openvino_genai")
+        if not (self.folder / "openvino_model.xml").is_file():
+            raise UserInputError(
+                f"{self.folder} has no openvino_model.xml: it is not a folder optimum-intel's OpenVINO exporter wrote."
+            )
+        properties = {**self.properties, "INFERENCE_NUM_THREADS": self.threads}
+        if self.lookup:
+            properties["prompt_lookup"] = True
+        try:
+            pipeline = og.LLMPipeline(str(self.folder), "CPU", **properties)
+        except RuntimeError as err:  # OpenVINO reports a model or property it cannot take so
+            raise UserInputError(f"OpenVINO GenAI could not load {self.folder}: {err}") from err
+        self._og, self._ov, self._pipeline = og, import_peer(self.name, "openvino"), pipeline
+
+    def _decode(self, ids: list[int], budget: int, stats: dict[str, int], take: Callable[[int], bool]) -> None:
+        import numpy as np
+
+        og, ov = self._og, self._ov
+        config = og.GenerationConfig()  # greedy, no penalty; the model's generation_config.json is not read
+        config.max_new_tokens = budget
+        config.do_sample = False
+        config.ignore_eos = True
+        if self.lookup:
+            for key, value in OPENVINO_LOOKUP_OPTIONS.items():
+                setattr(config, key, value)
+        prompt = np.array([ids], dtype=np.int64)
+        inputs = og.TokenizedInputs(ov.Tensor(prompt), ov.Tensor(np.ones_like(prompt)))
+        self._pipeline.generate(inputs, config, token_streamer(og, take))
+
+    def _close(self) -> None:
+        self._pipeline = self._og = self._ov = None
+
+
+def token_streamer(og, take: Callable[[int], bool]):
+    """An OpenVINO GenAI streamer that hands each token to `take` (several at once after a verified lookup) and stops
+    the generation once `take` answers False."""
+
+    class TokenStreamer(og.StreamerBase):
+        def write(self, arrived):
+            for token in [arrived] if isinstance(arrived, int) else arrived:
+                if not take(int(token)):
+                    return og.StreamingStatus.STOP
+            return og.StreamingStatus.RUNNING
+
+        def end(self) -> None:
+            pass
+
+    return TokenStreamer()
+
+
 def peer_mode(name: str, runner: PeerRunner, settings: dict[str, Any]) -> Mode:
     """A harness mode that decodes with `runner`, timing every token as it arrives (as `stream_mode` does)."""
 
@@ -349,6 +461,9 @@ def peer_modes(settings: PeerSettings, model, stack: ExitStack, *, ignore_eos: b
     manifest = model.manifest
     source = peer_models.peer_source(settings.source, manifest)
     gguf = peer_models.gguf_file_of(source) if "llama.cpp" in settings.peers else None  # refused before a build
+    converter = None
+    if "openvino" in settings.peers:  # refused before a build, too
+        converter = peer_models.openvino_converter(settings.openvino_converter)
     common = dict(
         threads=settings.threads,
         max_seq_len=manifest.max_seq_len,
@@ -367,6 +482,14 @@ def peer_modes(settings: PeerSettings, model, stack: ExitStack, *, ignore_eos: b
         runner = stack.enter_context(PeerProcess(LlamaCppRunner, gguf=gguf, **common))
         described = {"peer": "llama.cpp", "model": str(gguf), "threads": settings.threads}
         modes.append(peer_mode(f"llama.cpp gguf ({threads})", runner, described))
+    if converter is not None:
+        weights = settings.openvino_weights
+        folder = peer_models.openvino_model_folder(source, weights, settings.cache, converter)
+        described = {"peer": "openvino", "weights": weights, "threads": settings.threads, "model": str(folder)}
+        for name, lookup in (("openvino", False), ("openvino-lookup", True)):
+            runner = stack.enter_context(PeerProcess(OpenVinoRunner, folder=folder, lookup=lookup, **common))
+            settings_row = {**described, **({"lookup": OPENVINO_LOOKUP_OPTIONS} if lookup else {})}
+            modes.append(peer_mode(f"{name} {weights} ({threads})", runner, settings_row))
     logger.info(
         "peers: %s; each uses %s (every core, as ar's default baseline does)", ", ".join(m.name for m in modes), threads
     )

@@ -3,7 +3,10 @@
 Argument and error tests need none of the peers' packages. The runner tests need theirs and skip,
 saying so, without them: onnxruntime-genai (a wheel) builds its model from the demo model and from a
 tiny GGUF written in-process, and must decode exactly as transformers' greedy `generate` does in fp32;
-llama-cpp-python (compiled from source, so not in the test extra) runs the tiny GGUF.
+llama-cpp-python (compiled from source, so not in the test extra) runs the tiny GGUF; OpenVINO GenAI runs
+stories260K as optimum-intel converts it. optimum-intel requires transformers < 5.6, so it cannot join the test
+environment: those tests take the Python that has it from PARADECODE_OPENVINO_CONVERTER (else this one, if it has
+optimum-intel) and skip, saying so, without one.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from paradecode.export.source import ModelSource
-from paradecode.graphs.errors import UnsupportedModelError, UserInputError
+from paradecode.graphs.errors import MissingDependencyError, UnsupportedModelError, UserInputError
 from paradecode.tools import bench, harness, peer_models, peers, reporting
 from tests.tiny_gguf import BOS_ID, write_tiny_gguf
 from tests.tools.stand_in_peers import CountingPeer, CrashingPeer
@@ -41,6 +44,10 @@ needs_genai = pytest.mark.skipif(genai_missing() is not None, reason=genai_missi
 needs_llama_cpp = pytest.mark.skipif(
     bool(peers.missing_packages(["llama.cpp"])),
     reason="llama-cpp-python is not installed (it compiles llama.cpp from source: `pip install 'paradecode[peers]'`)",
+)
+needs_openvino = pytest.mark.skipif(
+    bool(peers.missing_packages(["openvino"])),
+    reason="openvino-genai is not installed (not in the test extra: `pip install 'paradecode[peers]'`)",
 )
 
 
@@ -62,20 +69,31 @@ def run_bench(argv, capsys) -> tuple[int, str]:
 def test_peers_flag_accepts_the_known_names_only(capsys):
     args = bench.build_parser().parse_args(["DIR", "--peers", "llama.cpp,ort-genai"])
     assert args.peers == ("llama.cpp", "ort-genai") and args.peer_precision == "int4"
+    assert args.openvino_weights == "int8" and args.openvino_converter is None
     with pytest.raises(SystemExit) as exit_info:
         bench.build_parser().parse_args(["DIR", "--peers", "ort-genai,vllm"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--peers 'ort-genai,vllm': expected comma-separated values from ort-genai, llama.cpp; not 'vllm'" in err
+    assert (
+        "--peers 'ort-genai,vllm': expected comma-separated values from ort-genai, llama.cpp, openvino; not 'vllm'"
+        in err
+    )
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["DIR", "--peers", "ort-genai", "--peer-precision", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+    argv = ["DIR", "--peers", "openvino", "--openvino-weights", "int4", "--openvino-converter", "/envs/ov/bin/python"]
+    args = bench.build_parser().parse_args(argv)
+    assert args.peers == ("openvino",) and args.openvino_weights == "int4"
+    assert args.openvino_converter == Path("/envs/ov/bin/python")
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["DIR", "--peers", "openvino", "--openvino-weights", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_peer_settings_validate_themselves(tmp_path):
     settings = peers.PeerSettings(("ort-genai",), cache=tmp_path)
     assert settings.precision == "int4" and settings.threads >= 1 and settings.source is None
-    with pytest.raises(UserInputError, match=r"expected distinct names from ort-genai, llama.cpp; not 'vllm'"):
+    with pytest.raises(UserInputError, match=r"distinct names from ort-genai, llama.cpp, openvino; not 'vllm'"):
         peers.PeerSettings(("vllm",))
     with pytest.raises(UserInputError, match="distinct names"):
         peers.PeerSettings(("llama.cpp", "llama.cpp"))
@@ -85,6 +103,12 @@ def test_peer_settings_validate_themselves(tmp_path):
         peers.PeerSettings(("ort-genai",), precision="fp16")
     with pytest.raises(UserInputError, match="positive integer"):
         peers.PeerSettings(("ort-genai",), threads=0)
+    settings = peers.PeerSettings(
+        ("openvino",), openvino_weights="int4", openvino_converter=Path("/envs/ov/bin/python")
+    )
+    assert settings.openvino_weights == "int4" and peers.PeerSettings(("openvino",)).openvino_converter is None
+    with pytest.raises(UserInputError, match=r"OpenVINO weights 'int3': expected one of int8, int4, fp32"):
+        peers.PeerSettings(("openvino",), openvino_weights="int3")
 
 
 @pytest.mark.parametrize(
@@ -93,6 +117,8 @@ def test_peer_settings_validate_themselves(tmp_path):
         (("onnxruntime_genai",), "ort-genai", ["onnxruntime-genai"]),
         (("onnxruntime_genai", "onnx_ir", "llama_cpp"), "ort-genai,llama.cpp", ["onnxruntime-genai, onnx-ir", "llama"]),
         (("llama_cpp",), "llama.cpp", ["llama-cpp-python"]),
+        (("openvino_genai",), "openvino", ["openvino-genai"]),
+        (("openvino_genai", "llama_cpp"), "openvino,llama.cpp", ["openvino-genai, llama-cpp-python"]),
     ],
 )
 def test_a_missing_peer_package_is_named_before_the_export_is_read(hidden, peer_list, named, monkeypatch, capsys):
@@ -107,6 +133,7 @@ def test_a_missing_peer_package_is_named_before_the_export_is_read(hidden, peer_
     ("argv", "message"),
     [
         (["--peer-source", "smollm2"], "--peer-source sets up --peers: add --peers"),
+        (["--openvino-converter", "/envs/ov/bin/python"], "--openvino-converter sets up --peers: add --peers"),
         (["--peers", "ort-genai", "--temperature", "0.7"], "--peers compares greedy decoding"),
         (["--peers", "ort-genai", "--device", "cuda"], "use --device cpu"),
     ],
@@ -119,7 +146,8 @@ def test_peer_options_that_cannot_work_are_refused_up_front(argv, message, capsy
 def test_importing_bench_imports_no_peer_package():
     code = (
         "import sys, paradecode.tools.bench, paradecode.tools.peers, paradecode.tools.peer_models\n"
-        "loaded = sorted(m for m in ('onnxruntime_genai', 'onnx_ir', 'llama_cpp') if m in sys.modules)\n"
+        "peers = ('onnxruntime_genai', 'onnx_ir', 'llama_cpp', 'openvino', 'openvino_genai', 'optimum')\n"
+        "loaded = sorted(m for m in peers if m in sys.modules)\n"
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -158,6 +186,107 @@ def test_a_failed_build_says_why_keeps_its_log_and_leaves_no_model(tmp_path, mon
         error.value
     )
     assert not folder.exists() and sorted(p.name for p in folder.parent.iterdir()) == ["int4.build.log"]
+
+
+# --- OpenVINO's converter and its cache (faked conversions) ----------------------------------------------
+
+CONVERTER_VERSIONS = {"optimum-intel": "2.2.0", "openvino": "2026.4.1", "nncf": "3.4.0"}
+
+
+def executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def test_the_openvino_converter_must_be_a_python_with_optimum_intel(tmp_path):
+    with pytest.raises(UserInputError, match=r"--openvino-converter .*/no/python: expected a Python .*not be run"):
+        peer_models.openvino_converter(tmp_path / "no" / "python")
+    failing = executable(tmp_path / "failing", "#!/bin/sh\necho 'not a python' >&2\nexit 3\n")
+    with pytest.raises(UserInputError, match=r"exited with code 3 \('not a python'\)"):
+        peer_models.openvino_converter(failing)
+    bare = executable(tmp_path / "bare-python", f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # no site-packages
+    with pytest.raises(MissingDependencyError) as error:
+        peer_models.openvino_converter(bare)
+    message = str(error.value)
+    assert f"optimum-intel, and --openvino-converter {bare} lacks optimum-intel, openvino, nncf" in message
+    assert "requires transformers < 5.6" in message and "pass --openvino-converter DIR/bin/python" in message
+    answering = executable(tmp_path / "python", f"#!/bin/sh\necho '{json.dumps(CONVERTER_VERSIONS)}'\n")
+    converter = peer_models.openvino_converter(answering)
+    assert converter.python == answering and converter.versions == CONVERTER_VERSIONS
+    assert converter.key == "openvino-2026.4.1-optimum-intel-2.2.0"
+
+
+def fake_conversion(calls: list, code: int = 0):
+    """A stand-in for `run_logged` running optimum-intel: records the command, writes a model into its output folder
+    (the last argument) and its log, and exits with `code`."""
+
+    def run(command, log):
+        calls.append(command)
+        (Path(command[-1]) / "openvino_model.xml").write_text("<net/>")
+        log.write_text("converting\nboom\n" if code else "converted\n")
+        return code, log.read_text().strip()
+
+    return run
+
+
+def test_openvino_conversions_are_kept_by_source_weights_and_converter_versions(tmp_path, monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(peer_models, "run_logged", fake_conversion(calls))
+    converter = peer_models.OpenVinoConverter(Path("/envs/ov/bin/python"), dict(CONVERTER_VERSIONS))
+    source = ModelSource(str(DEMO_MODEL), DEMO_MODEL)
+    sha = source.identity()["weights_sha256"]
+    folder = peer_models.openvino_model_folder(source, "int4", tmp_path, converter)
+    assert folder == tmp_path / sha / "openvino-2026.4.1-optimum-intel-2.2.0" / "int4"
+    (command,) = calls
+    assert command[:5] == ["/envs/ov/bin/python", "-m", "optimum.commands.optimum_cli", "export", "openvino"]
+    assert command[command.index("--model") + 1] == str(DEMO_MODEL) and "--disable-convert-tokenizer" in command
+    assert " --task text-generation-with-past --weight-format int4 --group-size 32 --ratio 1.0 " in " ".join(command)
+    assert Path(command[-1]).parent == folder.parent and Path(command[-1]).name.startswith(".int4.partial-")
+    record = json.loads((folder / "conversion.json").read_text())
+    assert record["weights"] == "int4" and record["weights_sha256"] == sha and record["converter"] == CONVERTER_VERSIONS
+    assert record["command"][0] == "python" and record["command"][-1] == "OUT" and not record["float_folder_from_gguf"]
+    with caplog.at_level("INFO"):
+        assert peer_models.openvino_model_folder(source, "int4", tmp_path, converter) == folder
+    assert len(calls) == 1 and "(cached)" in caplog.text
+    int8 = peer_models.openvino_model_folder(source, "int8", tmp_path, converter)
+    newer = peer_models.OpenVinoConverter(converter.python, {**CONVERTER_VERSIONS, "optimum-intel": "2.3.0"})
+    converted_again = peer_models.openvino_model_folder(source, "int4", tmp_path, newer)
+    assert len(calls) == 3 and int8 == folder.with_name("int8")
+    assert calls[1][calls[1].index("--weight-format") + 1] == "int8"
+    assert converted_again == tmp_path / sha / "openvino-2026.4.1-optimum-intel-2.3.0" / "int4"
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["int4", "int4.convert.log", "int8", "int8.convert.log"]
+    with pytest.raises(UserInputError, match=r"OpenVINO weights 'int3': expected one of int8, int4, fp32"):
+        peer_models.openvino_model_folder(source, "int3", tmp_path, converter)
+
+
+def test_an_interrupted_or_failed_openvino_conversion_leaves_no_model_to_use(tmp_path, monkeypatch):
+    """Half a model in the staged folder, then Ctrl-C, or the converter's failure: nothing at the model's place, no
+    staged or scratch folder left, and the next call converts again."""
+    converter = peer_models.OpenVinoConverter(Path("/envs/ov/bin/python"), dict(CONVERTER_VERSIONS))
+    source = ModelSource(str(DEMO_MODEL), DEMO_MODEL)
+    folder = tmp_path / source.identity()["weights_sha256"] / converter.key / "int8"
+
+    def interrupted(command, log):
+        (Path(command[-1]) / "openvino_model.xml").write_text("<net")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(peer_models, "run_logged", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        peer_models.openvino_model_folder(source, "int8", tmp_path, converter)
+    assert not folder.exists() and not list(folder.parent.iterdir())
+    calls = []
+    monkeypatch.setattr(peer_models, "run_logged", fake_conversion(calls, code=1))
+    with pytest.raises(UnsupportedModelError) as error:
+        peer_models.openvino_model_folder(source, "int8", tmp_path, converter)
+    message = str(error.value)
+    assert "optimum-intel could not convert" in message and "with int8 weights (exit code 1" in message
+    assert "boom" in message and str(folder.with_name("int8.convert.log")) in message
+    assert "Leave openvino out of --peers" in message
+    assert sorted(p.name for p in folder.parent.iterdir()) == ["int8.convert.log"]
+    monkeypatch.setattr(peer_models, "run_logged", fake_conversion(calls))
+    assert peer_models.openvino_model_folder(source, "int8", tmp_path, converter) == folder
+    assert len(calls) == 2 and (folder / "conversion.json").is_file()
 
 
 # --- the runner lifecycle and stopping rules (a fake peer) ------------------------------------------------
@@ -455,3 +584,116 @@ def test_llama_cpp_decodes_greedily_from_a_fresh_context_every_call(tiny_gguf):
         runner.generate([BOS_ID, 50, 51], 5)  # another prompt in between must leave nothing behind
         assert first == runner.generate(PROMPT, NEW_TOKENS).token_ids == chain
     assert first[0] == transformers_greedy(transformers_gguf(tiny_gguf), PROMPT, 1)[0]
+
+
+# --- OpenVINO GenAI, for real (where openvino-genai and a Python with optimum-intel are here) ------------------
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}  # float32 arithmetic and KV cache
+STORIES_PROMPTS = [[1, 403, 407, 261, 378, 395, 262, 1, 403, 407, 261], [1, 403, 407, 261, 378]]
+STORIES_STORY = [378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267]  # its greedy text
+REPEATING = [1, *STORIES_STORY, *STORIES_STORY, *STORIES_STORY[:4]]  # a prompt that repeats itself: lookup finds it
+OPENVINO_TOKENS = 16
+
+
+def openvino_converter_for_tests() -> peer_models.OpenVinoConverter:
+    """The Python PARADECODE_OPENVINO_CONVERTER names (refused, not skipped, where it is wrong), else this one where it
+    has optimum-intel; skips without either."""
+    configured = os.environ.get("PARADECODE_OPENVINO_CONVERTER")
+    if configured:
+        return peer_models.openvino_converter(configured)
+    try:
+        return peer_models.openvino_converter()
+    except MissingDependencyError as err:
+        pytest.skip(
+            f"no Python with optimum-intel to convert models for OpenVINO: set PARADECODE_OPENVINO_CONVERTER ({err})"
+        )
+
+
+@pytest.fixture(scope="module")
+def stories_openvino(stories_dir, tmp_path_factory) -> dict[str, Path]:
+    """weights -> OpenVINO's model of stories260K (a real 5-layer Llama), converted by optimum-intel."""
+    if peers.missing_packages(["openvino"]):
+        pytest.skip("openvino-genai is not installed (not in the test extra: `pip install 'paradecode[peers]'`)")
+    converter = openvino_converter_for_tests()
+    source = ModelSource(str(stories_dir / "hf"), stories_dir / "hf")
+    cache = tmp_path_factory.mktemp("openvino-cache")
+    return {
+        weights: peer_models.openvino_model_folder(source, weights, cache, converter) for weights in ("int8", "fp32")
+    }
+
+
+def stories_greedy(stories_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(stories_dir / "hf"), dtype=torch.float32).eval()
+    return [transformers_greedy(model, ids, OPENVINO_TOKENS) for ids in prompts]
+
+
+@pytest.mark.slow
+@needs_openvino
+def test_openvino_int8_greedy_equals_transformers_generate(stories_openvino, stories_dir):
+    """As the benchmark runs it (int8 weights, the CPU plugin's own arithmetic: bf16 where the CPU has it), plain
+    and with prompt lookup, OpenVINO's tokens equal transformers' float32 greedy ones on these prompts."""
+    expected = stories_greedy(stories_dir, STORIES_PROMPTS)
+    folder = stories_openvino["int8"]
+    with (
+        peers.OpenVinoRunner(folder, threads=2, max_seq_len=512) as plain,
+        peers.OpenVinoRunner(folder, threads=2, max_seq_len=512, lookup=True) as lookup,
+    ):
+        for ids, tokens in zip(STORIES_PROMPTS, expected):
+            assert plain.generate(ids, OPENVINO_TOKENS).token_ids == tokens, ids
+            assert lookup.generate(ids, OPENVINO_TOKENS).token_ids == tokens, ids
+    stop = expected[0][3]  # the stop token is kept and ends the output, as paradecode's decoding does
+    with peers.OpenVinoRunner(folder, threads=2, max_seq_len=512, eos_token_ids=(stop,)) as stopping:
+        assert stopping.generate(STORIES_PROMPTS[0], OPENVINO_TOKENS).token_ids == expected[0][:4]
+    record = json.loads((folder / "conversion.json").read_text())
+    assert record["weights"] == "int8" and set(record["converter"]) >= {"optimum-intel", "openvino", "nncf"}
+
+
+@pytest.mark.slow
+@needs_openvino
+def test_openvino_lookup_is_lossless_and_fp32_weights_equal_transformers(stories_openvino, stories_dir):
+    """On a prompt that repeats itself, in float32 arithmetic: fp32 weights give transformers' tokens, plain and with
+    prompt lookup; int8 weights part from them after the first token (stories260K's margins are narrow: int8 rounding
+    moves its argmax), and lookup still gives exactly what plain decoding gives."""
+    (expected,) = stories_greedy(stories_dir, [REPEATING])
+    outputs = {}
+    for weights, folder in stories_openvino.items():
+        for lookup in (False, True):
+            with peers.OpenVinoRunner(folder, threads=2, max_seq_len=512, lookup=lookup, properties=F32) as runner:
+                outputs[weights, lookup] = runner.generate(REPEATING, OPENVINO_TOKENS).token_ids
+    assert outputs["fp32", False] == outputs["fp32", True] == expected
+    assert outputs["int8", False] == outputs["int8", True]
+    assert outputs["int8", False][0] == expected[0]
+    share = harness.common_prefix_share(outputs["int8", False], expected)
+    print(f"int8 weights in float32 arithmetic: {share:.0%} of transformers' leading tokens")
+
+
+@pytest.mark.slow
+@needs_openvino
+def test_bench_with_the_openvino_peers_end_to_end(stories_openvino, stories_export, tmp_path, capsys):
+    """stories260K's export benchmarked with --peers openvino (fp32 weights, converted by the fixture and found in the
+    cache): both OpenVINO rows, with their settings, and their tokens equal ar's."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Once upon a time", "The little dog")))
+    converter = openvino_converter_for_tests()
+    code, out = run_bench(
+        [
+            stories_export[0],
+            *("--prompts", prompts, "--max-new-tokens", 8, "--repeat", 1, "--thresholds", "default"),
+            *("--overlaps", "batched", "--no-hf", "--peers", "openvino", "--openvino-weights", "fp32"),
+            *("--openvino-converter", converter.python, "--peer-cache", stories_openvino["fp32"].parents[2]),
+            *("--json", tmp_path / "b.json"),
+        ],
+        capsys,
+    )
+    assert code == 0, out
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    names = [n for n, row in summary.items() if not n.startswith("_") and row["kind"] == "peer"]
+    assert [n.split(" (")[0] for n in names] == ["openvino fp32", "openvino-lookup fp32"], names
+    for name in names:
+        row = summary[name]
+        assert row["settings"]["model"] == str(stories_openvino["fp32"]) and row["settings"]["weights"] == "fp32"
+        assert row["settings"]["threads"] >= 1
+        assert row["exact_match_vs_ar"] == 1.0, (name, row)
+    assert summary[names[1]]["settings"]["lookup"] == peers.OPENVINO_LOOKUP_OPTIONS
