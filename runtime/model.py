@@ -257,9 +257,9 @@ class ParaDecodeModel:
     def _stream(
         self, prompt, prompt_ids, messages, config, tracing: Tracing | None, settings: dict, *, text: bool
     ) -> GenerationStream:
-        """Check the request completely (a bad one raises here, before it holds the model), then make its stream."""
+        """Check the request completely (a bad one raises here, before it holds the model), then make its stream
+        (whether the export is still its folder's is checked where it starts: `Engine.join`)."""
         self._check_open()
-        self.files.check()
         request = self.request(prompt, prompt_ids, messages, config, **settings)
         stream = GenerationStream()
         if tracing is not None and not isinstance(tracing, Tracing):

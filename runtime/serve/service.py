@@ -110,8 +110,8 @@ class Service:
 
     def prepare(self, request: GenerationRequest) -> Request:
         """`request` resolved against the served model (its prompt's ids, its settings as they will decode), or the
-        error its client gets (404, 413, 400)."""
-        self.check_export()
+        error its client gets (404, 413, 400). Whether the export is still its folder's is checked once, where its
+        sequence starts (runtime/engine.py `Engine.join`: 503 `export_changed`), as for every caller."""
         name = self.config.served_model_name
         if request.model != name:
             raise ModelNotFound(f"the model {request.model!r} does not exist: this server serves {name!r}.", "model")

@@ -432,7 +432,7 @@ def export_changed(running, export: Path, monkeypatch) -> list:
             "1800 -> 900 bytes)."
         )
 
-    monkeypatch.setattr(running.service, "check_export", check)
+    monkeypatch.setattr(running.service.reference.files, "check", check)  # the replicas' one opened export
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2}
     return [
         ("/v1/completions", body, 503, "(onnx/weights.safetensors: 1800 -> 900 bytes)"),
