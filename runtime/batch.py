@@ -21,11 +21,13 @@ any call (runtime/row_exactness.py checks it on the machine) and verification ke
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from paradecode.runtime.decoding import MAIN, DecodeContext, HeadOutput, RowsContext
+from paradecode.runtime.planner import proposals_after
 from paradecode.runtime.speculation import Speculation
-from paradecode.runtime.stats import DRAFT, LOOKUP
+from paradecode.runtime.stats import LOOKUP
 from paradecode.runtime.verification import verify
 
 if TYPE_CHECKING:
@@ -66,22 +68,15 @@ class BatchStep:
         return verdicts
 
     def proposals(self, sequence: Sequence, row: int) -> tuple[list[int], int]:
-        """The proposals to follow `sequence`'s newest token (in row `row`), with their source: lookup's, else its
-        draft head's; at most its K, and no further than its last needed position or its first end-of-sequence
-        token."""
-        stops, history = sequence.request.stops, sequence.history
+        """The proposals to follow `sequence`'s newest token (in row `row`), with their source, by the rule the lone
+        path follows (runtime/planner.py `proposals_after`): at most its K, and no further than its last needed
+        position."""
+        stops, history, draft = sequence.request.stops, sequence.history, sequence.draft
         room = min(sequence.request.max_unverified, stops.last_position - sequence.position)
-        proposed, source = [], LOOKUP
-        if sequence.lookup is not None and room > 0:
-            count = min(room, sequence.lookup.max_tokens)
-            proposed = sequence.lookup.propose(history, len(history), count, verified=len(history))
-        if not proposed and sequence.draft is not None and room > 0:
-            count = min(room, sequence.draft.max_tokens)
-            proposed, source = sequence.draft.propose(self.row_context(row), history, len(history), count), DRAFT
-        for i, token in enumerate(proposed):
-            if token in stops.eos:
-                return proposed[: i + 1], source
-        return proposed, source
+        guesses, most = None, 0
+        if draft is not None:  # its guesses drafted in calls of this row alone
+            guesses, most = partial(draft.propose, self.row_context(row)), draft.max_tokens
+        return proposals_after(history, len(history), room, len(history), stops.eos, sequence.lookup, guesses, most)
 
     def row_context(self, row: int) -> DecodeContext:
         """The calls of row `row` alone, over its view of the batch's cache."""

@@ -157,23 +157,22 @@ class Planner:
         self.groups.append(self.frontier)
 
     def propose(self, position: int) -> tuple[list[int], int]:
-        """Proposals to follow tokens[position], with their source: lookup's, else where it has none the draft
-        head's; within the unverified limit, the needed positions, and up to the first EOS."""
+        """Proposals to follow tokens[position], with their source (`proposals_after`), within the unverified limit
+        and the needed positions; lookup's trimmed to what adaptive speculation says pays."""
         room = min(self.K - (len(self.tokens) - self.verified), self.last_position - position)
-        proposals, source = [], LOOKUP
-        if self.lookup is not None:
-            proposals = self.lookup.propose(self.tokens, position + 1, min(room, self.lookup.max_tokens), self.verified)
-            if proposals and self.speculation is not None:
-                keep = self.speculation.lookup_tokens(len(proposals))
-                if keep == 0:
-                    self.stats.lookups_skipped += 1
-                proposals = proposals[:keep]
-        if not proposals and self.draft is not None:
-            proposals, source = self.draft(self.tokens, position + 1, min(room, self.draft_tokens)), DRAFT
-        for i, token in enumerate(proposals):
-            if token in self.eos:
-                return proposals[: i + 1], source
-        return proposals, source
+        keep = None
+        if self.speculation is not None:
+            speculation, stats = self.speculation, self.stats
+
+            def keep(count: int) -> int:
+                kept = speculation.lookup_tokens(count)
+                if kept == 0:
+                    stats.lookups_skipped += 1
+                return kept
+
+        return proposals_after(
+            self.tokens, position + 1, room, self.verified, self.eos, self.lookup, self.draft, self.draft_tokens, keep
+        )
 
     # --- what to compute ----------------------------------------------------------------------------------------------
     def next_step(self) -> Step | None:
@@ -334,3 +333,33 @@ class Planner:
         self.source_of = {q: e for q, e in self.source_of.items() if q < position}
         self.lookup_depth = {q: d for q, d in self.lookup_depth.items() if q < position}
         self.start_frontier(position + 1, token)
+
+
+def proposals_after(
+    tokens: list[int],
+    end: int,
+    room: int,
+    verified: int,
+    eos: Collection[int],
+    lookup: LookupProposer | None,
+    draft: Callable[[list[int], int, int], list[int]] | None,
+    draft_tokens: int,
+    keep: Callable[[int], int] | None = None,
+) -> tuple[list[int], int]:
+    """The one rule of what is proposed to follow tokens[:end] (of which `verified` are verified), alone or in a
+    batch's row: lookup's continuation (at most its `max_tokens`; `keep(count)` may keep fewer), else, where it has
+    none, the draft head's guesses (`draft(tokens, end, count)`, at most `draft_tokens`); at most `room` in all and
+    up to the first end-of-sequence token. With the source (LOOKUP or DRAFT) its verdict is counted under."""
+    proposals, source = [], LOOKUP
+    if room <= 0:
+        return proposals, source
+    if lookup is not None:
+        proposals = lookup.propose(tokens, end, min(room, lookup.max_tokens), verified)
+        if proposals and keep is not None:
+            proposals = proposals[: keep(len(proposals))]
+    if not proposals and draft is not None:
+        proposals, source = draft(tokens, end, min(room, draft_tokens)), DRAFT
+    for i, token in enumerate(proposals):
+        if token in eos:
+            return proposals[: i + 1], source
+    return proposals, source
