@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--openvino-converter",
         type=Path,
         metavar="PYTHON",
-        help="a Python that has optimum-intel, which converts the model for the openvino peer (default: this one; "
-        "optimum-intel 2.2 requires transformers < 5.6, so it may need an environment of its own)",
+        help="a Python that has optimum-intel, which converts the model for the openvino peer (default: this one where "
+        "it has it, else an environment of its own made once in --peer-cache: optimum-intel 2.2 requires "
+        "transformers < 5.6)",
     )
     parser.add_argument(
         "--peer-source",

@@ -108,9 +108,10 @@ def hf_folder_of(source: ModelSource, scratch: Path, peer: str) -> Path:
     return folder
 
 
-def run_logged(command: list[str], log: Path) -> tuple[int, str]:
-    """Run `command` with its output in `log`; its exit code and the log's last lines."""
-    with open(log, "w") as out:
+def run_logged(command: list[str], log: Path, *, append: bool = False) -> tuple[int, str]:
+    """Run `command` with its output in `log` (after what it holds, with `append`); its exit code and the log's last
+    lines."""
+    with open(log, "a" if append else "w") as out:
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     return code, "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
 
@@ -207,9 +208,75 @@ class OpenVinoConverter:
         return f"openvino-{self.versions['openvino']}-optimum-intel-{self.versions['optimum-intel']}"
 
 
-def openvino_converter(python: Path | str | None = None) -> OpenVinoConverter:
-    """The converter `python` (--openvino-converter; None: this Python), refused where it is not a Python that runs
-    or has no optimum-intel."""
+# The converter's own environment, made under the peer cache on first use where none is named and this Python has no
+# optimum-intel: what optimum-intel 2.2 converts with, pinned as tested (2026-12-07), each group one pip call; torch's
+# CPU build first, and optimum-intel without its dependencies, so that its torchvision requirement pulls no CUDA torch
+# (converting a text model does not need torchvision). About 1.6 GB installed.
+CONVERTER_ENVIRONMENT = "openvino-converter-optimum-intel-2.2.0"
+CONVERTER_REQUIREMENTS: tuple[tuple[str, ...], ...] = (
+    ("torch==2.13.0",),
+    (
+        "transformers<5.6",
+        "huggingface-hub<1.22",
+        "optimum==2.3.0",
+        "nncf==3.4.0",
+        "openvino==2026.4.1",
+        "openvino-tokenizers==2026.4.1.0",
+        "requests>=2.33",
+        "setuptools",
+        "sentencepiece",
+        "protobuf",
+    ),
+    ("--no-deps", "optimum-intel==2.2.0"),
+)
+READY = "ready.json"  # written last in a converter environment: one without it was left unfinished
+
+
+def converter_environment(cache: Path) -> Path:
+    """The Python of the converter environment under `cache`: made there on first use (a venv with
+    CONVERTER_REQUIREMENTS; minutes and a download of about 1 GB), and made again where an earlier attempt left it
+    unfinished."""
+    import shutil
+
+    folder = Path(cache).expanduser() / CONVERTER_ENVIRONMENT
+    python = folder / "bin" / "python"
+    if (folder / READY).is_file():
+        return python
+    shutil.rmtree(folder, ignore_errors=True)  # unfinished: no READY
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    log = folder.with_name(f"{CONVERTER_ENVIRONMENT}.log")
+    logger.info(
+        "openvino peer: making the environment its converter (optimum-intel) runs in, once: %s (minutes, about 1.6 GB; "
+        "log %s)",
+        folder,
+        log,
+    )
+    started = time.perf_counter()
+    steps = [[sys.executable, "-m", "venv", str(folder)]]
+    steps += [[str(python), "-m", "pip", "install", "-q", *group] for group in CONVERTER_REQUIREMENTS]
+    log.write_text("")
+    for step in steps:
+        code, tail = run_logged(step, log, append=True)
+        if code != 0:
+            raise UserInputError(
+                f"making the openvino peer's converter environment failed: `{' '.join(step)}` exited with code {code}; "
+                f"the end of its output ({log}):\n{tail}\nName a Python that has optimum-intel with "
+                f"--openvino-converter PYTHON instead ({OPENVINO_INSTALL})."
+            )
+    (folder / READY).write_text(json.dumps({"requirements": CONVERTER_REQUIREMENTS}) + "\n")
+    logger.info("openvino peer: its converter environment is ready (%.0f s)", time.perf_counter() - started)
+    return python
+
+
+def openvino_converter(python: Path | str | None = None, cache: Path | None = None) -> OpenVinoConverter:
+    """The converter `python` (--openvino-converter), refused where it is not a Python that runs or has no
+    optimum-intel. None: this Python where it has optimum-intel, else (given the peer `cache`) the converter
+    environment there, made on first use (`converter_environment`)."""
+    if python is None and cache is not None:
+        try:
+            return openvino_converter(sys.executable)
+        except MissingDependencyError:
+            return openvino_converter(converter_environment(cache))
     python = Path(python) if python is not None else Path(sys.executable)
     given = f"this Python ({python})" if python == Path(sys.executable) else f"--openvino-converter {python}"
     try:

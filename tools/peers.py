@@ -97,7 +97,9 @@ class PeerSettings:
     cache: Path = field(default_factory=default_cache)  # where the ort-genai and openvino peers' models are kept
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)  # every core, as ar's default baseline
     openvino_weights: str = "int8"  # OpenVINO's weight format, one of OPENVINO_WEIGHTS
-    openvino_converter: Path | None = None  # the Python with optimum-intel that converts for openvino; None: this
+    # the Python with optimum-intel that converts for openvino; None: this one where it has it, else an environment
+    # of its own made once in `cache` (peer_models.converter_environment)
+    openvino_converter: Path | None = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -463,7 +465,7 @@ def peer_modes(settings: PeerSettings, model, stack: ExitStack, *, ignore_eos: b
     gguf = peer_models.gguf_file_of(source) if "llama.cpp" in settings.peers else None  # refused before a build
     converter = None
     if "openvino" in settings.peers:  # refused before a build, too
-        converter = peer_models.openvino_converter(settings.openvino_converter)
+        converter = peer_models.openvino_converter(settings.openvino_converter, settings.cache)
     common = dict(
         threads=settings.threads,
         max_seq_len=manifest.max_seq_len,

@@ -199,6 +199,48 @@ def executable(path: Path, text: str) -> Path:
     return path
 
 
+def test_without_a_converter_one_is_made_once_in_the_peer_cache(tmp_path, monkeypatch):
+    """This Python lacks optimum-intel: a venv is made in the cache with the pinned requirements (torch's CPU build
+    first, optimum-intel without its dependencies), marked ready last, then asked for its versions; a second call
+    reuses it; one left unfinished is made again; a failing step is refused, naming it and its log."""
+    calls: list[list[str]] = []
+    fail_at: list[str] = []
+
+    def run_logged(command, log, *, append=False):
+        calls.append(command)
+        if command[1:3] == ["-m", "venv"]:  # the environment's python: a fake that answers with versions
+            (Path(command[3]) / "bin").mkdir(parents=True)
+            executable(Path(command[3]) / "bin" / "python", f"#!/bin/sh\necho '{json.dumps(CONVERTER_VERSIONS)}'\n")
+        if fail_at and fail_at[0] in command:
+            return 1, "ERROR: no matching distribution"
+        return 0, ""
+
+    monkeypatch.setattr(peer_models, "run_logged", run_logged)
+    monkeypatch.setattr(
+        sys, "executable", str(executable(tmp_path / "bare", f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n'))
+    )
+    cache = tmp_path / "cache"
+    converter = peer_models.openvino_converter(None, cache)
+    folder = cache / peer_models.CONVERTER_ENVIRONMENT
+    assert converter.python == folder / "bin" / "python" and converter.versions == CONVERTER_VERSIONS
+    python = str(folder / "bin" / "python")
+    assert calls[0] == [sys.executable, "-m", "venv", str(folder)]
+    assert calls[1] == [python, "-m", "pip", "install", "-q", "torch==2.13.0"]
+    assert calls[-1] == [python, "-m", "pip", "install", "-q", "--no-deps", "optimum-intel==2.2.0"]
+    assert (folder / peer_models.READY).is_file()
+    calls.clear()
+    assert peer_models.openvino_converter(None, cache).python == converter.python and calls == []  # made once
+
+    (folder / peer_models.READY).unlink()  # as if stopped before the end: made again, from nothing
+    (folder / "stale").write_text("x")
+    fail_at.append("optimum-intel==2.2.0")
+    with pytest.raises(
+        UserInputError, match=r"converter environment failed: `.*optimum-intel==2.2.0` exited with code 1"
+    ):
+        peer_models.openvino_converter(None, cache)
+    assert not (folder / "stale").exists() and not (folder / peer_models.READY).exists()
+
+
 def test_the_openvino_converter_must_be_a_python_with_optimum_intel(tmp_path):
     with pytest.raises(UserInputError, match=r"--openvino-converter .*/no/python: expected a Python .*not be run"):
         peer_models.openvino_converter(tmp_path / "no" / "python")
