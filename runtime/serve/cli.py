@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from paradecode.graphs.arguments import non_negative_int, positive_float, positive_int
 from paradecode.graphs.errors import MissingDependencyError, UserInputError, run_command
@@ -261,9 +264,35 @@ def serve(config) -> None:
             logger.info("serving %s on http://%s:%d", config.served_model_name, host, port)
             # uvicorn takes SIGTERM and SIGINT while it runs: it stops accepting, lets in-flight requests finish
             # (answering what is left after --shutdown-timeout), then raises the signal again for run_command.
-            server.run(sockets=[sock])
+            with signals_stop(server):
+                server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+@contextmanager
+def signals_stop(server):
+    """Around `server.run`: a SIGINT or SIGTERM before uvicorn takes the signals (its event loop starting) or after
+    it gives them back stops the server as uvicorn's own handling does, and is raised again for run_command once the
+    server has returned. Without it the interrupt broke into asyncio's start (the server's coroutine never awaited,
+    its task destroyed pending: stderr noise after "stopped", seen on a loaded 2-core machine)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread alone
+        yield
+        return
+    caught: list[int] = []
+
+    def stop(signum, frame) -> None:
+        caught.append(signum)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        signal.raise_signal(caught[0])
 
 
 def main(argv: list[str] | None = None) -> int:

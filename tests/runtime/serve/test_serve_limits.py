@@ -572,6 +572,54 @@ def test_port_0_listens_on_a_free_port_and_says_which(served_export, tmp_path):
     assert process.returncode == 128 + signal.SIGTERM
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_as_the_server_starts_serving_stops_it_cleanly(served_export, sig):
+    """The signal sent the moment the server says it serves, before uvicorn has taken the signals (the full suite on a
+    loaded 2-core machine once hit this window: "stopped", then asyncio's "Task was destroyed but it is pending!"):
+    it stops with 128 + the signal and nothing after its last line, every time."""
+    code = f"import sys\nfrom paradecode.runtime.serve.cli import main\nsys.exit(main([{str(served_export)!r}]))\n"
+    for _ in range(3):
+        process = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        try:
+            lines = []
+            while not (line := process.stderr.readline()).count(" serving ") and line:
+                lines.append(line)
+            assert line, "".join(lines)
+            process.send_signal(sig)
+            _, err = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert process.returncode == 128 + sig, err
+        assert re.search(r"\nparadecode-serve: stopped( \(received SIGTERM\))?$", err.strip()), err
+        assert "Task was destroyed" not in err and "never awaited" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_as_uvicorn_starts_its_loop_stops_the_server_cleanly(served_export):
+    """The window the suite once hit, made certain: SIGINT inside uvicorn's `asyncio_run`, its server's coroutine made
+    and not yet awaited (before: a KeyboardInterrupt there, and asyncio's "never awaited" after "stopped")."""
+    code = (
+        "import os, signal, sys, time\n"
+        "import uvicorn.server\n"
+        "started = uvicorn.server.asyncio_run\n"
+        "def asyncio_run(main, **settings):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.2)\n"
+        "    return started(main, **settings)\n"
+        "uvicorn.server.asyncio_run = asyncio_run\n"
+        "from paradecode.runtime.serve.cli import main\n"
+        f"sys.exit(main([{str(served_export)!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=100)
+    assert out.returncode == 130 and out.stderr.strip().endswith("paradecode-serve: stopped"), out.stderr
+    assert "never awaited" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_the_command_lines_import_no_torch():
     """What a console script imports before main() runs, when a Ctrl-C would print a traceback: a few ms, not torch."""
     code = (
