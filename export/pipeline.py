@@ -20,7 +20,7 @@ import torch
 from paradecode.export import validate
 from paradecode.export.config import DEFAULT_MAX_SEQ_LEN, DEFAULT_THRESHOLD, ExportConfig, default_exit_layers
 from paradecode.export.draft_head import VOCAB as DRAFT_VOCAB
-from paradecode.export.draft_head import check_draft_head, draft_weights, load_draft_head
+from paradecode.export.draft_head import check_draft_head, draft_weights, head_feature_layers, load_draft_head
 from paradecode.export.families import family_for
 from paradecode.export.files import (
     check_output_folder,
@@ -89,6 +89,7 @@ def export_model(config: ExportConfig) -> ExportResult:
     identity = source.identity()
     exit_layers, transforms, heads_metadata, vocab = resolve_exit_layers(config, spec, identity)
     draft = resolve_draft_head(config, spec, identity)
+    features = () if draft is None else head_feature_layers(*draft, spec.num_layers)  # the layers it reads too
     weights = family.weights(hf_model, spec)
     if spec.positions == "rope":  # the rotary tables the exported layers read, one per inverse frequencies
         for table in spec.rope_tables:
@@ -118,6 +119,7 @@ def export_model(config: ExportConfig) -> ExportResult:
         fused_exits=config.fused_exits and bool(transforms),
         segments=config.segments,
         draft=draft is not None,
+        feature_layers=features,
     )
     logger.info(
         "exporting %s (%s, %d layers, hidden %d) to %s: %s, max_seq_len %d, exit layers %s, %s heads",
@@ -146,6 +148,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             config,
             max_seq_len,
             prompt_ids(folder, tokenizer_files, spec, identity, max_seq_len),
+            features,
         )
         if checklist.failed:
             raise ValidationError(
@@ -179,7 +182,7 @@ def export_model(config: ExportConfig) -> ExportResult:
             thresholds=default_thresholds(exit_layers, heads_metadata, bool(transforms)),
             head_vocab=None if vocab is None else len(vocab),
             calibration=calibration_of(heads_metadata),
-            draft=None if draft is None else draft_entry(*draft),
+            draft=None if draft is None else draft_entry(*draft, features),
             subgraphs=tuple(Subgraph(io, onnx_files[io.name], engines.get(io.name)) for io in plan),
             files=file_hashes(folder),
             tokenizer=tuple(f"{TOKENIZER_DIR}/{name}" for name in tokenizer_files),
@@ -305,13 +308,17 @@ def resolve_draft_head(
     return tensors, metadata
 
 
-def draft_entry(tensors: dict[str, torch.Tensor], metadata: dict) -> dict:
-    """The manifest's record of a draft head: its vocabulary's size and where it came from."""
-    return {
+def draft_entry(tensors: dict[str, torch.Tensor], metadata: dict, feature_layers: tuple[int, ...]) -> dict:
+    """The manifest's record of a draft head: its vocabulary's size, where it came from and, for one reading three
+    layers' outputs, the low and middle ones."""
+    entry = {
         "vocab": len(tensors[DRAFT_VOCAB]),
         "trained": bool(metadata.get("trained", False)),
         "base_weights_sha256": metadata.get("base_weights_sha256"),
     }
+    if feature_layers:
+        entry["feature_layers"] = list(feature_layers)
+    return entry
 
 
 def head_weights(
@@ -405,8 +412,10 @@ def write_subgraphs(
     config: ExportConfig,
     max_seq_len: int,
     ids: list[int],
+    feature_layers: tuple[int, ...] = (),
 ) -> tuple[validate.Checklist, dict[str, str]]:
-    """Trace (or template), save and validate every subgraph; return the checklist and the ONNX file names."""
+    """Trace (or template), save and validate every subgraph (`feature_layers`: those a draft head reads beside the
+    last one); return the checklist and the ONNX file names."""
     dtype = TORCH_DTYPES[config.dtype]
     weights, quantization = all_weights.reference, all_weights.quantization
     ops = config.resolved_ops
@@ -418,7 +427,9 @@ def write_subgraphs(
         if dtype == torch.float32 and quantization is None
         else {io.name: build_subgraph(spec, io, weights, dtype=dtype, with_logits=config.with_logits) for io in plan}
     )
-    real = validate.real_inputs(modules, plan, spec, ids, max_seq_len=max_seq_len, dtype=dtype)
+    real = validate.real_inputs(
+        modules, plan, spec, ids, max_seq_len=max_seq_len, dtype=dtype, feature_layers=feature_layers
+    )
     export_args = dict(
         vocab_size=spec.vocab_size, dtype=dtype, opset=config.opset, max_batch=config.max_batch, max_seq_len=max_seq_len
     )

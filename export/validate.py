@@ -24,6 +24,7 @@ from paradecode.graphs.ortvalues import ort_value
 from paradecode.graphs.spec import ModelSpec
 from paradecode.graphs.tensors import (
     EMBEDDED,
+    FEATURES,
     HIDDEN,
     HIDDEN_OUT,
     INPUT_IDS,
@@ -396,8 +397,10 @@ def real_inputs(
     max_seq_len: int,
     dtype: torch.dtype,
     decode_steps: int = 2,
+    feature_layers: tuple[int, ...] = (),
 ) -> dict[str, list[dict]]:
-    """Run the module chain on a real prompt (prefill, then greedy decode) and record each call's inputs."""
+    """Run the module chain on a real prompt (prefill, then greedy decode) and record each call's inputs
+    (`feature_layers`: the layers whose outputs a draft head's map reads beside the last one's)."""
     cache_shape = (1, spec.num_kv_heads, max_seq_len, spec.head_dim)
     caches = {
         io.layer: (torch.zeros(cache_shape, dtype=dtype), torch.zeros(cache_shape, dtype=dtype))
@@ -411,7 +414,7 @@ def real_inputs(
     with torch.no_grad():
         for _ in range(decode_steps + 1):
             positions = torch.arange(start, start + chunk.shape[1])[None]
-            hidden = None
+            hidden, outputs = None, {}  # outputs: of the feature layers
             for io in plan:
                 if io.kind == "layer_exit":  # fed what layer e was fed, before it wrote its cache
                     recorded[io.name].append({k: v.clone() for k, v in recorded[f"layer_{io.layer}"][-1].items()})
@@ -437,6 +440,8 @@ def real_inputs(
                         PAST_KEY: draft_cache[0],
                         PAST_VALUE: draft_cache[1],
                     }
+                elif io.kind == "draft_reduce":
+                    inputs = {FEATURES: torch.cat([*(outputs[f] for f in feature_layers), hidden], dim=-1)}
                 else:
                     inputs = {HIDDEN: hidden}
                 inputs = {k: v for k, v in inputs.items() if k in io.input_names}
@@ -444,6 +449,8 @@ def real_inputs(
                 out = modules[io.name](*[inputs[k] for k in io.input_names])
                 if io.kind in ("embed", "layer"):
                     hidden = out if io.kind == "embed" else out[0]
+                    if io.kind == "layer" and io.layer in feature_layers:
+                        outputs[io.layer] = hidden
                 elif io.kind == "final":
                     token = out[0][:, -1:]
             start += chunk.shape[1]

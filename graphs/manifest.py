@@ -217,7 +217,8 @@ class Manifest:
     calibration: dict[str, Any] | None = None
     head_vocab: int | None = None  # the trained exit heads' reduced vocabulary size; None: the whole vocabulary
     # the draft head (export/draft_head.py): {"vocab": its vocabulary's size, "trained": bool, "base_weights_sha256":
-    # the model it was made for}; None: the export has none
+    # the model it was made for, and for one reading three layers' outputs "feature_layers": [low, middle] (its
+    # `draft_reduce` graph's inputs beside the last layer's)}; None: the export has none
     draft: dict[str, Any] | None = None
     quantization: Quantization | None = None  # the weights stored quantized; None: every weight in `dtype`
     ops: str = "portable"  # "fused": onnxruntime's fused norms and rotary; "portable": operators TensorRT reads too
@@ -244,6 +245,11 @@ class Manifest:
     def segments(self) -> bool:
         """Whether the export has segment graphs (layers between its exit layers in one call each)."""
         return any(s.io.kind == "segment" for s in self.subgraphs)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The low and middle layers whose outputs the draft head reads beside the last one's; () for none."""
+        return tuple((self.draft or {}).get("feature_layers", ()))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -393,6 +399,7 @@ class Manifest:
             fused_exits=self.fused_exits,
             segments=self.segments,
             draft=self.draft is not None,
+            feature_layers=self.feature_layers,
         )
         plan = export_plan(self.spec, self.exit_layers, **settings)
         contract = (
@@ -468,6 +475,14 @@ def _draft(value: Any, spec: ModelSpec) -> dict[str, Any] | None:
         raise ManifestError(f"draft.vocab is {vocab}; expected at most the model's vocabulary ({spec.vocab_size}).")
     if not isinstance(draft.get("trained"), bool):
         raise ManifestError(f"draft.trained is {show(draft.get('trained'))}; expected true or false.")
+    if "feature_layers" in draft:
+        layers = json_array(draft["feature_layers"], "draft.feature_layers")
+        last = spec.num_layers - 1
+        if len(layers) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= last for x in layers):
+            raise ManifestError(
+                f"draft.feature_layers is {show(layers)}; expected the two layers (each in 1..{last}) whose outputs "
+                "the draft head reads beside the last one's."
+            )
     return draft
 
 

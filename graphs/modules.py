@@ -20,6 +20,7 @@ Weights use one canonical naming, independent of the source framework:
     draft.fuse.weight                                    (the draft head's fusion [D, 2D]: export/draft_head.py)
     draft.layer.*                                        (its decoder layer: a layer's names, as layers.{i}.*)
     draft.vocab, draft.unembed                           (its reduced vocabulary: token ids [N] and their rows)
+    draft.reduce.weight                                  (a head reading three layers: their map to one [D, 3D])
 
 A module's parameters are the very tensors of the weights it was built from wherever the dtype
 allows (`build_subgraph`), so modules that read the same weight (a tied embedding and unembedding,
@@ -312,6 +313,18 @@ class DraftGraph(nn.Module):
         return hidden, present_key, present_value, token, prob, margin
 
 
+class DraftReduceGraph(nn.Module):
+    """A draft head's map of three layers' outputs at a position (a low, a middle and the last layer's, side by side:
+    [B, T, 3D]) to the one [B, T, D] its `DraftGraph` call over that position reads (EAGLE-3's fusion)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.reduce = nn.Linear(3 * spec.hidden_size, spec.hidden_size, bias=False)
+
+    def forward(self, features):
+        return self.reduce(features)
+
+
 class SegmentGraph(nn.Module):
     """Layers first..last in one call: each layer's inputs and outputs as `LayerGraph`'s, chained.
 
@@ -360,6 +373,8 @@ def subgraph_state(
             **{f"head.{k}": v for k, v in head.items()},
             "head.vocab": weights["draft.vocab"],
         }
+    if io.kind == "draft_reduce":
+        return {"reduce.weight": weights["draft.reduce.weight"]}
     if io.kind == "segment":
         state = {}
         for index, layer in enumerate(range(io.layer, io.last + 1)):
@@ -453,6 +468,8 @@ def build_subgraph(
         )
     elif io.kind == "draft":
         module = DraftGraph(spec, vocab=len(weights["draft.vocab"]), ops=ops, max_seq_len=max_seq_len)
+    elif io.kind == "draft_reduce":
+        module = DraftReduceGraph(spec)
     elif io.kind == "exit":
         transform = f"exits.{io.layer}.transform" in weights
         module = HeadGraph(spec, transform=transform, vocab=head_vocab(weights), with_logits=with_logits)

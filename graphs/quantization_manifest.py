@@ -141,7 +141,7 @@ class Quantization:
     def activations_of(self, kind: str) -> str:
         """What a subgraph of this kind (graphs/tensors.py KINDS) computes with: "float" or "int8" (a draft head's
         weights are never quantized: float)."""
-        if kind == "draft":
+        if kind in ("draft", "draft_reduce"):
             return "float"
         if self.activations == "int8-heads":
             return "int8" if kind in HEAD_SUBGRAPHS else "float"

@@ -25,11 +25,15 @@ Subgraphs (docs/design.md §4), with layers numbered 1..L:
   written in place as a layer's) -> ``hidden_out`` [B, T, D] (the draft's guess at the last layer's output at p, its
   next call's ``hidden``), the caches, and ``token``, ``prob``, ``margin`` [B, T]: its top-1 guess at tokens[p + 1]
   over its reduced vocabulary (a model token id), as a head's.
+- ``draft_reduce`` (a draft head that reads three layers' outputs, EAGLE-3's fusion): ``features`` [B, T, 3D], the
+  outputs of a low, a middle and the last layer at positions p - 1 side by side (the manifest's
+  ``draft.feature_layers`` name the first two) -> ``hidden`` [B, T, D], what the ``draft`` graph's first call over
+  those positions reads in place of the last layer's output (its later calls read its own ``hidden_out``).
 - ``segment_a_b``: layers a..b in one graph, an execution unit beside the per-layer graphs (the
   contract's unit): ``hidden``, ``positions`` and each layer's ``past_key.i`` / ``past_value.i`` ->
   ``hidden_out`` and each layer's ``present_key.i`` / ``present_value.i`` (written in place, as a
-  layer's). An export's segments partition 1..L at its exit layers, so a token moves through a few
-  calls instead of one per layer.
+  layer's). An export's segments partition 1..L at its exit layers (and a draft head's feature layers), so a token
+  moves through a few calls instead of one per layer.
 
 Symbolic dimensions are named ``batch``, ``tokens`` and ``slots``; everything else is fixed at export. ``batch`` is
 symbolic in an export made with ``--max-batch`` 2 or more: rows are independent requests (runtime/engine.py), each at
@@ -50,6 +54,7 @@ SLOTS = "slots"  # a KV cache's slots: up to the export's max_seq_len
 
 INPUT_IDS = "input_ids"
 EMBEDDED = "embedded"
+FEATURES = "features"
 POSITIONS = "positions"
 HIDDEN = "hidden"
 HIDDEN_OUT = "hidden_out"
@@ -68,7 +73,7 @@ LOGITS = "logits"
 IN_PLACE = {PRESENT_KEY: PAST_KEY, PRESENT_VALUE: PAST_VALUE}
 
 DTYPES = ("float32", "float16", "bfloat16")
-KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment", "draft")
+KINDS = ("embed", "layer", "exit", "final", "layer_exit", "segment", "draft", "draft_reduce")
 HEAD_SUBGRAPHS = ("exit", "final")  # the kinds that are a head alone (layer_exit holds a layer too)
 
 
@@ -134,7 +139,7 @@ class SubgraphIO:
 def subgraph_name(kind: str, layer: int | None = None, last: int | None = None) -> str:
     if kind == "segment":
         return f"segment_{layer}_{last}"
-    if kind in ("embed", "final", "draft"):
+    if kind in ("embed", "final", "draft", "draft_reduce"):
         return kind
     if kind == "layer":
         return f"layer_{layer}"
@@ -215,6 +220,9 @@ def subgraph_io(
             TensorSpec(PROB, (batch, tokens), "float32"),
             TensorSpec(MARGIN, (batch, tokens), "float32"),
         ]
+    elif kind == "draft_reduce":
+        inputs = [TensorSpec(FEATURES, (batch, tokens, 3 * spec.hidden_size), dtype)]
+        outputs = [hidden]
     elif kind in ("exit", "final"):
         if kind == "exit" and (layer is None or not 1 <= layer < spec.num_layers):
             raise ValueError(f"an exit head sits after a layer in 1..{spec.num_layers - 1}, got {layer}")
@@ -232,17 +240,17 @@ def subgraph_io(
     return SubgraphIO(
         subgraph_name(kind, layer, last),
         kind,
-        layer if kind not in ("final", "draft") else None,
+        layer if kind not in ("final", "draft", "draft_reduce") else None,
         tuple(inputs),
         tuple(outputs),
         last if kind == "segment" else None,
     )
 
 
-def segment_ranges(num_layers: int, exit_layers: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The layer ranges an export's segments cover: 1..L cut after each exit layer, those of two layers or more (a
-    range of one layer is its layer graph)."""
-    bounds = [0, *sorted(e for e in exit_layers if 1 <= e < num_layers), num_layers]
+def segment_ranges(num_layers: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The layer ranges an export's segments cover: 1..L cut after each layer of `cuts` (its exit layers, its draft
+    head's feature layers), those of two layers or more (a range of one layer is its layer graph)."""
+    bounds = [0, *sorted({e for e in cuts if 1 <= e < num_layers}), num_layers]
     return [(a + 1, b) for a, b in itertools.pairwise(bounds) if b > a + 1]
 
 
@@ -259,9 +267,11 @@ def export_plan(
     fused_exits: bool = False,
     segments: bool = False,
     draft: bool = False,
+    feature_layers: tuple[int, ...] = (),
 ) -> list[SubgraphIO]:
     """Every subgraph of an export, in execution order: embed, layers (with exits after theirs), final, then
-    (`segments`) the segments between the exit layers, then (`draft`) the draft head.
+    (`segments`) the segments between the exit layers and the `feature_layers`, then (`draft`) the draft head, and
+    its map of the feature layers' outputs and the last one's to one where it reads them (`feature_layers`).
 
     `exit_heads`: whether the exit layers have exit head graphs of their own (trained heads). Without
     them an exit layer's head is the model's own final norm and unembedding, which is the `final`
@@ -279,8 +289,11 @@ def export_plan(
     plan.append(subgraph_io(spec, "final", **common))
     if segments:
         plan += [
-            subgraph_io(spec, "segment", a, **common, last=b) for a, b in segment_ranges(spec.num_layers, exit_layers)
+            subgraph_io(spec, "segment", a, **common, last=b)
+            for a, b in segment_ranges(spec.num_layers, (*exit_layers, *feature_layers))
         ]
     if draft:
         plan.append(subgraph_io(spec, "draft", **common))
+        if feature_layers:
+            plan.append(subgraph_io(spec, "draft_reduce", **common))
     return plan

@@ -27,6 +27,7 @@ import torch
 from paradecode.graphs.errors import SchedulerStallError
 from paradecode.graphs.tensors import (
     EMBEDDED,
+    FEATURES,
     HIDDEN,
     HIDDEN_OUT,
     INPUT_IDS,
@@ -109,6 +110,10 @@ class DecodeContext:
         self.segments = {
             sub.io.layer: sub.io.last for sub in self.backend.manifest.subgraphs if sub.io.kind == "segment"
         }
+        # The layers whose outputs the draft head reads beside the last one's (a layer may be named twice), and each
+        # one's index in the cache's features: every call that computes one of them keeps its outputs there (`keep`)
+        self.feature_layers = self.backend.manifest.feature_layers
+        self.feature_index = {layer: i for i, layer in enumerate(sorted(set(self.feature_layers)))}
 
     @property
     def num_layers(self) -> int:
@@ -164,14 +169,33 @@ class DecodeContext:
         rows = self.rows(hidden)
         feeds = self._layer_feeds(layer, rows, start)
         out = self._call(lane, f"layer_{layer}", f"layer {layer}", start, start + hidden.shape[1], feeds)
-        return _kept(out, hidden, rows)[HIDDEN_OUT]
+        return self.keep(layer, _kept(out, hidden, rows)[HIDDEN_OUT], start)
+
+    def keep(self, layer: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """`hidden`, layer `layer`'s outputs at the call's positions, kept in the cache's features where the draft
+        head reads that layer's (and the cache holds features: not a row-form probe's, runtime/row_exactness.py)."""
+        index = self.feature_index.get(layer)
+        if index is not None and self.cache.features:
+            rows = torch.arange(hidden.shape[0])[:, None]
+            self.cache.feature(index)[rows, self.at(start, hidden.shape[1])] = hidden
+        return hidden
+
+    def features(self, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """The feature layers' outputs at `hidden`'s positions (the last layer's outputs at start..) beside them:
+        [B, T, 3D], what the draft head's map reads."""
+        positions = self.at(start, hidden.shape[1])
+        rows = torch.arange(hidden.shape[0])[:, None]
+        kept = [self.cache.feature(self.feature_index[layer])[rows, positions] for layer in self.feature_layers]
+        return torch.cat([*kept, hidden], dim=-1)
 
     def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
-        layer graphs for the rest."""
+        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them (and
+        keeps every feature layer's outputs, which only its last layer's are), the layer graphs for the rest."""
         layer = first
         while layer <= last:
             end = self.segments.get(layer)
+            if end is not None and any(layer <= f < end for f in self.feature_index):
+                end = None
             if end is not None and end <= last:
                 hidden = self.segment(lane, layer, end, hidden, start)
                 layer = end + 1
@@ -191,7 +215,7 @@ class DecodeContext:
             feeds[of_layer(PAST_KEY, layer)], feeds[of_layer(PAST_VALUE, layer)] = self.cache.layer(layer)
         name, label = f"segment_{first}_{last}", f"layers {first}-{last}"
         out = self._call(lane, name, label, start, start + hidden.shape[1], feeds, (HIDDEN_OUT,))
-        return _kept(out, hidden, rows)[HIDDEN_OUT]
+        return self.keep(last, _kept(out, hidden, rows)[HIDDEN_OUT], start)
 
     def layer_exit(self, lane: str, layer: int, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, HeadOutput]:
         if self.alone(hidden):  # the head reads the last position: the last call's
@@ -201,7 +225,7 @@ class DecodeContext:
         feeds = self._layer_feeds(layer, rows, start)
         name, label = f"layer_exit_{layer}", f"layer {layer} + exit head"
         out = _kept(self._call(lane, name, label, start, start + hidden.shape[1], feeds), hidden, rows)
-        return out[HIDDEN_OUT], HeadOutput.of(out)
+        return self.keep(layer, out[HIDDEN_OUT], start), HeadOutput.of(out)
 
     def draft(
         self, lane: str, layer: int, hidden: torch.Tensor, embedded: torch.Tensor, start: int
@@ -216,6 +240,13 @@ class DecodeContext:
         feeds[PAST_VALUE] = value
         out = self._call(lane, "draft", "draft head", start, start + tokens, feeds)
         return out[HIDDEN_OUT], HeadOutput.of(out)
+
+    def draft_reduce(self, lane: str, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """What the draft head's call over positions start.. reads where it reads three layers' outputs: its map
+        (graphs/tensors.py `draft_reduce`) of the feature layers' outputs and the last one's, `hidden`, at positions
+        start - 1.. (the cache's features hold theirs)."""
+        feeds = {FEATURES: self.features(hidden, start - 1)}
+        return self._call(lane, "draft_reduce", "draft head's map", start, start + hidden.shape[1], feeds)[HIDDEN]
 
     def head(self, lane: str, name: str, hidden: torch.Tensor, start: int, logits: bool = False) -> HeadOutput:
         """A head's top-1 token, probability and margin per position; with `logits`, its logits too (sampling)."""

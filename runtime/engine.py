@@ -138,7 +138,9 @@ class Sequence:
             lookup = LookupProposer(request.lookup, runtime.shared_lookup if request.lookup_shared else None)
         draft = None
         if request.speculates and request.draft_tokens:
-            draft = DraftProposer(request.draft_tokens, runtime.backend.spec.num_layers + 1)
+            backend = runtime.backend
+            reduces = bool(backend.manifest.feature_layers)
+            draft = DraftProposer(request.draft_tokens, backend.spec.num_layers + 1, reduces=reduces)
         return cls(
             request,
             sink,

@@ -16,6 +16,12 @@ adds an exact zero only if it holds no NaN.
 A cache of several rows (a batch's requests, runtime/engine.py) hands out views of some of its rows (`rows`), each
 with lengths of its own; a view sees the buffers its cache has now, grown or not.
 
+Where the export's draft head reads the outputs of a low and a middle layer beside the last one's (the manifest's
+`draft.feature_layers`), the cache also holds those outputs at every position ([rows, slots, D] each, `features`),
+written by the calls that compute those layers (runtime/decoding.py) and grown, viewed and forgotten as the keys
+and values are: a position's entry is that of its newest computation, which for a verified position is the one
+verified.
+
 Threading model: a cache grows only from the thread that decodes in it; the `streams` and `both` overlaps, whose
 side lanes write into it from other threads, reserve every slot before their lanes start (runtime/overlaps.py).
 """
@@ -43,10 +49,12 @@ class KVCache:
         spare: int = 0,
         *,
         grows: bool = False,
+        features: tuple[int, int] = (0, 0),
     ):
         """A cache of `num_layers` layers, `shape` = (rows, H_kv, most slots, D_h). `spare`: slots at the end that no
         position takes, kept for copies written after a call's last position (a row form's padding,
-        runtime/row_exactness.py: up to `RowForm.spare`)."""
+        runtime/row_exactness.py: up to `RowForm.spare`). `features`: (how many layers' outputs, their width) it
+        holds at every position besides (a draft head's feature layers), (0, 0) for none."""
         self.shape = tuple(shape)  # the most it holds: max_seq_len slots
         self.spare = spare
         self.lengths = [0] * num_layers
@@ -57,19 +65,23 @@ class KVCache:
         # the views of its rows, refreshed when the buffers are reallocated: a view kept with the old buffers held
         # them alive (a server's engine kept a batch size's view, and every cache generation it had seen: issue 52)
         self._views: weakref.WeakSet[KVCache] = weakref.WeakSet()
+        self.feature_width = features[1]
         slots = min(GRANULE, self.shape[2]) if grows else self.shape[2]
         self.keys = [self._new(slots) for _ in range(num_layers)]
         self.values = [self._new(slots) for _ in range(num_layers)]
+        self.features = [self._new(slots, features=True) for _ in range(features[0])]
         self._seen = self.generation
 
-    def _new(self, slots: int) -> torch.Tensor:
+    def _new(self, slots: int, *, features: bool = False) -> torch.Tensor:
+        """A zeroed key or value buffer [rows, H_kv, slots, D_h], or with `features` a features one [rows, slots, D]."""
         root = self._root
         rows, heads, _, dim = root.shape
+        shape = (rows, slots, root.feature_width) if features else (rows, heads, slots, dim)
         if root.device.type == "cpu" and root.dtype in NUMPY_DTYPES:
             # numpy's zeros: pages the kernel zeroes as they are first touched, and no thread pool (torch's parallel
             # fill woke its threads beside onnxruntime's spinning ones: ms per buffer)
-            return torch.from_numpy(np.zeros((rows, heads, slots, dim), dtype=NUMPY_DTYPES[root.dtype]))
-        return torch.zeros((rows, heads, slots, dim), dtype=root.dtype, device=root.device)
+            return torch.from_numpy(np.zeros(shape, dtype=NUMPY_DTYPES[root.dtype]))
+        return torch.zeros(shape, dtype=root.dtype, device=root.device)
 
     # --- rows ---------------------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> KVCache:
@@ -80,6 +92,7 @@ class KVCache:
         view.spare = self.spare
         view.lengths = list(self.lengths)
         view.dtype, view.device, view.grows = self.dtype, self.device, self.grows
+        view.feature_width = self.feature_width
         view._root, view._offset = self._root, self._offset + start
         view._refresh()
         self._root._views.add(view)
@@ -92,6 +105,7 @@ class KVCache:
         whole = first == 0 and last == root.shape[0]
         self.keys = [k if whole else k[first:last] for k in root.keys]
         self.values = [v if whole else v[first:last] for v in root.values]
+        self.features = [f if whole else f[first:last] for f in root.features]
         self._seen = root.generation
 
     def move_row(self, source: int, target: int, length: int) -> None:
@@ -99,6 +113,8 @@ class KVCache:
         for buffers in (self._root.keys, self._root.values):
             for buffer in buffers:
                 buffer[target, :, :length] = buffer[source, :, :length]
+        for buffer in self._root.features:
+            buffer[target, :length] = buffer[source, :length]
 
     # --- slots --------------------------------------------------------------------------------
     @property
@@ -115,13 +131,15 @@ class KVCache:
             return
         slots = min(root.shape[2], -(-end // GRANULE) * GRANULE)
         held = root.keys[0].shape[2]
-        for buffers in (root.keys, root.values):
+        for buffers in (root.keys, root.values, root.features):
+            features = buffers is root.features
             for i, old in enumerate(buffers):
-                new = root._new(slots)
+                new = root._new(slots, features=features)
+                kept = (slice(None), slice(0, held)) if features else (slice(None), slice(None), slice(0, held))
                 if new.device.type == "cpu" and old.dtype in NUMPY_DTYPES:
-                    new.numpy()[:, :, :held] = old.numpy()  # one thread's copy, as `_new` says why
+                    new.numpy()[kept] = old.numpy()  # one thread's copy, as `_new` says why
                 else:
-                    new[:, :, :held] = old
+                    new[kept] = old
                 buffers[i] = new
         root._reallocated()
 
@@ -135,6 +153,7 @@ class KVCache:
         slots = min(GRANULE, root.shape[2])
         root.keys = [root._new(slots) for _ in root.keys]
         root.values = [root._new(slots) for _ in root.values]
+        root.features = [root._new(slots, features=True) for _ in root.features]
         root.lengths = [0] * len(root.lengths)
         root._reallocated()
 
@@ -161,6 +180,12 @@ class KVCache:
         if self._seen != self._root.generation:
             self._refresh()
         return self.keys[layer - 1], self.values[layer - 1]
+
+    def feature(self, index: int) -> torch.Tensor:
+        """The `index`-th feature layer's outputs [rows, slots, D], as they are now."""
+        if self._seen != self._root.generation:
+            self._refresh()
+        return self.features[index]
 
     # --- lengths ------------------------------------------------------------------------------
     def written(self, layer: int, end: int) -> None:

@@ -141,11 +141,16 @@ class DraftProposer:
 
     Where the outputs handed over skip positions (a sequence that decoded in a batch's rows without a draft), the
     feed starts again from the newest ones: the rows before them are stale, which makes guesses worse, never
-    outputs other (the final layer verifies every guess)."""
+    outputs other (the final layer verifies every guess).
 
-    def __init__(self, max_tokens: int, layer: int):
+    A head that reads three layers' outputs (`reduces`: EAGLE-3's fusion) feeds what its map makes of the outputs
+    handed over and of the feature layers' at the same positions (the cache keeps those: `DecodeContext.features`);
+    its chain reads its own outputs, as the single-layer head's does."""
+
+    def __init__(self, max_tokens: int, layer: int, *, reduces: bool = False):
         self.max_tokens = max_tokens
         self.layer = layer  # the KV cache's layer that holds the draft's rows: L + 1
+        self.reduces = reduces  # whether its feed goes through its map of three layers' outputs first
         self.fed = 1  # the draft's rows of positions 1..fed-1 are in its cache (position 0 has nothing before it)
         self.pending: torch.Tensor | None = None  # [1, n, D]: outputs of positions fed-1.. not fed yet
 
@@ -169,7 +174,8 @@ class DraftProposer:
             return []
         start = self.fed
         embedded = ctx.embed(MAIN_LANE, list(tokens[start : p + 1]), start)
-        hidden, out = ctx.draft(MAIN_LANE, self.layer, self.pending, embedded, start)
+        fed = ctx.draft_reduce(MAIN_LANE, self.pending, start) if self.reduces else self.pending
+        hidden, out = ctx.draft(MAIN_LANE, self.layer, fed, embedded, start)
         self.fed, self.pending = p + 1, None
         guesses = [out.token[-1]]
         hidden = hidden[:, -1:]

@@ -133,18 +133,25 @@ def model_dirs(tmp_path_factory) -> Cache:
     return Cache(build)
 
 
+# the families whose `exports` draft head reads three layers' outputs (EAGLE-3's fusion): Gemma 3's sandwich norms,
+# Mistral's sliding window (with the side lanes' tests), GPT-2's learned positions
+DRAFT_FEATURE_FAMILIES = ("gemma3", "mistral", "gpt2")
+
+
 @pytest.fixture(scope="session")
 def exports(tmp_path_factory, model_dirs) -> Cache:
     """family -> (export folder, ExportResult) of that family's tiny model with every kind of graph: random
     trained exit heads over a reduced vocabulary at every intermediate layer, fused layer+exit graphs, logits, an
-    untrained draft head over a reduced vocabulary."""
+    untrained draft head over a reduced vocabulary (reading three layers' outputs in DRAFT_FEATURE_FAMILIES, the last
+    layer's alone in the others)."""
     from paradecode.export.config import ExportConfig
     from paradecode.export.pipeline import export_model
 
     def build(family: str):
         folder = tmp_path_factory.mktemp(f"export-{family}")
         heads = save_random_heads(model_dirs[family], folder / "heads.safetensors")
-        draft = save_untrained_draft_head(model_dirs[family], folder / "draft.safetensors")
+        features = family in DRAFT_FEATURE_FAMILIES
+        draft = save_untrained_draft_head(model_dirs[family], folder / "draft.safetensors", features=features)
         result = export_model(
             ExportConfig(
                 model=str(model_dirs[family]),

@@ -317,16 +317,16 @@ def save_random_heads(model, path, seed: int = 0):
     return save_heads(path, transforms, metadata, vocab=ids)
 
 
-def save_untrained_draft_head(model, path, seed: int = 0):
+def save_untrained_draft_head(model, path, seed: int = 0, features: bool = False):
     """An untrained draft head for `model` (a model folder or a GGUF file) over a reduced vocabulary of two thirds of
-    the token ids (export/draft_head.py)."""
+    the token ids (export/draft_head.py); `features`: one reading three layers' outputs."""
     from paradecode.export.draft_head import make_untrained_draft_head
     from paradecode.export.source import resolve_model
 
     vocab = resolve_model(str(model)).config_dict()["vocab_size"]
     generator = torch.Generator().manual_seed(seed + 1)
     ids = torch.sort(torch.randperm(vocab, generator=generator)[: max(2, 2 * vocab // 3)]).values
-    return make_untrained_draft_head(str(model), path, ids.tolist(), seed=seed)
+    return make_untrained_draft_head(str(model), path, ids.tolist(), seed=seed, features=features)
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

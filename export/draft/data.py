@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from paradecode.export.draft_head import feature_layers
 from paradecode.export.prompt_files import Prompt
 from paradecode.graphs.errors import UserInputError
 
@@ -96,13 +97,6 @@ def digest(value) -> str:
 
 def jobs_digest(jobs: list[Job]) -> str:
     return digest([asdict(job) for job in jobs])
-
-
-def feature_layers(num_layers: int) -> tuple[int, int]:
-    """The low and middle layers (1-based) whose outputs are recorded beside the last one's: EAGLE-3 fuses the 2nd,
-    the middle and a late layer's (SmolLM2's 30 layers: 2 and 15; stories260K's 5: 1 and 2; one layer: 1 twice)."""
-    low = max(1, min(2, num_layers // 3))
-    return low, max(low, min(num_layers - 1, num_layers // 2))
 
 
 def teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

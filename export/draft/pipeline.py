@@ -22,6 +22,7 @@ import torch
 
 from paradecode.export.draft.data import Job, load_data, record
 from paradecode.export.draft.training import TrainingConfig, acceptance, coverage, draft_of, train
+from paradecode.export.draft_head import feature_layers
 from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,8 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         "untrained": untrained.to_dict(),
         "sizes": [{k: v for k, v in asdict(r).items() if k != "history"} for r in results],
     }
+    if config.training.features:
+        metadata["feature_layers"] = list(feature_layers(spec.num_layers))
     save_draft_head(config.output, draft.tensors(), metadata)
     return DraftResult(config.output, len(vocab), covered.share, untrained.to_dict(), results)
 

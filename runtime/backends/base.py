@@ -172,7 +172,8 @@ class Backend(ABC):
     # buffers -------------------------------------------------------------------------------
     def allocate_cache(self, batch: int = 1) -> KVCache:
         """A KV cache of `batch` rows (at most the export's max_batch) at the export's max length: a layer per decoder
-        layer, and one more (L + 1) for the draft head's rows where the export has one."""
+        layer, and one more (L + 1) for the draft head's rows where the export has one; and where that head reads a
+        low and a middle layer's outputs beside the last one's (the manifest's `draft.feature_layers`), those."""
         if batch > self.manifest.max_batch:
             raise UserInputError(
                 f"a batch of {batch} rows needs an export with --max-batch {batch} or more; {self.export.path} was "
@@ -180,7 +181,9 @@ class Backend(ABC):
             )
         shape = (batch, self.spec.num_kv_heads, self.manifest.max_seq_len, self.spec.head_dim)
         layers = self.cache_layers
-        return KVCache(layers, shape, self.dtype, self.device, self.cache_spare, grows=self.grows_cache)
+        features = (len(set(self.manifest.feature_layers)), self.spec.hidden_size)
+        spare, grows = self.cache_spare, self.grows_cache
+        return KVCache(layers, shape, self.dtype, self.device, spare, grows=grows, features=features)
 
     @property
     def cache_layers(self) -> int:

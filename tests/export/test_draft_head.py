@@ -19,6 +19,7 @@ from paradecode.export.draft_head import (
     FUSE,
     VOCAB,
     check_draft_head,
+    feature_layers,
     load_draft_head,
     save_draft_head,
     untrained_draft_head,
@@ -110,6 +111,27 @@ def test_the_manifest_names_the_draft_head_and_refuses_one_that_does_not_fit(exp
         Manifest.from_dict(too_large)
     with pytest.raises(ManifestError, match="draft.trained is 'no'; expected true or false"):
         Manifest.from_dict(dict(data, draft=dict(data["draft"], trained="no")))
+
+
+def test_a_head_reading_three_layers_has_its_map_graph_and_its_layers_in_the_manifest(exports):
+    """Gemma 3's export (tests/conftest.py DRAFT_FEATURE_FAMILIES): a `draft_reduce` graph after the draft graph, its
+    feature layers in the manifest, refused where they and the graphs do not agree or name no layer before the last."""
+    folder, result = exports["gemma3"]
+    manifest = read_manifest(folder)
+    layers = manifest.spec.num_layers
+    assert manifest.feature_layers == feature_layers(layers) == tuple(result.manifest.draft["feature_layers"])
+    assert [s.io.name for s in manifest.subgraphs[-2:]] == ["draft", "draft_reduce"]
+    assert any(line.lstrip().startswith("[  ok]  draft_reduce") for line in result.checklist.lines())
+    data = json.loads((folder / MANIFEST_NAME).read_text())
+    single = dict(data["draft"])
+    del single["feature_layers"]
+    with pytest.raises(ManifestError, match=r"unexpected \['draft_reduce'\]"):
+        Manifest.from_dict(dict(data, draft=single))
+    for bad in ([1], [0, 1], [1, layers], ["1", 2]):
+        with pytest.raises(
+            ManifestError, match=rf"draft.feature_layers is .*expected the two layers \(each in 1\.\.{layers - 1}\)"
+        ):
+            Manifest.from_dict(dict(data, draft=dict(data["draft"], feature_layers=bad)))
 
 
 def test_a_draft_head_for_another_model_or_of_other_shapes_is_refused(tmp_path, exports, model_dirs):

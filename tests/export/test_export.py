@@ -15,7 +15,7 @@ from paradecode.export.pipeline import export_model
 from paradecode.graphs.manifest import read_manifest, verify_files
 from paradecode.graphs.modules import build_subgraph
 from paradecode.graphs.tensors import LOGITS
-from tests.conftest import EXPORT_SEQ_LEN
+from tests.conftest import DRAFT_FEATURE_FAMILIES, EXPORT_SEQ_LEN
 from tests.ort_chain import OrtChain
 from tests.tiny_models import hf_greedy, tiny_model
 
@@ -33,6 +33,7 @@ def test_export_is_complete(family, exports):
         + [f"exit_{e}" for e in manifest.exit_layers]
         + [f"layer_exit_{e}" for e in manifest.exit_layers]
         + ["final", "draft"]
+        + (["draft_reduce"] if family in DRAFT_FEATURE_FAMILIES else [])  # its head reads three layers' outputs
     )
     assert sorted(names) == sorted(expected)
     assert manifest.draft["vocab"] == 2 * spec.vocab_size // 3 and manifest.draft["trained"] is False

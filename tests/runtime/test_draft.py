@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from paradecode.graphs.errors import UserInputError
-from paradecode.graphs.tensors import EMBEDDED, HIDDEN, HIDDEN_OUT, INPUT_IDS, PAST_KEY, PAST_VALUE, POSITIONS
+from paradecode.graphs.tensors import (
+    EMBEDDED,
+    FEATURES,
+    HIDDEN,
+    HIDDEN_OUT,
+    INPUT_IDS,
+    PAST_KEY,
+    PAST_VALUE,
+    POSITIONS,
+)
 from paradecode.runtime.engine import Engine, Sequence, generate_batched
 from paradecode.runtime.speculation import Speculation
 from tests.runtime.test_batching import SHAPES, Collect, alone, decoded_alone, prompts_of
@@ -83,8 +92,9 @@ def test_a_batchs_rows_verify_their_draft_heads_guesses(loaded, sampled, monkeyp
 
 def reference_rows(model, tokens: list[int], layer: int) -> torch.Tensor:
     """The draft's cache rows [H_kv, n, D_h] of positions 1..n (n = len(tokens) - 1), from one call of every graph
-    over the whole sequence: the last layer's outputs of positions 0..n-1 beside the embeddings of tokens 1..n."""
-    backend, spec = model.backend, model.manifest.spec
+    over the whole sequence: the last layer's outputs of positions 0..n-1 beside the embeddings of tokens 1..n (for a
+    head reading three layers, those outputs and the feature layers' through its map)."""
+    backend, spec, features = model.backend, model.manifest.spec, model.manifest.feature_layers
     cache = backend.allocate_cache()
     n = len(tokens) - 1
     ids = torch.tensor([tokens])
@@ -94,23 +104,25 @@ def reference_rows(model, tokens: list[int], layer: int) -> torch.Tensor:
         embed_feeds[POSITIONS] = positions
     embedded = backend.run("embed", embed_feeds)[HIDDEN]
     cache.reserve(len(tokens))
-    hidden = embedded
+    hidden, outputs = embedded, []
     for i in range(1, spec.num_layers + 1):
         key, value = cache.layer(i)
         feeds = {HIDDEN: hidden, POSITIONS: positions, PAST_KEY: key, PAST_VALUE: value}
         hidden = backend.run(f"layer_{i}", feeds)[HIDDEN_OUT]
+        outputs += [hidden] * features.count(i)
+    fed = hidden[:, :n]
+    if features:
+        fed = backend.run("draft_reduce", {FEATURES: torch.cat([*outputs, hidden], dim=-1)[:, :n]})[HIDDEN]
     key, value = cache.layer(layer)
-    feeds = {HIDDEN: hidden[:, :n], EMBEDDED: embedded[:, 1:], POSITIONS: positions[:, 1:], PAST_KEY: key}
+    feeds = {HIDDEN: fed, EMBEDDED: embedded[:, 1:], POSITIONS: positions[:, 1:], PAST_KEY: key}
     backend.run("draft", {**feeds, PAST_VALUE: value})
     return key[0, :, 1 : n + 1]
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_the_draft_cache_holds_what_the_verified_positions_give(loaded, rows):
+def draft_cache_matches_one_call(model, rows: int) -> None:
     """After decoding (alone: the executor's groups, rollbacks; two rows: the batch's steps), the draft head's cache
-    rows of every position it fed equal one call's over the final sequence: it was fed the last layer's outputs of
-    verified positions only, each beside the token after it."""
-    model = loaded["gemma3", "onnxruntime"]
+    rows of every position it fed equal one call's over the final sequence: it was fed the last layer's outputs (and
+    the feature layers') of verified positions only, each beside the token after it."""
     layer = model.manifest.spec.num_layers + 1
     requests = draft_requests(model)[:rows]
     engine = Engine(model.runtime, rows)
@@ -130,6 +142,61 @@ def test_the_draft_cache_holds_what_the_verified_positions_give(loaded, rows):
         assert end > len(sequence.request.ids)  # the prompt's positions and some generated ones were fed
         want = reference_rows(model, tokens[:end], layer)
         torch.testing.assert_close(key[row, :, 1:end], want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_draft_cache_holds_what_the_verified_positions_give(loaded, rows):
+    """Gemma 3's export: a draft head reading three layers' outputs (tests/conftest.py DRAFT_FEATURE_FAMILIES), each
+    layer a call of its own (exit heads at every layer)."""
+    model = loaded["gemma3", "onnxruntime"]
+    assert model.manifest.feature_layers  # the cache's features are what its map read
+    draft_cache_matches_one_call(model, rows)
+
+
+@pytest.fixture(scope="module")
+def segmented_features_export(tmp_path_factory, model_dirs):
+    """Llama's tiny model (4 layers) without exit heads, exit layer 3, a head reading layers 2 and 3 beside the last:
+    layers 1-2 run in one segment, which ends at a feature layer."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.draft_head import load_draft_head, save_draft_head
+    from paradecode.export.pipeline import export_model
+    from tests.conftest import EXPORT_SEQ_LEN
+    from tests.tiny_models import save_untrained_draft_head
+
+    folder = tmp_path_factory.mktemp("segmented-features")
+    draft = save_untrained_draft_head(model_dirs["llama"], folder / "draft.safetensors", features=True)
+    tensors, metadata = load_draft_head(draft)
+    save_draft_head(draft, tensors, dict(metadata, feature_layers=[2, 3]))
+    out = folder / "export"
+    config = ExportConfig(
+        model=str(model_dirs["llama"]), output=out, draft_head=draft, exit_layers=(3,), max_seq_len=EXPORT_SEQ_LEN
+    )
+    export_model(config)
+    return out
+
+
+def test_segments_end_at_the_draft_heads_feature_layers(segmented_features_export):
+    """The export's segments are cut after each feature layer, so the runtime keeps their outputs from the segments'
+    own calls; ParaDecode with that head is plain decoding, alone and in a batch, and its cache holds what the
+    verified positions give."""
+    from paradecode.runtime import load
+
+    with load(segmented_features_export) as model:
+        manifest = model.manifest
+        segments = [(s.io.layer, s.io.last) for s in manifest.subgraphs if s.io.kind == "segment"]
+        assert manifest.feature_layers == (2, 3) and segments == [(1, 2)]
+        assert manifest.subgraphs[-1].io.kind == "draft_reduce"
+        calls = []
+        run = model.backend.run
+        model.backend.run = lambda name, *args, **kw: (calls.append(name), run(name, *args, **kw))[1]
+        requests = draft_requests(model)
+        results = [decoded_alone(model, r) for r in requests]
+        assert [r.token_ids for r in results] == alone(model, plain_of(model))
+        assert sum(r.stats.draft_proposed for r in results) > 0
+        assert any(name.startswith("segment_") for name in calls) and "draft_reduce" in calls
+        got = generate_batched(model.runtime, requests, rows=2)
+        assert [r.token_ids for r in got] == [r.token_ids for r in results]
+        draft_cache_matches_one_call(model, 2)
 
 
 def test_an_export_without_a_draft_head_refuses_draft_tokens(identity_exports):

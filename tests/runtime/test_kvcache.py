@@ -88,19 +88,21 @@ def test_an_idle_engine_holds_only_its_cache_of_granule_slots(exports, monkeypat
     """After batched decoding that grew the cache several times (batch sizes 3, 2, 1 as requests finish; the
     onnxruntime backend's bindings of every shape kept), every buffer the cache ever had is freed but its idle ones
     of GRANULE slots: no binding, view or context holds an old one (issue 52: a server's idle memory 1,265 -> 2,135
-    MB over 5 rounds of 4 long prompts; fixed, 696-714 MB over 10 rounds against 676 MB warm)."""
+    MB over 5 rounds of 4 long prompts; fixed, 696-714 MB over 10 rounds against 676 MB warm). Gemma 3's export: its
+    draft head reads three layers' outputs, which the cache holds too."""
     from paradecode.runtime import kvcache
     from paradecode.runtime.engine import Engine, generate_batched
 
     made = []  # the memory of every buffer: its numpy array (a view of a buffer, or an OrtValue over one, holds it)
 
-    def tracked(cache, slots):
+    def tracked(cache, slots, *, features=False):
         rows, heads, _, dim = cache._root.shape
-        memory = np.zeros((rows, heads, slots, dim), dtype=np.float32)
+        shape = (rows, slots, cache._root.feature_width) if features else (rows, heads, slots, dim)
+        memory = np.zeros(shape, dtype=np.float32)
         made.append(weakref.ref(memory))
         return torch.from_numpy(memory)
 
-    folder, _ = exports["llama"]
+    folder, _ = exports["gemma3"]
     monkeypatch.setattr(kvcache, "GRANULE", 8)
     monkeypatch.setattr(KVCache, "_new", tracked)
     with load(folder) as model:
@@ -113,8 +115,8 @@ def test_an_idle_engine_holds_only_its_cache_of_granule_slots(exports, monkeypat
             generate_batched(model.runtime, requests, engine=engine)
         gc.collect()
         alive = {ref().ctypes.data for ref in made if ref() is not None}
-        current = {t.data_ptr() for t in engine.cache.keys + engine.cache.values}
-        assert len(made) > 4 * len(current)  # it grew, more than once
+        current = {t.data_ptr() for t in engine.cache.keys + engine.cache.values + engine.cache.features}
+        assert engine.cache.features and len(made) > 4 * len(current)  # it grew, more than once
         assert alive == current and engine.cache.slots == 8
         assert any(b.bound for thread in model.backend._bindings for b in thread.values())  # bindings of caches kept
         engine.free()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paradecode.export.draft.chain import chain_outputs, depth_mask
-from paradecode.export.draft.data import Job, feature_layers, load_data, record, teacher_forced
+from paradecode.export.draft.data import Job, load_data, record, teacher_forced
 from paradecode.export.draft.pipeline import DraftConfig, export_weights, train_draft_head
 from paradecode.export.draft.training import (
     Acceptance,
@@ -19,7 +19,7 @@ from paradecode.export.draft.training import (
     train,
     windows,
 )
-from paradecode.export.draft_head import check_draft_head, load_draft_head, untrained_draft_head
+from paradecode.export.draft_head import check_draft_head, feature_layers, load_draft_head, untrained_draft_head
 from paradecode.runtime.proposers import DraftProposer
 
 DEPTH = 3
@@ -47,9 +47,14 @@ def test_the_guesses_training_measures_are_the_ones_decoding_makes(family, expor
             prompt_ids=[1, 5, 9, 3, 7], max_new_tokens=24, draft_tokens=DEPTH, lookup_tokens=0, ignore_eos=True
         )
         tokens = [1, 5, 9, 3, 7, *result.token_ids]
-        hidden = teacher_forced(model, tokens)[0].to(torch.float32)[None]
+        hidden, features, _ = teacher_forced(model, tokens)
+        hidden = hidden.to(torch.float32)[None]
         draft, embed = model.backend.modules["draft"], model.backend.modules["embed"]
         with torch.no_grad():
+            if model.manifest.feature_layers:  # a head reading three layers (tests/conftest.py): training's first input
+                assert tuple(model.manifest.feature_layers) == feature_layers(model.manifest.spec.num_layers)
+                reduce = model.backend.modules["draft_reduce"]
+                hidden = reduce(torch.cat([features.to(torch.float32).flatten(1)[None], hidden], dim=-1))
             embedded = embed(torch.tensor([tokens]), torch.arange(len(tokens))[None])
             guesses = [draft.head(o)[0][0] for o in chain_outputs(draft, hidden, embedded, DEPTH)]
     assert chains, "the draft head drafted nothing"
@@ -184,7 +189,7 @@ def test_the_feature_loss_adds_each_depths_distance_to_the_output_it_stands_for(
 def test_a_head_reading_three_layers_starts_from_the_last_ones_and_learns_the_others(stories_data, stories_dir):
     """--features: the first guess reads [low, middle, last] mapped to one; at the start the map passes the last layer's
     output alone (the head guesses as one without it), training moves the low and middle columns, the file keeps the
-    map, and the export refuses it, saying why."""
+    map, and the export takes it with the layers it was trained on, refusing others, saying why."""
     from paradecode.graphs.errors import UserInputError
 
     _, _, paths, weights, spec = stories_data
@@ -204,9 +209,14 @@ def test_a_head_reading_three_layers_starts_from_the_last_ones_and_learns_the_ot
     again = draft_of(spec, weights, saved)
     torch.testing.assert_close(again.reduce.weight, draft.reduce.weight)
     assert acceptance(again, data, DEPTH) == acceptance(draft, data, DEPTH)
-    with pytest.raises(UserInputError, match="reads three layers' outputs.*without --features"):
-        same = {"weights_sha256": "0" * 64, "source": "stories260K"}
-        check_draft_head(stories_dir / "x", saved, {"base_weights_sha256": "0" * 64}, spec=spec, model=same)
+    same = {"weights_sha256": "0" * 64, "source": "stories260K"}
+    trained_on = {"base_weights_sha256": "0" * 64, "feature_layers": list(feature_layers(spec.num_layers))}
+    check_draft_head(stories_dir / "x", saved, trained_on, spec=spec, model=same)
+    for layers in ([0, 2], [2], [1, spec.num_layers], "2,3"):
+        with pytest.raises(
+            UserInputError, match=rf"feature_layers is .*; expected the two layers .* 1\.\.{spec.num_layers - 1}"
+        ):
+            check_draft_head(stories_dir / "x", saved, dict(trained_on, feature_layers=layers), spec=spec, model=same)
 
 
 def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories_dir, tmp_path):
