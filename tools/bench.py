@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"values to try of: {help_of('--lookup-length-factor')}; each lookup setting runs once per value",
     )
     parser.add_argument(
+        "--draft-tokens",
+        default="0",
+        metavar="N1,N2",
+        help=f"values to try of: {help_of('--draft-tokens')}; each lookup setting runs once per value",
+    )
+    parser.add_argument(
         "--adaptive",
         type=choice_list(ADAPTIVE, "--adaptive"),
         default="auto",
@@ -190,20 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if unwritten else 0
 
 
-def parse_lookups(text: str) -> list[int]:
+def parse_counts(text: str, option: str) -> list[int]:
+    """Comma-separated non-negative integers (--lookup, --draft-tokens)."""
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
     if not values or any(v < 0 for v in values):
-        raise UserInputError(f"--lookup {text!r}: expected comma-separated non-negative integers such as 0,4.")
+        raise UserInputError(f"{option} {text!r}: expected comma-separated non-negative integers such as 0,4.")
     return values
 
 
 def lookup_variants(args) -> tuple[list[tuple[int, int, float]], bool]:
     """The (lookup tokens, longest match, length factor) settings to run, and whether the match settings vary
     (then they are named in the modes' names). They vary only where lookup is on."""
-    lookups = parse_lookups(args.lookup)
+    lookups = parse_counts(args.lookup, "--lookup")
     matches = parse_numbers(args.lookup_ngram, "--lookup-ngram", int)
     factors = parse_numbers(args.lookup_length_factor, "--lookup-length-factor", float)
     variants = [
@@ -399,6 +406,12 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     prompts = prompt_ids_of(main_model, texts)
     ignore = args.ignore_eos
     variants, named_match = lookup_variants(args)
+    drafts = parse_counts(args.draft_tokens, "--draft-tokens")
+    if any(drafts) and manifest.draft is None:
+        raise UserInputError(
+            f"--draft-tokens {args.draft_tokens}: {args.export} has no draft head; export one with "
+            "paradecode-export --draft-head FILE, or leave --draft-tokens at 0."
+        )
     # one seed for every run: draws are keyed by (seed, position, purpose), so the ar rows sample alike
     sampling = {"temperature": args.temperature, "seed": 0} if args.temperature else {}
     modes = [bm.stream_mode(label, m, {"mode": "ar", **sampling}, ignore_eos=ignore) for label, m in ar_models.items()]
@@ -406,7 +419,7 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
     modes = [dataclasses.replace(m, kind="peer") if m.name == bm.DEQUANTIZED else m for m in modes]
     for overlap in args.overlaps:
         for threshold in thresholds:
-            for (lookup, match, factor), adaptive in itertools.product(variants, args.adaptive):
+            for (lookup, match, factor), drafted, adaptive in itertools.product(variants, drafts, args.adaptive):
                 label = "default" if threshold is None else ("never" if math.isinf(threshold) else f"{threshold:g}")
                 settings = {
                     "mode": "paradecode",
@@ -416,11 +429,13 @@ def measure(args, labelled: list, thresholds, main_model, ar_models, extra_modes
                     "lookup_tokens": lookup,
                     "lookup_max_ngram": match,
                     "lookup_length_factor": factor,
+                    "draft_tokens": drafted,
                     "adaptive": ADAPTIVE[adaptive],
                     **sampling,
                 }
                 name = f"paradecode {overlap} {label}" + (f" +lookup{lookup}" if lookup else "")
                 name += f" (match {match}, x{factor:g})" if lookup and named_match else ""
+                name += f" +draft{drafted}" if drafted else ""
                 name += f" adaptive {adaptive}" if len(args.adaptive) > 1 or adaptive != "auto" else ""
                 config = GenerationConfig(**{k: v for k, v in settings.items() if k != "mode"})
                 if config.skips_exits(main_model.backend.device.type, main_model.overlap_of(config)):

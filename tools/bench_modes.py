@@ -171,6 +171,8 @@ def stream_mode(name: str, model, settings: dict[str, Any], *, ignore_eos: bool)
             accepted=dict(stats.accepted_per_layer),
             lookup_proposed=stats.lookup_proposed,
             lookup_accepted=stats.lookup_accepted,
+            draft_proposed=stats.draft_proposed,
+            draft_accepted=stats.draft_accepted,
             rollbacks=stats.rollbacks,
         )
 
@@ -190,6 +192,8 @@ def generate_mode(name: str, model, settings: dict[str, Any]) -> Mode:
             accepted=dict(stats.accepted_per_layer),
             lookup_proposed=stats.lookup_proposed,
             lookup_accepted=stats.lookup_accepted,
+            draft_proposed=stats.draft_proposed,
+            draft_accepted=stats.draft_accepted,
             rollbacks=stats.rollbacks,
             tokens_per_second=stats.tokens_per_second,
         )
@@ -283,7 +287,10 @@ def summarize(
                 row["bound_vs_ar"] = limit
         if looked_up:
             row["lookup_proposed"], row["lookup_accepted"] = looked_up, lookup_accepted
-        proposed = sum(exits.values()) + looked_up
+        drafted, draft_accepted = results.draft(mode.name)
+        if drafted:
+            row["draft_proposed"], row["draft_accepted"] = drafted, draft_accepted
+        proposed = sum(exits.values()) + looked_up + drafted
         if proposed:
             row["rollback_rate"] = results.rollbacks(mode.name) / proposed
         summary[mode.name] = row

@@ -49,6 +49,8 @@ class Sample:
     accepted: dict[int, int] = field(default_factory=dict)  # ... and verified
     lookup_proposed: int = 0  # tokens proposed by prompt lookup
     lookup_accepted: int = 0  # ... and verified
+    draft_proposed: int = 0  # tokens guessed by the draft head
+    draft_accepted: int = 0  # ... and verified
     rollbacks: int = 0
     peak_rss_mb: float | None = None  # growth of the process's peak RSS during the run (Linux)
     tokens_per_second: float  # new tokens after the first, per second after the first
@@ -282,6 +284,11 @@ class Results:
         """Tokens proposed by prompt lookup and verified, over every run."""
         runs = self.runs(name)
         return sum(s.lookup_proposed for s in runs), sum(s.lookup_accepted for s in runs)
+
+    def draft(self, name: str) -> tuple[int, int]:
+        """Tokens guessed by the draft head and verified, over every run."""
+        runs = self.runs(name)
+        return sum(s.draft_proposed for s in runs), sum(s.draft_accepted for s in runs)
 
     def rollbacks(self, name: str) -> int:
         return sum(s.rollbacks for s in self.runs(name))

@@ -116,14 +116,14 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
     )
     lines += [
         "| mode | tok/s | p50 ms | p95 ms | vs ar | vs HF | exits per layer (accepted) | lookup (accepted) | "
-        "rollback rate | match ar (leading) | peak MB |",
-        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "draft head (accepted) | rollback rate | match ar (leading) | peak MB |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for name, row in summary.items():
         if name.startswith("_"):
             continue
         if "skipped" in row:
-            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | |")
+            lines.append(f"| {name} | skipped: {row['skipped']} | | | | | | | | | | |")
             continue
 
         def speedup(key: str, row=row) -> str:
@@ -135,13 +135,14 @@ def markdown_table(summary: dict[str, dict[str, Any]], *, note: bool = True) -> 
             ", ".join(f"{k}: {v} ({row['accepted_per_layer'].get(k, 0)})" for k, v in exits.items()) if exits else "-"
         )
         lookup_text = f"{row['lookup_proposed']} ({row['lookup_accepted']})" if row.get("lookup_proposed") else "-"
+        draft_text = f"{row['draft_proposed']} ({row['draft_accepted']})" if row.get("draft_proposed") else "-"
         bound_text = f"; bound {row['bound_vs_ar']:.2f}x" if "bound_vs_ar" in row else ""
         leading = row.get("leading_match_vs_ar")
         match_text = f"{row['exact_match_vs_ar']:.0%}" + (f" ({leading:.0%})" if leading is not None else "")
         lines.append(
             f"| {name} | {_fmt(row['tokens_per_second'])} | {_fmt(row['latency_ms_p50'], 2)} | "
             f"{_fmt(row['latency_ms_p95'], 2)} | {speedup('speedup_vs_ar')}{bound_text} | {speedup('speedup_vs_hf')} | "
-            f"{exit_text} | {lookup_text} | "
+            f"{exit_text} | {lookup_text} | {draft_text} | "
             f"{_fmt(row.get('rollback_rate'), 2)} | {match_text} | {_fmt(row['peak_rss_mb'])} |"
         )
     return "\n".join(lines)

@@ -98,6 +98,36 @@ def test_bench_reports_per_category(stories_export, tmp_path, capsys):
     assert "prompt 1 (of 90): this export has no chat template" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_bench_runs_the_draft_head_beside_lookup_and_counts_its_guesses(stories_export, stories_dir, tmp_path, capsys):
+    """--draft-tokens 0,3 on stories260K with an untrained draft head reading three layers: a mode per value, named
+    by it, its guesses counted in their own column, every output plain decoding's; an export without a draft head is
+    refused before anything runs."""
+    from paradecode.export.config import ExportConfig
+    from paradecode.export.draft_head import make_untrained_draft_head
+    from paradecode.export.pipeline import export_model
+
+    model = str(stories_dir / "hf")
+    head = make_untrained_draft_head(model, tmp_path / "draft.safetensors", range(256), features=True)
+    export_model(ExportConfig(model=model, output=tmp_path / "export", draft_head=head, max_seq_len=128))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe dog\n")
+    argv = ["--prompts", str(prompts), "--max-new-tokens", "12", "--repeat", "1", "--thresholds", "default"]
+    argv += ["--overlaps", "batched", "--no-hf", "--lookup", "0", "--draft-tokens", "0,3", "--ignore-eos"]
+    assert bench.main([str(tmp_path / "export"), *argv, "--json", str(tmp_path / "b.json")]) == 0
+    table = capsys.readouterr().out
+    assert "| draft head (accepted) |" in table
+    summary = json.loads((tmp_path / "b.json").read_text())["summary"]
+    drafted = [name for name in summary if name.endswith("+draft3")]
+    assert len(drafted) == 1 and summary[drafted[0]]["settings"]["draft_tokens"] == 3
+    row = summary[drafted[0]]
+    assert row["draft_proposed"] > 0 and 0 <= row["draft_accepted"] <= row["draft_proposed"]
+    assert row["exact_match_vs_ar"] == 1.0
+    assert not any("draft_proposed" in summary[name] for name in summary if "+draft" not in name)
+    assert bench.main([str(stories_export[0]), *argv]) == 2
+    assert "--draft-tokens 0,3: " in (err := capsys.readouterr().err) and "has no draft head" in err, err
+
+
 def test_bench_refuses_bad_input(exports, tmp_path, capsys):
     folder, _ = exports["gpt2"]  # a valid export: only the bad option is wrong
     assert bench.main([str(folder), "--prompts", str(tmp_path / "none.txt")]) == 2
