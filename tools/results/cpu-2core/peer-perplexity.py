@@ -1,8 +1,11 @@
 """The peers' perplexity on the text `paradecode-perplexity` scores, through their own graphs: onnxruntime-genai's
-model (its `model.onnx` run by onnxruntime with an empty past, a window a call) and llama.cpp on the GGUF
-(llama-cpp-python, every position's logits).
+model (its `model.onnx` run by onnxruntime with an empty past, a window a call), llama.cpp on the GGUF
+(llama-cpp-python, every position's logits) and OpenVINO's models from optimum-intel (the `openvino_model.xml` the
+openvino peer's LLMPipeline runs, compiled by OpenVINO's CPU plugin with its default hints, as the pipeline's are:
+its state reset before each window).
 
-    python tools/results/cpu-2core/peer-perplexity.py EXPORT [--genai FOLDER] [--gguf FILE] [--json OUT]
+    python tools/results/cpu-2core/peer-perplexity.py EXPORT [--genai FOLDER] [--gguf FILE] [--openvino FOLDER ...]
+        [--json OUT]
 
 EXPORT gives the token ids (its tokenizer on the `eval` text, the first 6,144 tokens, as paradecode-perplexity
 reads them) and the windows (512 tokens, a window's first token context only), so every figure scores the same
@@ -80,11 +83,39 @@ def llama_cpp_logits(gguf: Path, window: int):
     return run
 
 
+def openvino_logits(folder: Path):
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(folder / "openvino_model.xml"), "CPU", {"INFERENCE_NUM_THREADS": 2})
+    request = compiled.create_infer_request()
+    names = {port.get_any_name() for port in compiled.inputs}
+
+    def run(chunk: list[int]) -> np.ndarray:
+        n = len(chunk)
+        request.reset_state()
+        feeds = {
+            "input_ids": np.array([chunk], np.int64),
+            "attention_mask": np.ones((1, n), np.int64),
+            "position_ids": np.arange(n, dtype=np.int64)[None],
+            "beam_idx": np.zeros(1, np.int32),
+        }
+        unknown = names - set(feeds)
+        if unknown:
+            raise SystemExit(f"the OpenVINO model has inputs this script does not know: {sorted(unknown)}")
+        request.infer({name: feeds[name] for name in names})
+        return np.array(request.get_tensor("logits").data[0], np.float32)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export", type=Path)
     parser.add_argument("--genai", type=Path, help="onnxruntime-genai's model folder (its genai_config.json)")
     parser.add_argument("--gguf", type=Path, help="the GGUF file llama.cpp runs")
+    parser.add_argument(
+        "--openvino", type=Path, action="append", default=[], help="an OpenVINO model folder (its openvino_model.xml)"
+    )
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -95,6 +126,8 @@ def main() -> None:
         peers[f"onnxruntime-genai {args.genai}"] = genai_logits(args.genai)
     if args.gguf:
         peers[f"llama.cpp {args.gguf.name}"] = llama_cpp_logits(args.gguf, args.window)
+    for folder in args.openvino:
+        peers[f"openvino {folder}"] = openvino_logits(folder)
     results = []
     for name, logits_of in peers.items():
         started, total, count = time.perf_counter(), 0.0, 0
