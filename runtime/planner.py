@@ -45,7 +45,7 @@ Threading model
 ---------------
 The planner has no lock of its own: its executor serialises the calls (runtime/decoding.py; with side lanes
 runtime/overlaps.py). With side lanes, `groups`, `frontier` and every field of a `Group` in `groups` are read and
-changed only under the executor's lock; everything else (`tokens`, `verified`, `source_of`, `lookup_depth`, `stats`,
+changed only under the executor's lock; everything else (`tokens`, `verified`, `source_of`, `proposal_depth`, `stats`,
 the lookup proposer) belongs to lane 0, which alone calls `exit_proposed(..., None)` without that lock. The
 speculation estimates and a shared lookup index are the model's, used by every request decoding at once
 (runtime/model.py's threading model says how).
@@ -127,7 +127,7 @@ class Planner:
         self.tokens = list(prompt)
         self.verified = len(prompt)  # tokens[:verified] are verified
         self.source_of: dict[int, int] = {}  # position q -> who proposed tokens[q + 1]: an exit layer, or LOOKUP
-        self.lookup_depth: dict[int, int] = {}  # position q -> tokens[q + 1]'s place in its lookup proposal (1..)
+        self.proposal_depth: dict[int, int] = {}  # position q -> tokens[q + 1]'s place in its proposal (1..)
         # Shared with side lanes (under the executor's lock).
         self.groups: list[Group] = []
         self.frontier: Group | None = None
@@ -147,8 +147,7 @@ class Planner:
         self.tokens.extend(proposals)
         for depth, q in enumerate(range(position, position + len(proposals)), start=1):
             self.source_of[q] = source
-            if source == LOOKUP:
-                self.lookup_depth[q] = depth
+            self.proposal_depth[q] = depth
         if source == LOOKUP:
             self.stats.lookup_proposed += len(proposals)
         else:
@@ -158,9 +157,10 @@ class Planner:
 
     def propose(self, position: int) -> tuple[list[int], int]:
         """Proposals to follow tokens[position], with their source (`proposals_after`), within the unverified limit
-        and the needed positions; lookup's trimmed to what adaptive speculation says pays."""
+        and the needed positions; lookup's trimmed, and the draft head's chain sized, to what adaptive speculation
+        says pays."""
         room = min(self.K - (len(self.tokens) - self.verified), self.last_position - position)
-        keep = None
+        keep = chain = None
         if self.speculation is not None:
             speculation, stats = self.speculation, self.stats
 
@@ -170,8 +170,18 @@ class Planner:
                     stats.lookups_skipped += 1
                 return kept
 
+            chain = speculation.draft_tokens if self.draft is not None else None
         return proposals_after(
-            self.tokens, position + 1, room, self.verified, self.eos, self.lookup, self.draft, self.draft_tokens, keep
+            self.tokens,
+            position + 1,
+            room,
+            self.verified,
+            self.eos,
+            self.lookup,
+            self.draft,
+            self.draft_tokens,
+            keep,
+            chain,
         )
 
     # --- what to compute ----------------------------------------------------------------------------------------------
@@ -292,7 +302,7 @@ class Planner:
         for i in range(accepted):
             position = start + i
             source = self.source_of.pop(position)
-            depth = self.lookup_depth.pop(position, None)
+            depth = self.proposal_depth.pop(position, None)
             if speculation is not None:
                 speculation.verified(source, True, depth)
             stats.accept(source)
@@ -303,7 +313,7 @@ class Planner:
             return -1
         if position + 1 < len(self.tokens):  # its proposed successor was rejected: `token` replaces it
             source = self.source_of.pop(position)
-            depth = self.lookup_depth.pop(position, None)
+            depth = self.proposal_depth.pop(position, None)
             if speculation is not None:
                 speculation.verified(source, False, depth)
             stats.mismatches.append(Mismatch(position + 1, source, self.tokens[position + 1], token, margins[accepted]))
@@ -331,7 +341,7 @@ class Planner:
                 if q > position and source == LOOKUP:
                     self.speculation.verified(LOOKUP, accepted=False)
         self.source_of = {q: e for q, e in self.source_of.items() if q < position}
-        self.lookup_depth = {q: d for q, d in self.lookup_depth.items() if q < position}
+        self.proposal_depth = {q: d for q, d in self.proposal_depth.items() if q < position}
         self.start_frontier(position + 1, token)
 
 
@@ -345,11 +355,13 @@ def proposals_after(
     draft: Callable[[list[int], int, int], list[int]] | None,
     draft_tokens: int,
     keep: Callable[[int], int] | None = None,
+    chain: Callable[[int], int] | None = None,
 ) -> tuple[list[int], int]:
     """The one rule of what is proposed to follow tokens[:end] (of which `verified` are verified), alone or in a
     batch's row: lookup's continuation (at most its `max_tokens`; `keep(count)` may keep fewer), else, where it has
-    none, the draft head's guesses (`draft(tokens, end, count)`, at most `draft_tokens`); at most `room` in all and
-    up to the first end-of-sequence token. With the source (LOOKUP or DRAFT) its verdict is counted under."""
+    none, the draft head's guesses (`draft(tokens, end, count)`, at most `draft_tokens`; `chain(count)` may ask for
+    fewer, none to leave the draft head uncalled); at most `room` in all and up to the first end-of-sequence token.
+    With the source (LOOKUP or DRAFT) its verdict is counted under."""
     proposals, source = [], LOOKUP
     if room <= 0:
         return proposals, source
@@ -358,7 +370,10 @@ def proposals_after(
         if proposals and keep is not None:
             proposals = proposals[: keep(len(proposals))]
     if not proposals and draft is not None:
-        proposals, source = draft(tokens, end, min(room, draft_tokens)), DRAFT
+        count = min(room, draft_tokens)
+        if chain is not None and count > 0:
+            count = chain(count)
+        proposals, source = (draft(tokens, end, count) if count > 0 else []), DRAFT
     for i, token in enumerate(proposals):
         if token in eos:
             return proposals[: i + 1], source

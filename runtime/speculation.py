@@ -28,6 +28,13 @@ while its expected gain is negative:
   share of d-th tokens accepted among those judged, and a proposal keeps its longest prefix whose last token
   still pays (SuffixDecoding's proposal length adapted to what the match supports, in cost-model form).
 
+  the draft head's d-th guess, drafted before any is verified (its call is paid whether or not the guesses
+  before it are accepted):
+                        P(guesses 1..d all accepted) * (L * layer + final) - (L * merge + final_merge) - draft  > 0
+
+  where `draft` is a draft call's time at one position; the chain drafted is the longest whose last guess pays,
+  none where the first does not (then the draft head is not called at all).
+
   A source that does not pay is still tried at every EXPLORE-th opportunity, so its estimate can recover
   when the text changes. Decisions never change which tokens are verified: every early token is checked by
   the final layer as before, so greedy output is plain decoding's whatever is decided.
@@ -50,7 +57,7 @@ EXPLORE = 16  # a source that does not pay is still tried once every EXPLORE opp
 PRIOR_MERGE = 0.1  # what one more position adds to a layer or final head call, as a share of it, until measured
 LEARN_TOKENS = 64  # calls of more positions (a long prefill) say little of a step's (a batch of 8 rows of 6: 48)
 OUTLIER = 3.0  # an observation is clipped to this many times the estimate (a preempted call on a shared CPU)
-CALL_NAMES = re.compile(r"(layer|exit|layer_exit)_(\d+)|segment_(\d+)_(\d+)|final|embed")
+CALL_NAMES = re.compile(r"(layer|exit|layer_exit)_(\d+)|segment_(\d+)_(\d+)|final|embed|draft")
 
 
 @dataclass
@@ -94,6 +101,7 @@ class CallTimes:
     final: Average = field(default_factory=Average)
     final_extra: Average = field(default_factory=Average)
     exit_head: dict[int, Average] = field(default_factory=dict)
+    draft: Average = field(default_factory=Average)  # the draft head's call at one position (a chain's step)
     seen: set[str] = field(default_factory=set)  # subgraphs called at least once (the first call is not learned)
 
     def observe(self, name: str, tokens: int, seconds: float) -> None:
@@ -108,6 +116,9 @@ class CallTimes:
         kind, number, first, last = match.groups()
         if name == "final":
             self._by_positions(self.final, self.final_extra, tokens, seconds)
+        elif name == "draft":
+            if tokens == 1:
+                self.draft.add(seconds)
         elif kind == "exit":
             self.exit_head.setdefault(int(number), Average()).add(seconds)
         elif kind == "layer":
@@ -161,6 +172,7 @@ class Speculation:
         # [d - 1]: of the d-th tokens of proposals that were judged (the ones before accepted), the share accepted
         self.lookup_depth: list[Rate] = []
         self.draft_rate = Rate(prior=0.5)  # every token a draft head proposed, discarded ones as rejected (reported)
+        self.draft_depth: list[Rate] = []  # as lookup_depth, of the draft head's guesses
         self._skipped: dict[object, int] = {}  # source -> opportunities passed up since its last try
         self._lock = threading.Lock()
 
@@ -175,8 +187,9 @@ class Speculation:
             self.exit_rates.setdefault(layer, ExitRates()).exits.add(exited)
 
     def verified(self, source: int, accepted: bool, depth: int | None = None) -> None:
-        """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP): then
-        `depth` is its place in its proposal (1: the first; None: discarded unjudged, after a rejection)."""
+        """The final layer's verdict on a token proposed by exit layer `source`, or by lookup (LOOKUP) or the draft
+        head (DRAFT): then `depth` is its place in its proposal (1: the first; None: discarded unjudged, after a
+        rejection)."""
         with self._lock:
             if source == LOOKUP:
                 self.lookup_rate.add(accepted)
@@ -184,6 +197,8 @@ class Speculation:
                     self._depth_rate(depth).add(accepted)
             elif source == DRAFT:
                 self.draft_rate.add(accepted)
+                if depth is not None:
+                    self._depth_rate(depth, self.draft_depth).add(accepted)
             else:
                 self.exit_rates.setdefault(source, ExitRates()).accepted.add(accepted)
 
@@ -205,11 +220,13 @@ class Speculation:
             head_s = head.value if head is not None and head.value is not None else 0.0
         return rates.exits.value * (saved - (1 - rates.accepted.value) * lost) - head_s
 
-    def _depth_rate(self, depth: int) -> Rate:
-        """The rate of depth `depth`, made (with the ones before it) at its first verdict."""
-        while len(self.lookup_depth) < depth:
-            self.lookup_depth.append(Rate(prior=self._depth_prior(len(self.lookup_depth) + 1)))
-        return self.lookup_depth[depth - 1]
+    def _depth_rate(self, depth: int, rates: list[Rate] | None = None) -> Rate:
+        """The rate of depth `depth` in `rates` (default: lookup's), made (with the ones before it) at its first
+        verdict."""
+        rates = self.lookup_depth if rates is None else rates
+        while len(rates) < depth:
+            rates.append(Rate(prior=self._depth_prior(len(rates) + 1)))
+        return rates[depth - 1]
 
     @staticmethod
     def _depth_prior(depth: int) -> float:
@@ -233,6 +250,35 @@ class Speculation:
                 break
             paying = depth
         return paying
+
+    def draft_length(self, count: int) -> int | None:
+        """How many of up to `count` draft-head guesses are expected to pay, drafting included: the longest chain
+        whose last guess, reached and accepted with the product of the draft's depth rates, saves more than its
+        position adds to the calls and its own draft call costs (None: costs not known yet)."""
+        t = self.times
+        if not t.known or t.draft.value is None:
+            return None
+        token = self.num_layers * t.layer.value + t.final.value
+        extra = self.num_layers * t.merge() + t.final_merge() + t.draft.value
+        reached, paying = 1.0, 0
+        for depth in range(1, count + 1):
+            known = depth <= len(self.draft_depth)
+            reached *= self.draft_depth[depth - 1].value if known else self._depth_prior(depth)
+            if reached * token <= extra:
+                break
+            paying = depth
+        return paying
+
+    def draft_tokens(self, count: int) -> int:
+        """How many guesses to ask the draft head for, of up to `count`: `draft_length`, but every EXPLORE-th chain
+        that would be cut is drafted whole, so the rates of the depths cut off can recover."""
+        paying = self.draft_length(count)
+        if paying is None or paying >= count:
+            return count
+        with self._lock:
+            cut = self._skipped.get("draft", 0) + 1
+            self._skipped["draft"] = 0 if cut >= EXPLORE else cut
+        return count if cut >= EXPLORE else paying
 
     def lookup_tokens(self, count: int) -> int:
         """How many of `count` proposed tokens to propose: `lookup_length`, but every EXPLORE-th proposal that

@@ -54,6 +54,24 @@ def test_paradecode_with_the_draft_head_is_plain_decoding(loaded, family, backen
     assert sum(r.stats.rollbacks for r in results) > 0  # an untrained head: rejections were rolled back
 
 
+def test_adaptive_speculation_stops_drafting_what_is_not_accepted(loaded):
+    """An untrained head's guesses are nearly never accepted: with adaptive speculation (greedy) the draft head is
+    soon asked for nothing, but for every EXPLORE-th chain, and the output stays plain decoding's."""
+    from paradecode.runtime.speculation import EXPLORE
+
+    model = loaded["llama", "onnxruntime"]
+    ids = prompts_of(model.manifest.spec.vocab_size)[0]
+    settings = dict(prompt_ids=ids, max_new_tokens=48, ignore_eos=True, **DRAFT_ONLY)
+    ar = model.generate(**{**settings, "mode": "ar"})
+    forced = model.generate(**settings, adaptive=False)
+    adaptive = model.generate(**settings, adaptive=True)
+    assert forced.token_ids == ar.token_ids and adaptive.token_ids == ar.token_ids
+    assert forced.stats.draft_accepted < forced.stats.draft_proposed / 4, forced.stats  # untrained: rejected
+    steps = forced.stats.draft_proposed / DRAFT_ONLY["draft_tokens"]  # chains of 3 (some cut by the room left)
+    assert adaptive.stats.draft_proposed < forced.stats.draft_proposed / 2, (adaptive.stats, forced.stats)
+    assert adaptive.stats.draft_proposed >= DRAFT_ONLY["draft_tokens"] * (steps // EXPLORE) / 2
+
+
 @pytest.mark.parametrize("overlap", ["streams", "both"])
 def test_the_draft_head_beside_side_lanes_and_exits_is_plain_decoding(loaded, overlap):
     """Side lanes compute pending groups while lane 0 drafts; exits on every token (threshold 0) propose unverified

@@ -291,7 +291,7 @@ def test_the_rollback_discards_every_later_position():
     assert groups(planner) == [(2, 7, -1)]
     planner.rollback(2, 30)  # tokens[3] was wrong: 30 replaces it
     assert planner.tokens == [1, 2, plain(1)[0], 30] and planner.verified == 4
-    assert planner.source_of == {} and planner.lookup_depth == {} and planner.stats.rollbacks == 1
+    assert planner.source_of == {} and planner.proposal_depth == {} and planner.stats.rollbacks == 1
     assert groups(planner) == [(3, 4, -1)]
 
 

@@ -10,7 +10,7 @@ from paradecode.graphs.errors import UserInputError
 from paradecode.runtime import load
 from paradecode.runtime.config import GenerationConfig
 from paradecode.runtime.speculation import EXPLORE, LEARN_TOKENS, OUTLIER, CallTimes, Speculation
-from paradecode.runtime.stats import LOOKUP
+from paradecode.runtime.stats import DRAFT, LOOKUP
 
 MS = 1e-3
 
@@ -103,6 +103,37 @@ def test_lookup_proposes_as_many_tokens_as_pay():
     assert speculation.lookup_length(5) == 0
     proposed = [speculation.lookup_tokens(5) for _ in range(2 * EXPLORE)]
     assert proposed.count(5) == 2 and proposed[EXPLORE - 1] == 5 and proposed.count(0) == 2 * EXPLORE - 2
+
+
+def test_the_draft_head_drafts_as_many_guesses_as_pay_their_drafting_too():
+    """A guess costs its draft call whether or not it is accepted: the chain drafted is the longest whose last guess
+    saves more than its verifying position and its draft call; none where the first does not pay (the draft head
+    is then not called), but every EXPLORE-th chain that would be cut is drafted whole."""
+    speculation = Speculation(num_layers=12)
+    assert speculation.draft_length(3) is None and speculation.draft_tokens(3) == 3  # costs unknown: draft
+    costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)
+    assert speculation.draft_length(3) is None  # the draft call's cost not known yet
+    warmed(speculation.times, "draft")
+    speculation.times.observe("draft", 1, 2 * MS)
+    speculation.times.observe("draft", 4, 50 * MS)  # a feed of several positions: not a chain's step
+    speculation.times.observe("draft_reduce", 1, 50 * MS)  # its map: not learned as a step
+    assert speculation.times.draft.value == pytest.approx(2 * MS)
+    token, extra = (12 * 1 + 3) * MS, (12 * 0.5 + 2 + 2) * MS  # a token's pass; a guess's position and draft call
+    for _ in range(60):  # the first guess accepted 5 times in 6, the second after it 3 in 4, the third never
+        for i in range(6):
+            speculation.verified(DRAFT, i < 5, 1)
+        for i in range(4):
+            speculation.verified(DRAFT, i < 3, 2)
+        speculation.verified(DRAFT, False, 3)
+    rates = [speculation.draft_depth[d].value for d in range(3)]
+    assert rates[0] * token > extra and rates[0] * rates[1] * token < extra  # without its draft call it would pay:
+    assert rates[0] * rates[1] * token > extra - 2 * MS
+    assert speculation.draft_length(3) == 1 and not speculation.lookup_depth  # lookup's rates untouched
+    for _ in range(100):  # now no guess is accepted: none is drafted
+        speculation.verified(DRAFT, False, 1)
+    assert speculation.draft_length(3) == 0
+    drafted = [speculation.draft_tokens(3) for _ in range(2 * EXPLORE)]
+    assert drafted.count(3) == 2 and drafted[EXPLORE - 1] == 3 and drafted.count(0) == 2 * EXPLORE - 2
 
 
 def test_a_batch_takes_fewer_proposals_as_it_fills():
