@@ -237,59 +237,50 @@ class Speculation:
         """How many of `count` proposed tokens are expected to pay: the longest prefix whose last token, reached
         and accepted with the product of the depth rates, saves more than its position adds to the calls (None:
         costs not known yet)."""
-        t = self.times
-        if not t.known:
+        if not self.times.known:
             return None
-        token = self.num_layers * t.layer.value + t.final.value
-        extra = self.num_layers * t.merge() + t.final_merge()
-        reached, paying = 1.0, 0
-        for depth in range(1, count + 1):
-            known = depth <= len(self.lookup_depth)
-            reached *= self.lookup_depth[depth - 1].value if known else self._depth_prior(depth)
-            if reached * token <= extra:
-                break
-            paying = depth
-        return paying
+        return self._paying(count, self.lookup_depth, 0.0)
 
     def draft_length(self, count: int) -> int | None:
         """How many of up to `count` draft-head guesses are expected to pay, drafting included: the longest chain
         whose last guess, reached and accepted with the product of the draft's depth rates, saves more than its
         position adds to the calls and its own draft call costs (None: costs not known yet)."""
-        t = self.times
-        if not t.known or t.draft.value is None:
+        if not self.times.known or self.times.draft.value is None:
             return None
+        return self._paying(count, self.draft_depth, self.times.draft.value)
+
+    def _paying(self, count: int, rates: list[Rate], cost: float) -> int:
+        """The longest of `count` proposals whose last, reached and accepted with the product of `rates` (a depth's
+        prior where it has none yet), saves more than its position adds to the calls and `cost` (seconds)."""
+        t = self.times
         token = self.num_layers * t.layer.value + t.final.value
-        extra = self.num_layers * t.merge() + t.final_merge() + t.draft.value
+        extra = self.num_layers * t.merge() + t.final_merge() + cost
         reached, paying = 1.0, 0
         for depth in range(1, count + 1):
-            known = depth <= len(self.draft_depth)
-            reached *= self.draft_depth[depth - 1].value if known else self._depth_prior(depth)
+            reached *= rates[depth - 1].value if depth <= len(rates) else self._depth_prior(depth)
             if reached * token <= extra:
                 break
             paying = depth
         return paying
 
-    def draft_tokens(self, count: int) -> int:
-        """How many guesses to ask the draft head for, of up to `count`: `draft_length`, but every EXPLORE-th chain
-        that would be cut is drafted whole, so the rates of the depths cut off can recover."""
-        paying = self.draft_length(count)
-        if paying is None or paying >= count:
-            return count
-        with self._lock:
-            cut = self._skipped.get("draft", 0) + 1
-            self._skipped["draft"] = 0 if cut >= EXPLORE else cut
-        return count if cut >= EXPLORE else paying
-
     def lookup_tokens(self, count: int) -> int:
         """How many of `count` proposed tokens to propose: `lookup_length`, but every EXPLORE-th proposal that
         would be cut is proposed whole, so the rates of the depths cut off can recover when the text changes.
         (Only cuts count towards that: short proposals in between, proposed whole anyway, do not delay it.)"""
-        paying = self.lookup_length(count)
+        return self._explored("lookup", count, self.lookup_length(count))
+
+    def draft_tokens(self, count: int) -> int:
+        """How many guesses to ask the draft head for, of up to `count`: `draft_length`, explored as
+        `lookup_tokens` is."""
+        return self._explored("draft", count, self.draft_length(count))
+
+    def _explored(self, source: str, count: int, paying: int | None) -> int:
+        """`paying` of `count` (all where not known), but `count` at every EXPLORE-th cut of `source`'s."""
         if paying is None or paying >= count:
             return count
         with self._lock:
-            cut = self._skipped.get("lookup", 0) + 1
-            self._skipped["lookup"] = 0 if cut >= EXPLORE else cut
+            cut = self._skipped.get(source, 0) + 1
+            self._skipped[source] = 0 if cut >= EXPLORE else cut
         return count if cut >= EXPLORE else paying
 
     def try_exit(self, layer: int, head_is_final: bool = False) -> bool:
