@@ -186,7 +186,8 @@ class GenerationConfig:
         is the resolved one (its cost model is `batched`'s)."""
         if self.adaptive is not None:
             return self.adaptive
-        return self.thresholds is None and policy.adapts(device, overlap, self.temperature, self.lookup_tokens)
+        settings = (self.temperature, self.lookup_tokens, self.draft_tokens)
+        return self.thresholds is None and policy.adapts(device, overlap, *settings)
 
     def decodes_plainly(self, alone: bool, overlap: str) -> bool:
         """Whether `adaptive` None, with the export's thresholds, decides that ParaDecode decodes as plain decoding:

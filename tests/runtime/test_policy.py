@@ -39,6 +39,14 @@ def test_threads_per_call_are_their_row():
     assert policy.onnxruntime_threads(4) == 4
 
 
+def test_asking_the_draft_head_adapts_greedy_decoding_on_a_cpu_whether_lookup_is_on_or_not():
+    for lookup in (0, 5):
+        assert policy.adapts("cpu", "batched", 0.0, lookup, 3)
+        assert GenerationConfig(lookup_tokens=lookup, draft_tokens=1).adapts("cpu")
+    assert not policy.adapts("cpu", "batched", 0.7, 5, 3) and not policy.adapts("cuda", "batched", 0.0, 5, 3)
+    assert not GenerationConfig(draft_tokens=3, thresholds=0.5).adapts("cpu")  # explicit thresholds: as given
+
+
 @pytest.mark.parametrize(
     ("device", "temperature", "lookup", "skips", "adapts"),
     [
