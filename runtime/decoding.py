@@ -106,14 +106,17 @@ class DecodeContext:
             self.form = self.backend.row_form or AS_IS  # no exact form: plain decoding (ParaDecode is refused)
         self.positions = torch.arange(self.cache.shape[2], dtype=torch.int64).unsqueeze(0)
         self.learned_positions = self.backend.spec.positions == "learned"
-        # The export's segments, first layer -> last: a run of layers one call computes (graphs/tensors.py).
-        self.segments = {
-            sub.io.layer: sub.io.last for sub in self.backend.manifest.subgraphs if sub.io.kind == "segment"
-        }
         # The layers whose outputs the draft head reads beside the last one's (a layer may be named twice), and each
         # one's index in the cache's features: every call that computes one of them keeps its outputs there (`keep`)
         self.feature_layers = self.backend.manifest.feature_layers
         self.feature_index = {layer: i for i, layer in enumerate(sorted(set(self.feature_layers)))}
+        # The export's segments, first layer -> last: a run of layers one call computes (graphs/tensors.py); not one
+        # that passes a feature layer before its last (only its last layer's outputs come out of it)
+        self.segments = {
+            sub.io.layer: sub.io.last
+            for sub in self.backend.manifest.subgraphs
+            if sub.io.kind == "segment" and not any(sub.io.layer <= f < sub.io.last for f in self.feature_index)
+        }
 
     @property
     def num_layers(self) -> int:
@@ -189,13 +192,11 @@ class DecodeContext:
         return torch.cat([*kept, hidden], dim=-1)
 
     def layers(self, lane: str, first: int, last: int, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them (and
-        keeps every feature layer's outputs, which only its last layer's are), the layer graphs for the rest."""
+        """Layers first..last of `hidden`'s positions: a segment's one call wherever one covers a run of them, the
+        layer graphs for the rest."""
         layer = first
         while layer <= last:
             end = self.segments.get(layer)
-            if end is not None and any(layer <= f < end for f in self.feature_index):
-                end = None
             if end is not None and end <= last:
                 hidden = self.segment(lane, layer, end, hidden, start)
                 layer = end + 1
