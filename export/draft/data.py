@@ -4,9 +4,11 @@ The draft head reads the last layer's outputs as decoding hands them over, which
 weights, its int8 activations), so they are recorded through the export itself: each sequence goes through its
 graphs in one teacher-forced call per graph, which also gives the final head's top-1 at every position. A sequence is
 a prompt and the model's answer, decoded in batches by this project's engine (plain decoding: greedy, or sampled
-with a seed for more varied answers to the same prompt), or a window of a text (no answer).
+with a seed for more varied answers to the same prompt), or a window of a text, alone or teacher-forced as the reply
+to a prompt (no answer: a corpus's text costs one forward pass a sequence, not a generation per token).
 
-A folder of shards (`shard-00000.safetensors`, ...), each holding a run of sequences, per position:
+A folder of shards (`shard-00000.safetensors`, `text-00000.safetensors`, ...), each holding a run of sequences,
+per position:
 
     tokens     [N] int64      the sequences' token ids, one after another
     hidden     [N, D] float16 the last layer's output there (what the final head reads)
@@ -17,9 +19,11 @@ A folder of shards (`shard-00000.safetensors`, ...), each holding a run of seque
     starts     [S + 1] int64  sequence s holds positions starts[s] .. starts[s + 1] - 1
 
 Memory: recording holds one shard (about 3.5 KB a position on SmolLM2: three layers' outputs of D = 576 in float16);
-training reads the folder whole (a million positions: about 3.5 GB). Resuming: jobs are a fixed list, shard i is jobs
-[i * size, (i + 1) * size), shards are written atomically in order with the jobs' and the export's digests in their
-metadata, so a run finds the shards already made by the same export from the same jobs and goes on after them.
+training reads the folder whole (a million positions: about 3.5 GB). Resuming: jobs are fixed lists, one per series
+of shards (`shard-*`: the model's answers; `text-*`: texts), shard i of a series is its jobs [i * size, (i + 1) *
+size), shards are written atomically in order with their series' jobs' and the export's digests in their metadata,
+so a run finds the shards already made by the same export from the same jobs and goes on after them, and adding texts
+leaves the answers already recorded valid.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ FIELDS = (*PER_POSITION, "starts")
 @dataclass(frozen=True)
 class Job:
     """One sequence to record: the model's answer to `prompt` (greedy at temperature 0, else sampled with `seed`),
-    or `text` as it is (a window of a corpus)."""
+    or `text` as it is (a window of a corpus), after `prompt` where both are given (teacher-forced as its reply)."""
 
     prompt: Prompt | None = None
     text: str | None = None
@@ -121,17 +125,22 @@ def teacher_forced(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, t
 
 def sequences_of(model, jobs: list[Job], new_tokens: int) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) of each job: a prompt with the model's answer (decoded in batches of the export's
-    rows), a text's ids alone (prompt length = its length)."""
+    rows), a text's ids alone (prompt length = its length) or after its prompt's; cut to the export's capacity."""
     from paradecode.runtime.engine import generate_batched
 
     out: list[tuple[list[int], int] | None] = [None] * len(jobs)
     asked, requests = [], []
     for i, job in enumerate(jobs):
-        if job.text is not None:
-            ids = model.prompt_ids(job.text)
-            out[i] = (ids, len(ids))
-            continue
         prompt = dict(messages=job.prompt) if isinstance(job.prompt, list) else dict(prompt=job.prompt)
+        if job.text is not None:
+            if job.prompt is None:
+                ids = model.prompt_ids(job.text)[: model.capacity]
+                out[i] = (ids, len(ids))
+            else:
+                asked_ids = model.prompt_ids(**prompt)
+                reply = model.tokenizer.encode(job.text, add_special_tokens=False)
+                out[i] = ([*asked_ids, *reply][: model.capacity], len(asked_ids))
+            continue
         sampled = dict(temperature=job.temperature, seed=job.seed) if job.temperature > 0 else {}
         requests.append(model.request(**prompt, mode="ar", max_new_tokens=new_tokens, **sampled))
         asked.append(i)
@@ -153,8 +162,11 @@ def record_shard(model, jobs: list[Job], new_tokens: int) -> DraftData:
     return DraftData.cat(parts)
 
 
-def shard_path(folder: Path, index: int) -> Path:
-    return folder / f"shard-{index:05d}.safetensors"
+ANSWERS, TEXTS = "shard", "text"  # the series of shards: the model's answers, texts teacher-forced
+
+
+def shard_path(folder: Path, index: int, series: str = ANSWERS) -> Path:
+    return folder / f"{series}-{index:05d}.safetensors"
 
 
 def record(
@@ -164,11 +176,13 @@ def record(
     *,
     shard_size: int,
     new_tokens: int,
+    series: str = ANSWERS,
     limit: int | None = None,
     progress: Callable[[int, int, int], None] | None = None,
 ) -> list[Path]:
-    """Record `jobs` into `folder`'s shards (the first `limit` alone, where given), going on after the ones a run with
-    the same export and jobs left there; `progress(shard, shards, positions)` after each. The shards' paths."""
+    """Record `jobs` into `folder`'s shards of `series` (the first `limit` alone, where given), going on after the
+    ones a run with the same export and jobs left there; `progress(shard, shards, positions)` after each. The shards'
+    paths."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -177,7 +191,7 @@ def record(
     shards = -(-len(jobs) // shard_size) if limit is None else min(limit, -(-len(jobs) // shard_size))
     paths = []
     for index in range(shards):
-        path = shard_path(folder, index)
+        path = shard_path(folder, index, series)
         paths.append(path)
         if path.exists():
             check_shard(path, identity)

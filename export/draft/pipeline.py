@@ -1,10 +1,12 @@
 """`train_draft_head`: an export -> a draft-head file trained on the export's own sequences, with its acceptance.
 
-Order of work: every check that can refuse the request (output file, export, prompts, texts) runs before anything is
-recorded. Then: the jobs (each prompt's greedy answer, `samples - 1` sampled ones, the texts' windows) and the
-held-out prompts (whose every sequence is kept from training; their greedy answers measure acceptance); the data is
-recorded into `--data`'s shards, going on after any a run left there (export/draft/data.py; `--max-shards`: the
-first shards alone: the held-out answers, then the other jobs in a seeded order); the reduced vocabulary
+Order of work: every check that can refuse the request (output file, export, prompts, texts, corpora) runs before
+anything is recorded. Then: the jobs (each prompt's greedy answer and `samples - 1` sampled ones; apart from them the
+texts' windows and the corpora's chats, export/draft/corpora.py) and the held-out prompts (whose every sequence is
+kept from training; their greedy answers measure acceptance); the data is recorded into `--data`'s shards, answers
+and texts in two series, going on after any a run left there (export/draft/data.py; `--max-shards`: the first shards
+of answers alone: the held-out answers, then the other jobs in a seeded order; `--max-texts`: a seeded sample of the
+texts), answers first, so the held-out ones are the data's first sequences; the reduced vocabulary
 is the training answers' most frequent next tokens; a head is trained at each data size asked for (a share of the
 training sequences: the acceptance curve says whether more data would pay) and measured on the held-out answers; the
 largest size's head is written last, atomically, with the measurements in its metadata.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from paradecode.export.draft.data import Job, load_data, record
+from paradecode.export.draft.data import TEXTS, Job, load_data, record
 from paradecode.export.draft.training import TrainingConfig, acceptance, coverage, draft_of, train
 from paradecode.export.draft_head import feature_layers
 from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
@@ -37,6 +39,8 @@ class DraftConfig:
     data: Path  # the shards' folder (resumable)
     prompts: str | Path = "heads"
     texts: tuple[Path, ...] = ()
+    corpora: tuple[str, ...] = ()  # corpora by name (export/draft/corpora.py), teacher-forced as chats
+    max_texts: int | None = None  # a seeded sample of this many of the texts' and corpora's sequences
     samples: int = 1  # answers per prompt: the greedy one, then sampled ones (seeded)
     temperature: float = 0.8  # of the sampled answers
     new_tokens: int = 256
@@ -88,11 +92,10 @@ def held_out_prompt(index: int, share: float, seed: int) -> bool:
 
 
 def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
-    """The jobs, and the indices of the held-out prompts' greedy answers among them: those come first, so that the
-    first shards (`--max-shards`) hold all of them and every data size is measured on the same answers; the others
-    follow in a seeded order, so that any first shards sample every source and category. A held-out prompt gives no
+    """The answers' jobs, and the indices of the held-out prompts' greedy answers among them: those come first, so
+    that the first shards (`--max-shards`) hold all of them and every data size is measured on the same answers; the
+    others follow in a seeded order, so that any first shards sample every category. A held-out prompt gives no
     other job (its sampled answers would be training data on it)."""
-    from paradecode.export.prompt_files import read_text_file
     from paradecode.export.prompt_sets import is_evaluation_set, load_prompts
 
     if is_evaluation_set(config.prompts):
@@ -111,11 +114,24 @@ def jobs_of(config: DraftConfig) -> tuple[list[Job], list[int]]:
             Job(prompt=prompt, temperature=config.temperature, seed=config.seed * 1000 + s)
             for s in range(1, config.samples)
         ]
+    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    return held + [jobs[i] for i in order], list(range(len(held)))
+
+
+def text_jobs_of(config: DraftConfig) -> list[Job]:
+    """The texts' jobs: each `--text` file's windows of `text_chars` characters, then each corpus's chats (a text
+    longer than `text_chars` cut there), in a seeded order (`max_texts`: the first of them)."""
+    from paradecode.export.draft.corpora import corpus_jobs
+    from paradecode.export.prompt_files import read_text_file
+
+    jobs = []
     for path in config.texts:
         text = read_text_file(path, "--text")
         jobs += [Job(text=text[a : a + config.text_chars]) for a in range(0, len(text), config.text_chars)]
+    for name in config.corpora:
+        jobs += [Job(prompt=job.prompt, text=job.text[: config.text_chars]) for job in corpus_jobs(name)]
     order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    return held + [jobs[i] for i in order], list(range(len(held)))
+    return [jobs[i] for i in order[: config.max_texts]]
 
 
 def export_weights(model) -> dict[str, torch.Tensor]:
@@ -138,18 +154,14 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
     if config.output.is_dir():
         raise UserInputError(f"-o {config.output} is a folder; give the draft-head file's path.")
     jobs, held = jobs_of(config)
+    texts = text_jobs_of(config)
     model = load(config.export, backend="onnxruntime")
     try:
         spec = model.backend.spec
-        paths = record(
-            model,
-            jobs,
-            config.data,
-            limit=config.max_shards,
-            shard_size=config.shard_size,
-            new_tokens=config.new_tokens,
-            progress=lambda i, n, positions: logger.info("recorded shard %d of %d (%d positions)", i + 1, n, positions),
-        )
+        shards = dict(shard_size=config.shard_size, new_tokens=config.new_tokens)
+        paths = record(model, jobs, config.data, limit=config.max_shards, progress=_recorded("answers"), **shards)
+        if texts:
+            paths += record(model, texts, config.data, series=TEXTS, progress=_recorded("texts"), **shards)
         weights = export_weights(model)
         identity = model.manifest.model
     finally:
@@ -214,6 +226,13 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         metadata["feature_layers"] = list(feature_layers(spec.num_layers))
     save_draft_head(config.output, draft.tensors(), metadata)
     return DraftResult(config.output, len(vocab), covered.share, untrained.to_dict(), results)
+
+
+def _recorded(series: str):
+    def progress(index: int, shards: int, positions: int) -> None:
+        logger.info("recorded shard %d of %d of %s (%d positions)", index + 1, shards, series, positions)
+
+    return progress
 
 
 def _progress(share: float, steps: int):

