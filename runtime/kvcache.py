@@ -187,6 +187,14 @@ class KVCache:
             self._refresh()
         return self.features[index]
 
+    def zero(self, layer: int, start: int, end: int) -> None:
+        """Zero `layer`'s (1-based) keys and values at slots start..end-1 in this view's rows: slots a call leaves
+        unwritten that later queries read, made to hold what a fresh cache holds (nothing of an earlier sequence)."""
+        self.reserve(end)
+        key, value = self.layer(layer)
+        key[:, :, start:end] = 0
+        value[:, :, start:end] = 0
+
     # --- lengths ------------------------------------------------------------------------------
     def written(self, layer: int, end: int) -> None:
         """Record that `layer` now holds positions 0 .. end-1."""

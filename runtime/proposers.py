@@ -31,6 +31,7 @@ import torch
 from paradecode.runtime.lookup import LookupConfig, Proposer, SharedSuffixIndex, SuffixIndex
 
 MAIN_LANE = "main"  # the lane a draft's calls run on: the decoding thread's (runtime/decoding.py MAIN)
+FEED_WINDOW = 64  # the most positions one feed of the draft head writes rows for (DraftProposer)
 
 if TYPE_CHECKING:
     from paradecode.runtime.decoding import DecodeContext, HeadOutput
@@ -143,6 +144,11 @@ class DraftProposer:
     feed starts again from the newest ones: the rows before them are stale, which makes guesses worse, never
     outputs other (the final layer verifies every guess).
 
+    A feed writes the rows of the newest FEED_WINDOW positions at most: a long prompt's first proposal would
+    otherwise run the draft layer over every prompt position inside decoding time (a 400-token passage: a few times
+    a token's cost, for answers of a few tokens). The older rows are zeroed (`KVCache.zero`), as the draft's slot 0
+    is: guesses read less of the prompt, and the same whatever the cache held before.
+
     A head that reads three layers' outputs (`reduces`: EAGLE-3's fusion) feeds what its map makes of the outputs
     handed over and of the feature layers' at the same positions (the cache keeps those: `DecodeContext.features`);
     its chain reads its own outputs, as the single-layer head's does."""
@@ -152,6 +158,7 @@ class DraftProposer:
         self.layer = layer  # the KV cache's layer that holds the draft's rows: L + 1
         self.reduces = reduces  # whether its feed goes through its map of three layers' outputs first
         self.fed = 1  # the draft's rows of positions 1..fed-1 are in its cache (position 0 has nothing before it)
+        self.feed_window = FEED_WINDOW
         self.pending: torch.Tensor | None = None  # [1, n, D]: outputs of positions fed-1.. not fed yet
 
     def verified(self, start: int, hidden: torch.Tensor) -> None:
@@ -172,9 +179,12 @@ class DraftProposer:
         p = end - 1
         if count < 1 or self.pending is None or self.fed - 1 + self.pending.shape[1] != p:
             return []
-        start = self.fed
+        start = max(self.fed, p + 1 - self.feed_window)
+        if start > self.fed:  # rows left unfed: zeros, as a fresh cache's
+            ctx.cache.zero(self.layer, self.fed, start)
+        pending = self.pending[:, start - self.fed :]
         embedded = ctx.embed(MAIN_LANE, list(tokens[start : p + 1]), start)
-        fed = ctx.draft_reduce(MAIN_LANE, self.pending, start) if self.reduces else self.pending
+        fed = ctx.draft_reduce(MAIN_LANE, pending, start) if self.reduces else pending
         hidden, out = ctx.draft(MAIN_LANE, self.layer, fed, embedded, start)
         self.fed, self.pending = p + 1, None
         guesses = [out.token[-1]]

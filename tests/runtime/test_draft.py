@@ -162,6 +162,37 @@ def draft_cache_matches_one_call(model, rows: int) -> None:
         torch.testing.assert_close(key[row, :, 1:end], want, rtol=1e-3, atol=1e-4)
 
 
+def test_a_feed_writes_the_newest_positions_rows_and_zeroes_the_older(loaded, monkeypatch):
+    """With a feed window of 4, the first proposal after a prompt of 17 tokens writes the rows of positions 14..17
+    alone (each as one call over the whole sequence gives it: a row reads only its own position's inputs) and zeroes
+    1..13 whatever they held; the output stays plain decoding's."""
+    from paradecode.runtime import proposers
+
+    monkeypatch.setattr(proposers, "FEED_WINDOW", 4)
+    model = loaded["llama", "onnxruntime"]
+    request = draft_requests(model)[4]
+    assert len(request.ids) == 17
+    layer = model.manifest.spec.num_layers + 1
+    engine = Engine(model.runtime, 1)
+    key, value = engine.cache.layer(layer)
+    key.fill_(7.0)  # what an earlier sequence left
+    value.fill_(7.0)
+    sink = Collect()
+    sequence = Sequence.of(request, sink, model.runtime)
+    engine.join(sequence)
+    engine.step()  # the first proposal: a feed of the prompt's newest positions, then the chain
+    key = engine.cache.layer(layer)[0]
+    want = reference_rows(model, [*request.ids, *sink.tokens[:1]], layer)
+    assert (
+        torch.count_nonzero(key[0, :, 1:14]) == 0 and torch.count_nonzero(engine.cache.layer(layer)[1][0, :, 1:14]) == 0
+    )
+    torch.testing.assert_close(key[0, :, 14:18], want[:, 13:17], rtol=1e-3, atol=1e-4)
+    while engine.size:
+        engine.step()
+    assert [*sink.tokens] == alone(model, plain_of(model)[4:])[0]
+    assert sequence.stats.draft_proposed > 0
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_the_draft_cache_holds_what_the_verified_positions_give(loaded, rows):
     """Gemma 3's export: a draft head reading three layers' outputs (tests/conftest.py DRAFT_FEATURE_FAMILIES), each
