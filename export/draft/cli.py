@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "adding texts leaves the answers recorded valid)",
     )
     parser.add_argument(
+        "--written",
+        type=positive_int,
+        metavar="N",
+        help="N prompts the model writes itself (a numbered list of training prompts continued), each then answered "
+        "greedily as the others: its own words on new topics (kept in DIR, so a later run reads them back)",
+    )
+    parser.add_argument(
         "--samples",
         type=positive_int,
         help=f"answers per prompt: the greedy one, then sampled ones ({default('samples')})",

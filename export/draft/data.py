@@ -20,10 +20,10 @@ per position:
 
 Memory: recording holds one shard (about 3.5 KB a position on SmolLM2: three layers' outputs of D = 576 in float16);
 training reads the folder whole (a million positions: about 3.5 GB). Resuming: jobs are fixed lists, one per series
-of shards (`shard-*`: the model's answers; `text-*`: texts), shard i of a series is its jobs [i * size, (i + 1) *
-size), shards are written atomically in order with their series' jobs' and the export's digests in their metadata,
-so a run finds the shards already made by the same export from the same jobs and goes on after them, and adding texts
-leaves the answers already recorded valid.
+of shards (`shard-*`: the model's answers; `text-*`: texts; `written-*`: answers to prompts it wrote), shard i of a
+series is its jobs [i * size, (i + 1) * size), shards are written atomically in order with their series' jobs' and
+the export's digests in their metadata, so a run finds the shards already made by the same export from the same jobs
+and goes on after them, and adding a series leaves the others' shards valid.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def record_shard(model, jobs: list[Job], new_tokens: int) -> DraftData:
     return DraftData.cat(parts)
 
 
-ANSWERS, TEXTS = "shard", "text"  # the series of shards: the model's answers, texts teacher-forced
+# the series of shards: the model's answers, texts teacher-forced, answers to prompts it wrote (export/draft/written.py)
+ANSWERS, TEXTS, WRITTEN = "shard", "text", "written"
 
 
 def shard_path(folder: Path, index: int, series: str = ANSWERS) -> Path:

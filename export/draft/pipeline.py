@@ -3,13 +3,14 @@
 Order of work: every check that can refuse the request (output file, export, prompts, texts, corpora) runs before
 anything is recorded. Then: the jobs (each prompt's greedy answer and `samples - 1` sampled ones; apart from them the
 texts' windows and the corpora's chats, export/draft/corpora.py) and the held-out prompts (whose every sequence is
-kept from training; their greedy answers measure acceptance); the data is recorded into `--data`'s shards, answers
-and texts in two series, going on after any a run left there (export/draft/data.py; `--max-shards`: the first shards
-of answers alone: the held-out answers, then the other jobs in a seeded order; `--max-texts`: a seeded sample of the
-texts), answers first, so the held-out ones are the data's first sequences; the reduced vocabulary
-is the training answers' most frequent next tokens; a head is trained at each data size asked for (a share of the
-training sequences: the acceptance curve says whether more data would pay) and measured on the held-out answers; the
-largest size's head is written last, atomically, with the measurements in its metadata.
+kept from training; their greedy answers measure acceptance); the data is recorded into `--data`'s shards, in three
+series, going on after any a run left there (export/draft/data.py): the answers (`--max-shards`: their first shards
+alone: the held-out answers, then the other jobs in a seeded order), the texts (`--max-texts`: a seeded sample),
+the greedy answers to `--written N` prompts the model writes (export/draft/written.py); answers first, so the
+held-out ones are the data's first sequences; the reduced vocabulary is the training answers' most frequent next
+tokens; a head is trained at each data size asked for (a share of the training sequences: the acceptance curve says
+whether more data would pay) and measured on the held-out answers; the largest size's head is written last,
+atomically, with the measurements in its metadata.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from paradecode.export.draft.data import TEXTS, Job, load_data, record
+from paradecode.export.draft.data import TEXTS, WRITTEN, Job, load_data, record
 from paradecode.export.draft.training import TrainingConfig, acceptance, coverage, draft_of, train
 from paradecode.export.draft_head import feature_layers
 from paradecode.graphs.errors import OutputNotWrittenError, UserInputError
@@ -41,6 +42,7 @@ class DraftConfig:
     texts: tuple[Path, ...] = ()
     corpora: tuple[str, ...] = ()  # corpora by name (export/draft/corpora.py), teacher-forced as chats
     max_texts: int | None = None  # a seeded sample of this many of the texts' and corpora's sequences
+    written: int = 0  # prompts the model writes itself, then answers (export/draft/written.py)
     samples: int = 1  # answers per prompt: the greedy one, then sampled ones (seeded)
     temperature: float = 0.8  # of the sampled answers
     new_tokens: int = 256
@@ -134,6 +136,16 @@ def text_jobs_of(config: DraftConfig) -> list[Job]:
     return [jobs[i] for i in order[: config.max_texts]]
 
 
+def written_jobs(model, config: DraftConfig, training: list[Job]) -> list[Job]:
+    """The greedy answers to `config.written` prompts the model writes, shown the training jobs' prompts."""
+    from paradecode.export.draft.written import examples_of, write_prompts
+
+    examples = examples_of([job.prompt for job in training if job.temperature == 0])
+    prompts = write_prompts(model, examples, config.written, config.data, config.seed)
+    chat = model.chat_template is not None
+    return [Job(prompt=[{"role": "user", "content": text}] if chat else text) for text in prompts]
+
+
 def export_weights(model) -> dict[str, torch.Tensor]:
     """The export's canonical weights, quantized ones dequantized: what its graphs compute with."""
     from safetensors.torch import load
@@ -162,6 +174,9 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         paths = record(model, jobs, config.data, limit=config.max_shards, progress=_recorded("answers"), **shards)
         if texts:
             paths += record(model, texts, config.data, series=TEXTS, progress=_recorded("texts"), **shards)
+        if config.written:
+            asked = written_jobs(model, config, jobs[len(held) :])
+            paths += record(model, asked, config.data, series=WRITTEN, progress=_recorded("written"), **shards)
         weights = export_weights(model)
         identity = model.manifest.model
     finally:

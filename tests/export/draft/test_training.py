@@ -261,13 +261,20 @@ def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories
         held_out=0.3,
         sizes=(0.5, 1.0),
         training=TrainingConfig(steps=5, window=32),
+        written=5,
     )
     first = train_draft_head(config)
     recorded = sorted(p.name for p in (tmp_path / "data").iterdir())
-    assert recorded == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert recorded == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+        "written-00000.safetensors",
+        "written-00001.safetensors",
+        "written-prompts.json",
+    ]
     before = (tmp_path / "data" / recorded[0]).stat().st_mtime_ns
     result = train_draft_head(replace(config, max_shards=None, force=True))  # goes on after the first two
-    assert len(list((tmp_path / "data").iterdir())) == 3
+    assert len(list((tmp_path / "data").glob("shard-*"))) == 3
     assert (tmp_path / "data" / recorded[0]).stat().st_mtime_ns == before
     assert first.sizes[-1].positions < result.sizes[-1].positions
     tensors, metadata = load_draft_head(result.output)
@@ -370,3 +377,41 @@ def test_a_corpus_refuses_with_how_to_get_it(tmp_path, monkeypatch):
     broken.write_text('["not", "a", "mapping"]')
     with pytest.raises(UserInputError, match="not the summaries file this tool reads"):
         corpora.vital_articles_jobs(broken)
+
+
+def test_the_model_writes_prompts_as_the_next_line_of_a_list_and_they_are_read_back(
+    stories_export, tmp_path, monkeypatch
+):
+    from paradecode.export.draft import written
+    from paradecode.graphs.errors import UserInputError
+    from paradecode.runtime import load
+
+    chat = [{"role": "user", "content": "Tom had a big"}]
+    two_turns = [*chat, {"role": "assistant", "content": "dog."}, *chat]
+    examples = written.examples_of([*STORIES_PROMPTS, chat, two_turns, "two\nlines", "x" * 301])
+    assert examples == [*STORIES_PROMPTS, "Tom had a big"]
+    listing = written.listing(examples, 3, seed=0)
+    assert listing == written.listing(examples, 3, seed=0) != written.listing(examples, 4, seed=0)
+    lines = listing.splitlines()
+    assert lines[-1] == "5." and [line[:3] for line in lines[2:6]] == ["1. ", "2. ", "3. ", "4. "]
+    with load(stories_export[0]) as model:
+        prompts = written.write_prompts(model, examples, 6, tmp_path, seed=0)
+        assert 0 < len(prompts) <= 6 and all(p and "\n" not in p for p in prompts)
+        one = model.generate(
+            prompt=written.listing(examples, 0, seed=0),
+            max_new_tokens=written.MAX_TOKENS,
+            temperature=written.TEMPERATURE,
+            seed=0,
+            stop=["\n"],
+        )
+        assert one.shown_text.strip() == prompts[0]  # the batch wrote what one request alone writes
+
+        def no_generation(*args, **kwargs):
+            raise AssertionError("written again")
+
+        monkeypatch.setattr("paradecode.runtime.engine.generate_batched", no_generation)
+        assert written.write_prompts(model, examples, 6, tmp_path, seed=0) == prompts  # read back
+        with pytest.raises(UserInputError, match="written by another run.*seed"):
+            written.write_prompts(model, examples, 6, tmp_path, seed=1)
+        with pytest.raises(UserInputError, match="at least 4 training prompts"):
+            written.write_prompts(model, examples[:3], 6, tmp_path / "other", seed=0)
