@@ -70,6 +70,26 @@ def test_the_guesses_training_measures_are_the_ones_decoding_makes(family, expor
     assert compared >= len(chains)
 
 
+def test_batches_pass_over_every_window_grouped_by_length():
+    from paradecode.export.draft.training import BUCKET, batches
+
+    lengths = torch.randint(2, 500, (4 * BUCKET * 3,), generator=torch.Generator().manual_seed(1)).tolist()
+    spans = [(i * 1000, i * 1000 + n) for i, n in enumerate(lengths)]
+    drawn = batches(spans, 4, torch.Generator().manual_seed(0))
+    first_pass = [next(drawn) for _ in range(3 * BUCKET)]
+    assert sorted(s for batch in first_pass for s in batch) == spans  # each window once a pass
+    assert all(len(batch) == 4 for batch in first_pass)
+
+    def filled(groups):  # the share of a padded batch's positions that are windows'
+        return sum(sum(e - s for s, e in b) for b in groups) / sum(4 * max(e - s for s, e in b) for b in groups)
+
+    generator = torch.Generator().manual_seed(2)
+    at_random = [[spans[i] for i in torch.randperm(len(spans), generator=generator)[:4].tolist()] for _ in first_pass]
+    assert filled(first_pass) > 0.9 > filled(at_random)
+    second_pass = [next(drawn) for _ in range(3 * BUCKET)]
+    assert sorted(s for batch in second_pass for s in batch) == spans and second_pass != first_pass
+
+
 def test_acceptance_gives_rates_per_depth_and_guesses_accepted_per_chain():
     measured = Acceptance(4, [3, 2, 1])
     assert measured.rates == [0.75, 0.5, 0.25]
