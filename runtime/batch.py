@@ -5,8 +5,9 @@ Glossary
 row          a sequence of the batch, in row r of the engine's cache; `position` its newest verified token's.
 proposals    for a `paradecode` sequence, the lookup proposals that follow its newest token (its own prompt and
              output, then earlier requests' where it asks: runtime/lookup.py), else its draft head's guesses (in
-             calls of its row alone), at most its K, the tokens it still needs, and the batch's share
-             (`Speculation.batch_proposals`); none for plain decoding.
+             calls of its row alone; where the request adapts, as many as `Speculation.draft_tokens` says pay),
+             at most its K, the tokens it still needs, and the batch's share (`Speculation.batch_proposals`, by
+             each row's source's acceptance); none for plain decoding.
 T            the call's positions per row: 1 + the most proposals a row takes. A row with fewer is padded with copies
              of its last token at the positions after it: their keys and values land in slots past what the row
              verifies, which its next calls write again before any query of it reads them. Every row's positions
@@ -46,8 +47,8 @@ class BatchStep:
         row, its new verified tokens with their final margins, in order (its accepted proposals, then the token after
         them)."""
         ctx = self.ctx
-        proposals, sources = zip(*[self.proposals(s, r) for r, s in enumerate(sequences)])
-        share = estimates.batch_proposals([len(p) for p in proposals])
+        proposals, sources = zip(*[self.proposals(s, r, estimates) for r, s in enumerate(sequences)])
+        share = estimates.batch_proposals([len(p) for p in proposals], list(sources))
         # every row's positions, padding included, within the cache: the row nearest its end bounds the step
         room = min(ctx.cache.shape[2] - s.position for s in sequences) - 1
         proposals = [p[: min(share, room)] for p in proposals]
@@ -67,16 +68,21 @@ class BatchStep:
                 sequence.draft.verified(sequence.position, hidden[r : r + 1, : len(verdicts[-1])])
         return verdicts
 
-    def proposals(self, sequence: Sequence, row: int) -> tuple[list[int], int]:
+    def proposals(self, sequence: Sequence, row: int, estimates: Speculation) -> tuple[list[int], int]:
         """The proposals to follow `sequence`'s newest token (in row `row`), with their source, by the rule the lone
         path follows (runtime/planner.py `proposals_after`): at most its K, and no further than its last needed
-        position."""
-        stops, history, draft = sequence.request.stops, sequence.history, sequence.draft
-        room = min(sequence.request.max_unverified, stops.last_position - sequence.position)
-        guesses, most = None, 0
+        position; where the request adapts, the draft head's chain sized by `estimates` as a lone sequence's is
+        (its calls are this row's alone: what the batch's sizing cuts later was drafted all the same)."""
+        request, history, draft = sequence.request, sequence.history, sequence.draft
+        stops = request.stops
+        room = min(request.max_unverified, stops.last_position - sequence.position)
+        guesses, most, chain = None, 0, None
         if draft is not None:  # its guesses drafted in calls of this row alone
             guesses, most = partial(draft.propose, self.row_context(row)), draft.max_tokens
-        return proposals_after(history, len(history), room, len(history), stops.eos, sequence.lookup, guesses, most)
+            chain = estimates.draft_tokens if request.adaptive else None
+        return proposals_after(
+            history, len(history), room, len(history), stops.eos, sequence.lookup, guesses, most, chain=chain
+        )
 
     def row_context(self, row: int) -> DecodeContext:
         """The calls of row `row` alone, over its view of the batch's cache."""

@@ -298,13 +298,14 @@ class Speculation:
             self._skipped[source] = skipped
             return False
 
-    def batch_proposals(self, available: list[int]) -> int:
-        """How many proposed tokens each row of a batch step may take, its rows having `available` lookup proposals
-        each: a call carries as many positions on every row as on its fullest (the others padded), so a step of B
-        rows taking k costs B (k + 1) positions, and yields B tokens plus each row's accepted proposals. The k (at
-        most the most available) with the most tokens per second expected from the costs and the depth rates; with
-        costs not known yet, every proposal, and every EXPLORE-th step that would cut, every proposal too, so the
-        rates of the depths cut off can recover.
+    def batch_proposals(self, available: list[int], sources: list[int] | None = None) -> int:
+        """How many proposed tokens each row of a batch step may take, its rows having `available` proposals each
+        (from `sources`: LOOKUP or DRAFT, each row's; all lookup's where not given): a call carries as many positions
+        on every row as on its fullest (the others padded), so a step of B rows taking k costs B (k + 1) positions,
+        and yields B tokens plus each row's accepted proposals. The k (at most the most available) with the most
+        tokens per second expected from the costs and each row's source's depth rates; with costs not known yet,
+        every proposal, and every EXPLORE-th step that would cut, every proposal too, so the rates of the depths cut
+        off can recover.
 
             rows of a batch of 8 with available [5, 0, 0, 0, 0, 0, 0, 0] take fewer than the same row alone
             would ([5]): its 5 proposals would pad 7 other rows to 6 positions each."""
@@ -313,19 +314,24 @@ class Speculation:
         if not most or not t.known:
             return most
         rows, layers = len(available), self.num_layers
+        sources = sources or [LOOKUP] * rows
 
         def cost(positions: int) -> float:
             extra = positions - 1
             return layers * (t.layer.value + extra * t.merge()) + t.final.value + extra * t.final_merge()
 
-        reach, reached = [0.0], 1.0  # reach[n]: the accepted tokens expected of n proposals
-        for depth in range(1, most + 1):
-            known = depth <= len(self.lookup_depth)
-            reached *= self.lookup_depth[depth - 1].value if known else self._depth_prior(depth)
-            reach.append(reach[-1] + reached)
+        def reach(rates: list[Rate]) -> list[float]:  # reach[n]: the accepted tokens expected of n proposals
+            out, reached = [0.0], 1.0
+            for depth in range(1, most + 1):
+                reached *= rates[depth - 1].value if depth <= len(rates) else self._depth_prior(depth)
+                out.append(out[-1] + reached)
+            return out
+
+        reaches = {source: reach(self.draft_depth if source == DRAFT else self.lookup_depth) for source in set(sources)}
         best, best_rate = 0, rows / cost(rows)
         for k in range(1, most + 1):
-            rate = (rows + sum(reach[min(k, a)] for a in available)) / cost(rows * (k + 1))
+            accepted = sum(reaches[source][min(k, a)] for a, source in zip(available, sources, strict=True))
+            rate = (rows + accepted) / cost(rows * (k + 1))
             if rate > best_rate:
                 best, best_rate = k, rate
         if best >= most:

@@ -123,7 +123,7 @@ def test_paradecode_rows_verify_their_proposals_in_the_batchs_calls(loaded, samp
     The batch takes every proposal: how many the measured costs let through depends on the machine's timing (CI's
     run on 2026-12-06 took only the 25 that were all accepted), and this test is about verifying them, not about
     that policy (tests/runtime/test_speculation.py)."""
-    monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available: max(available, default=0))
+    monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available, sources=None: max(available, default=0))
     model = loaded["llama", "onnxruntime"]
     settings = dict(temperature=0.3, seed=5) if sampled else {}
     lookup = dict(lookup_tokens=4, lookup_min_ngram=2)

@@ -99,13 +99,35 @@ def test_a_batchs_rows_verify_their_draft_heads_guesses(loaded, sampled, monkeyp
     """Rows of different lengths, a batch of fewer rows than requests (rows leave, are refilled, move): each row's
     guesses (drafted in calls of its row alone) go through the batch's calls, and every output is its request's
     alone. The batch takes every proposal (how many the measured costs let through is timing: test_batching.py)."""
-    monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available: max(available, default=0))
+    monkeypatch.setattr(Speculation, "batch_proposals", lambda self, available, sources=None: max(available, default=0))
     model = loaded["llama", "torch"]
     settings = dict(temperature=0.7, seed=3) if sampled else {}
     requests = draft_requests(model, **settings)
     got = generate_batched(model.runtime, requests, rows=3)
     assert [r.token_ids for r in got] == alone(model, plain_of(model, **settings))
     assert sum(r.stats.draft_proposed for r in got) > 0
+
+
+def test_a_batch_sizes_its_rows_draft_chains_as_a_lone_sequence_does(loaded, monkeypatch):
+    """With adaptive speculation, a batch's rows ask an untrained head (its guesses nearly never accepted) for
+    fewer guesses than they would otherwise draft, as a lone sequence does; every output is its request's alone."""
+    from paradecode.runtime.proposers import DraftProposer
+
+    asked = []
+    propose = DraftProposer.propose
+
+    def counted(self, ctx, tokens, end, count):
+        asked.append(count)
+        return propose(self, ctx, tokens, end, count)
+
+    monkeypatch.setattr(DraftProposer, "propose", counted)
+    model = loaded["llama", "onnxruntime"]
+    forced = generate_batched(model.runtime, draft_requests(model, adaptive=False), rows=3)
+    drafted_forced, asked[:] = sum(asked), []
+    adaptive = generate_batched(model.runtime, draft_requests(model, adaptive=True), rows=3)
+    plain = alone(model, plain_of(model))
+    assert [r.token_ids for r in forced] == plain and [r.token_ids for r in adaptive] == plain
+    assert 0 < sum(asked) < drafted_forced / 2, (sum(asked), drafted_forced)
 
 
 def reference_rows(model, tokens: list[int], layer: int) -> torch.Tensor:

@@ -151,6 +151,21 @@ def test_a_batch_takes_fewer_proposals_as_it_fills():
     assert speculation.batch_proposals([0, 0]) == 0
 
 
+def test_a_batch_weighs_each_rows_proposals_by_their_sources_acceptance():
+    """Rows proposing the draft head's guesses are weighed by its depth rates, lookup's by lookup's: the same
+    available counts take more where the source's guesses are accepted."""
+    speculation = Speculation(num_layers=12)
+    costs(speculation, layer_2=1.2 * MS, final_2=3.5 * MS)
+    for _ in range(60):  # lookup's first three tokens always accepted; the draft head's never
+        for depth in range(1, 6):
+            speculation.verified(LOOKUP, depth <= 3, depth)
+            speculation.verified(DRAFT, False, depth)
+    available = [5, 5]
+    by_lookup = speculation.batch_proposals(available, [LOOKUP, LOOKUP])
+    assert by_lookup == speculation.batch_proposals(available) >= 1  # lookup's rates where no source is given
+    assert speculation.batch_proposals(available, [DRAFT, DRAFT]) == 0 < by_lookup
+
+
 def test_short_proposals_between_cut_ones_do_not_delay_the_exploration():
     speculation = Speculation(num_layers=12)
     costs(speculation, layer_2=1.5 * MS, final_2=5 * MS)

@@ -142,7 +142,9 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
         batch = Engine(model.runtime, 2)
         at_start = compile_count()
         with monkeypatch.context() as patched:  # costs, once measured, decline every proposal of a batch step
-            patched.setattr(Speculation, "batch_proposals", lambda s, a: 0 if s.times.known else proposals(s, a))
+            patched.setattr(
+                Speculation, "batch_proposals", lambda s, a, src=None: 0 if s.times.known else proposals(s, a, src)
+            )
             model.warm_up(engine=batch)
         assert compile_count() > at_start  # nothing was compiled since the reset
         assert model.speculation is speculation and speculation.times.layer.value is None  # it learned nothing
@@ -156,7 +158,7 @@ def test_a_warmed_up_model_compiles_nothing_more_for_the_same_kinds_of_call(expo
             generate_batched(model.runtime, requests, engine=batch)
         # ParaDecode in a batch, a request joining as another leaves: hidden states and positions are then views
         # at other offsets (each a guard to dynamo, unless made plain)
-        monkeypatch.setattr(Speculation, "batch_proposals", lambda s, a: max(a, default=0))  # every proposal
+        monkeypatch.setattr(Speculation, "batch_proposals", lambda s, a, src=None: max(a, default=0))  # every proposal
         with compiles_nothing("ParaDecode in a batch after the warm-up"):
             prompts = ([5, 6], [7, 8, 9], [1, 2, 3, 4], [4], [5, 5, 5])
             requests = [model.request(prompt_ids=p, max_new_tokens=12, thresholds=0.0) for p in prompts]
