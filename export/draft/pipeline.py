@@ -7,10 +7,11 @@ kept from training; their greedy answers measure acceptance); the data is record
 series, going on after any a run left there (export/draft/data.py): the answers (`--max-shards`: their first shards
 alone: the held-out answers, then the other jobs in a seeded order), the texts (`--max-texts`: a seeded sample),
 the greedy answers to `--written N` prompts the model writes (export/draft/written.py); answers first, so the
-held-out ones are the data's first sequences; the reduced vocabulary is the training answers' most frequent next
-tokens; a head is trained at each data size asked for (a share of the training sequences: the acceptance curve says
-whether more data would pay) and measured on the held-out answers; the largest size's head is written last,
-atomically, with the measurements in its metadata.
+held-out ones are the data's first sequences; the reduced vocabulary is the most frequent final-head choices in the
+training answers (the model's own words: the answers and the written prompts', not the texts'); a head is trained
+at each data size asked for (a share of the training sequences: the acceptance curve says whether more data would
+pay) and measured on the held-out answers; the largest size's head is written last, atomically, with the
+measurements in its metadata.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def written_jobs(model, config: DraftConfig, training: list[Job]) -> list[Job]:
     return [Job(prompt=[{"role": "user", "content": text}] if chat else text) for text in prompts]
 
 
+def sequences_in(paths: list) -> int:
+    """How many sequences the shards at `paths` hold, read from their `starts` alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            total += f.get_slice("starts").get_shape()[0] - 1
+    return total
+
+
 def export_weights(model) -> dict[str, torch.Tensor]:
     """The export's canonical weights, quantized ones dequantized: what its graphs compute with."""
     from safetensors.torch import load
@@ -172,22 +184,28 @@ def train_draft_head(config: DraftConfig) -> DraftResult:
         spec = model.backend.spec
         shards = dict(shard_size=config.shard_size, new_tokens=config.new_tokens)
         paths = record(model, jobs, config.data, limit=config.max_shards, progress=_recorded("answers"), **shards)
+        text_paths = []
         if texts:
-            paths += record(model, texts, config.data, series=TEXTS, progress=_recorded("texts"), **shards)
+            text_paths = record(model, texts, config.data, series=TEXTS, progress=_recorded("texts"), **shards)
+        written_paths = []
         if config.written:
             asked = written_jobs(model, config, jobs[len(held) :])
-            paths += record(model, asked, config.data, series=WRITTEN, progress=_recorded("written"), **shards)
+            written_paths = record(model, asked, config.data, series=WRITTEN, progress=_recorded("written"), **shards)
         weights = export_weights(model)
         identity = model.manifest.model
     finally:
         model.close()
-    data = load_data(paths)
-    held_set = {i for i in held if i < data.sequences}
+    data = load_data(paths + text_paths + written_paths)
+    answers, texts_end = sequences_in(paths), sequences_in(paths + text_paths)
+    held_set = {i for i in held if i < answers}
     evaluation = data.select(sorted(held_set))
     training = data.select([s for s in range(data.sequences) if s not in held_set])
+    # the model's own words, where decoding guesses: the texts' choices would spend the vocabulary on a corpus's
+    own = [s for s in [*range(answers), *range(texts_end, data.sequences)] if s not in held_set]
+    own_targets = torch.cat([data.target[data.sequence(s)] for s in own]) if own else training.target
     if training.sequences == 0:
         raise UserInputError("no training sequences were recorded: give more prompts or a lower --held-out.")
-    vocab = frequent_tokens(training.target, torch.zeros(spec.vocab_size), min(config.vocab, spec.vocab_size))
+    vocab = frequent_tokens(own_targets, torch.zeros(spec.vocab_size), min(config.vocab, spec.vocab_size))
     covered = coverage(vocab, evaluation)
     logger.info(
         "data: %d training sequences (%d positions), %d held out (%d answer positions); vocabulary of %d tokens "

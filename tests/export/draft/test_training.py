@@ -297,6 +297,7 @@ def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories
     assert len(list((tmp_path / "data").glob("shard-*"))) == 3
     assert (tmp_path / "data" / recorded[0]).stat().st_mtime_ns == before
     assert first.sizes[-1].positions < result.sizes[-1].positions
+    assert_vocabulary_is_the_models_own_words(config, stories_export)
     tensors, metadata = load_draft_head(result.output)
     assert len(tensors["draft.vocab"]) == result.vocab == 128
     assert metadata["trained"] and [s["share"] for s in metadata["sizes"]] == [0.5, 1.0]
@@ -309,6 +310,34 @@ def test_train_draft_head_writes_a_head_the_export_takes(stories_export, stories
     hf = load_hf_model(source)
     spec = family_for(source.config_dict()["model_type"]).spec(hf.config, hf)
     check_draft_head(result.output, tensors, metadata, spec=spec, model=source.identity())
+
+
+def assert_vocabulary_is_the_models_own_words(config, stories_export):
+    """With a text recorded beside them, a head's vocabulary is still the training answers' and written prompts'
+    most frequent choices: the text's would spend it on words decoding does not guess (checked to differ)."""
+    from dataclasses import replace
+
+    from paradecode.export.draft.pipeline import jobs_of
+    from paradecode.export.heads.vocab import frequent_tokens
+    from paradecode.runtime import load
+
+    text = config.data.parent / "text.txt"
+    text.write_text("Zap quiz jolt vex! " * 60)
+    result = train_draft_head(replace(config, max_shards=None, force=True, texts=(text,)))
+    folder = config.data
+    assert [p.name for p in folder.glob("text-*")] == ["text-00000.safetensors"]
+    held = set(jobs_of(config)[1])
+    answers, own_prompts, texts = (
+        load_data(sorted(folder.glob(f"{series}-*.safetensors"))) for series in ("shard", "written", "text")
+    )
+    own = torch.cat([answers.target[answers.sequence(s)] for s in range(answers.sequences) if s not in held])
+    own = torch.cat([own, own_prompts.target])
+    with load(stories_export[0]) as model:
+        vocab_size = model.manifest.spec.vocab_size
+    expected = frequent_tokens(own, torch.zeros(vocab_size), config.vocab)
+    assert load_draft_head(result.output)[0]["draft.vocab"].tolist() == expected.tolist()
+    with_text = frequent_tokens(torch.cat([own, texts.target]), torch.zeros(vocab_size), config.vocab)
+    assert with_text.tolist() != expected.tolist()
 
 
 def test_train_draft_head_refuses_before_recording(stories_export, tmp_path):
